@@ -1,0 +1,5 @@
+import sys
+
+from rayfleet.cli import main
+
+sys.exit(main())

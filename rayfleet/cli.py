@@ -1,0 +1,178 @@
+"""The ``rayfleet`` command line (also ``python -m rayfleet``).
+
+Each area contributes its commands through a ``register(subparsers)`` function in its own
+module (listed in ``_COMMAND_MODULES``), so this file only wires them together. Handlers return
+an exit code; user mistakes (``RayfleetError``) print one clear line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from dataclasses import asdict
+
+from rayfleet.errors import RayfleetError
+
+__all__ = ["main", "build_parser"]
+
+_COMMAND_MODULES = (
+    "rayfleet.placement.cli",
+    "rayfleet.storage.data_cli",
+    "rayfleet.platform.node_cli",
+)
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from rayfleet.platform.launcher import LocalFleet
+    from rayfleet.platform.status_table import render_topology
+    from rayfleet.platform.topology import build_topology, parse_accelerator_mix
+
+    num_nodes = args.nodes
+    if num_nodes is None:
+        mix = parse_accelerator_mix(args.accelerator, num_nodes=None if "," in args.accelerator or ":" in args.accelerator else 2)
+        num_nodes = sum(n for _, n in mix)
+    topology = build_topology(num_nodes=num_nodes, accelerator=args.accelerator,
+                              accelerators_per_node=args.accelerators_per_node, num_racks=args.racks,
+                              racks_per_block=args.racks_per_block)
+    print(render_topology(topology))
+    start = time.monotonic()
+    fleet = LocalFleet.up(topology, num_cpus_per_node=args.cpus_per_node, object_store_mib=args.object_store_mib)
+    print(f"\nstarted {len(fleet.nodes)} nodes in {time.monotonic() - start:.1f}s; "
+          f"address {fleet.address}, dashboard {fleet.dashboard_url}")
+    from rayfleet.sdk import connect
+
+    sdk = connect(fleet.address)
+    _wait_for_agents(sdk, len(topology.nodes), timeout_s=60)
+    sdk.print_status()
+    print(f"\nsubmit jobs with: RAY_AUTH_MODE=token ray job submit --address {fleet.dashboard_url} -- python -m rayfleet status")
+    return 0
+
+
+def _wait_for_agents(sdk, num_nodes: int, *, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        rows = sdk.status().nodes
+        if len(rows) >= num_nodes and all(r.health == "healthy" for r in rows):
+            return
+        time.sleep(0.5)
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    from rayfleet.platform.launcher import LocalFleet
+
+    fleet = LocalFleet.load()
+    names = [n.name for n in fleet.nodes]
+    fleet.down()
+    print(f"stopped {len(names)} nodes: {', '.join(names)}")
+    return 0
+
+
+def _connect(args: argparse.Namespace):
+    from rayfleet.sdk import connect
+
+    return connect(getattr(args, "address", None))
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from rayfleet.platform.status_table import render_status
+
+    status = _connect(args).status()
+    if args.json:
+        print(json.dumps(asdict(status), default=str, indent=2))
+    else:
+        print(render_status(status, show_events=not args.no_events))
+    return 0
+
+
+def _cmd_topology(args: argparse.Namespace) -> int:
+    from rayfleet.platform.status_table import render_topology
+
+    print(render_topology(_connect(args).topology()))
+    return 0
+
+
+def _cmd_cordon(args: argparse.Namespace) -> int:
+    reserved = _connect(args).cordon(args.node, args.reason)
+    print(f"cordoned {args.node} ({reserved} free accelerators reserved); reason: {args.reason}")
+    return 0
+
+
+def _cmd_uncordon(args: argparse.Namespace) -> int:
+    _connect(args).uncordon(args.node)
+    print(f"uncordoned {args.node}")
+    return 0
+
+
+def _cmd_self_check(args: argparse.Namespace) -> int:
+    result = _connect(args).self_check(args.node, inject_fault=args.inject)
+    print(json.dumps(result, indent=2))
+    return 0 if result["ok"] else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rayfleet", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start a local multi-node fleet (one raylet per server)")
+    up.add_argument("--nodes", type=int, default=None, help="number of servers (default: 2, or the sum of a mix)")
+    up.add_argument("--accelerator", default="H100", help="type, or a mix like 'H100:2,P800:2'")
+    up.add_argument("--accelerators-per-node", type=int, default=None,
+                    help="accelerators per server (default: the catalogue's, e.g. 8)")
+    up.add_argument("--racks", type=int, default=1)
+    up.add_argument("--racks-per-block", type=int, default=4)
+    up.add_argument("--cpus-per-node", type=float, default=2, help="logical CPUs each node declares")
+    up.add_argument("--object-store-mib", type=int, default=384)
+    up.set_defaults(func=_cmd_up)
+
+    down = sub.add_parser("down", help="stop the local fleet started by `rayfleet up` (only its processes)")
+    down.set_defaults(func=_cmd_down)
+
+    for name, func, help_ in (("status", _cmd_status, "nodes, accelerators, health and events"),
+                              ("topology", _cmd_topology, "racks, blocks, scale-up domains")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--address", default=None, help="host:port of the cluster (default: the local fleet)")
+        if name == "status":
+            p.add_argument("--json", action="store_true")
+            p.add_argument("--no-events", action="store_true")
+        p.set_defaults(func=func)
+
+    cordon = sub.add_parser("cordon", help="stop new work from landing on a node")
+    cordon.add_argument("node")
+    cordon.add_argument("--reason", default="cordoned by operator")
+    cordon.add_argument("--address", default=None)
+    cordon.set_defaults(func=_cmd_cordon)
+    uncordon = sub.add_parser("uncordon", help="let work land on a node again")
+    uncordon.add_argument("node")
+    uncordon.add_argument("--address", default=None)
+    uncordon.set_defaults(func=_cmd_uncordon)
+    check = sub.add_parser("self-check", help="run a node's deterministic GEMM self-check")
+    check.add_argument("node")
+    check.add_argument("--inject", choices=["sdc"], default=None, help="inject silent data corruption first")
+    check.add_argument("--address", default=None)
+    check.set_defaults(func=_cmd_self_check)
+
+    for module_name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:  # that area has no commands yet
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except RayfleetError as exc:
+        print(f"rayfleet {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""The fleet controller: a detached, named Ray actor that holds the fleet's inventory.
+
+Design decisions:
+- A thin shell: it gathers observations (``ray.nodes()``, free resources, placement groups,
+  agent heartbeats), calls pure code in :mod:`rayfleet.platform.inventory`, and carries out the
+  result (create agents, cordon suspect nodes, record events). Later the queues and the shared
+  autoscaler live here too.
+- Its state (node records, cordons, events) is persisted in SQLite
+  (:mod:`rayfleet.platform.state_store`) on the head node, so a killed or restarted controller
+  comes back with everything it knew. Ray restarts it (``max_restarts=-1``); ``ensure_controller``
+  recreates it when it was removed for good.
+- A background thread reconciles every ``reconcile_s`` seconds; methods may be called
+  concurrently (``max_concurrency``), so every state change takes ``self._lock``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import ray
+
+from rayfleet.errors import SpecError
+from rayfleet.platform import labels as L
+from rayfleet.platform.agent import AGENT_NAMESPACE, NodeAgent, agent_name
+from rayfleet.platform.inventory import (
+    FleetStatus, HealthPolicy, NodeRecord, NodeStatus, usage_from_observation,
+)
+from rayfleet.platform.state_store import Event, StateStore
+from rayfleet.platform.topology import NodeTopology
+
+__all__ = ["FleetController", "ensure_controller", "get_controller", "CONTROLLER_NAME"]
+
+log = logging.getLogger(__name__)
+CONTROLLER_NAME = "rayfleet_controller"
+_ACCELERATOR_RESOURCES = ("GPU", "NPU", "XPU")
+
+
+class FleetController:
+    def __init__(self, state_path: str | None = None, *, heartbeat_s: float = 2.0,
+                 reconcile_s: float = 2.0, heartbeat_timeout_s: float = 15.0,
+                 cordon_suspect: bool = True) -> None:
+        from rayfleet.platform.launcher import rayfleet_home
+
+        self.state_path = state_path or str(rayfleet_home() / "controller.sqlite")
+        self.store = StateStore(self.state_path)
+        self.policy = HealthPolicy(heartbeat_timeout_s=heartbeat_timeout_s)
+        self.heartbeat_s = heartbeat_s
+        self.cordon_suspect = cordon_suspect
+        self._lock = threading.RLock()
+        self._records: dict[str, NodeRecord] = {
+            key.split("/", 1)[1]: NodeRecord.from_json(value) for key, value in self.store.items("node/")
+        }
+        self._agents: dict[str, object] = {}
+        self._event("controller", "controller_started", f"restored {len(self._records)} node record(s)")
+        self._stop = threading.Event()
+        self._reconcile_s = reconcile_s
+        threading.Thread(target=self._loop, name="reconcile", daemon=True).start()
+
+    # -- persistence helpers --------------------------------------------------------------
+    def _save(self, record: NodeRecord) -> None:
+        self._records[record.name] = record
+        self.store.put(f"node/{record.name}", record.to_json())
+
+    def _event(self, subject: str, kind: str, cause: str, **detail) -> None:
+        self.store.append_event(Event(ts=time.time(), kind=kind, subject=subject, cause=cause, detail=detail))
+        log.info("%s %s: %s", subject, kind, cause)
+
+    # -- reconcile ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.reconcile()
+            except Exception:  # keep the controller alive through transient GCS errors
+                log.exception("reconcile failed")
+            self._stop.wait(self._reconcile_s)
+
+    def reconcile(self) -> int:
+        """Sync node records with Ray's node table and make sure every live node has an agent."""
+        seen: dict[str, dict] = {}
+        for entry in ray.nodes():
+            name = (entry.get("Labels") or {}).get(L.NODE)
+            if not name:
+                continue
+            # A restarted node reuses its name with a new id: the live entry wins.
+            if name not in seen or entry.get("Alive"):
+                seen[name] = entry
+        with self._lock:
+            for name, entry in seen.items():
+                alive = bool(entry.get("Alive"))
+                old = self._records.get(name)
+                record = (old or NodeRecord(name=name, labels={})).with_(
+                    labels=dict(entry.get("Labels") or {}), ray_node_id=entry.get("NodeID"), alive=alive)
+                if old is None:
+                    self._event(name, "node_joined", "new node in the Ray cluster", ray_node_id=record.ray_node_id)
+                elif old.alive and not alive:
+                    self._event(name, "node_lost", "Ray reports the node dead", ray_node_id=record.ray_node_id)
+                    record = record.with_(last_heartbeat=None)
+                elif not old.alive and alive:
+                    self._event(name, "node_rejoined", "node is alive again", ray_node_id=record.ray_node_id)
+                if record != old:
+                    self._save(record)
+            live = [name for name, entry in seen.items() if entry.get("Alive")]
+        for name in live:
+            self._ensure_agent(name)
+        return len(live)
+
+    def _ensure_agent(self, node: str):
+        handle = self._agents.get(node)
+        if handle is not None:
+            return handle
+        actor_cls = ray.remote(NodeAgent)
+        handle = actor_cls.options(
+            name=agent_name(node), namespace=AGENT_NAMESPACE, lifetime="detached", get_if_exists=True,
+            num_cpus=0, max_restarts=-1, max_concurrency=4, label_selector={L.NODE: node},
+        ).remote(node, CONTROLLER_NAME, heartbeat_s=self.heartbeat_s)
+        self._agents[node] = handle
+        return handle
+
+    # -- agent reports --------------------------------------------------------------------
+    def heartbeat(self, report: dict) -> None:
+        """Called by each node agent every heartbeat."""
+        name = report["node"]
+        with self._lock:
+            old = self._records.get(name) or NodeRecord(name=name, labels=report.get("labels", {}))
+            check = report.get("self_check") or {}
+            ok = check.get("ok")
+            record = old.with_(
+                last_heartbeat=time.time(), alive=True, cordoned=bool(report.get("cordoned")),
+                cordon_reason=report.get("cordon_reason", ""),
+                self_check_ok=ok, self_check_at=check.get("at"),
+                agent_info={"pid": report.get("pid"), "devices": report.get("devices", []),
+                            "load_avg": report.get("load_avg")},
+            )
+            if ok is False and old.self_check_ok is not False:
+                reason = (f"GEMM self-check checksum {str(check.get('checksum'))[:12]} != expected "
+                          f"{str(check.get('expected'))[:12]} (repeatable={check.get('repeatable')})")
+                record = record.with_(suspect_reason=reason)
+                self._event(name, "self_check_failed", reason)
+            elif ok is True and old.self_check_ok is False:
+                record = record.with_(suspect_reason="")
+                self._event(name, "self_check_passed", "GEMM self-check matches again")
+            self._save(record)
+        if ok is False and self.cordon_suspect and not record.cordoned:
+            self.cordon(name, "self-check failed: possible silent data corruption")
+
+    # -- commands -------------------------------------------------------------------------
+    def _require(self, node: str) -> NodeRecord:
+        with self._lock:
+            if node not in self._records:
+                raise SpecError("node", node, "no such node in the fleet",
+                                f"use one of {sorted(self._records)} (see `rayfleet status`)")
+            return self._records[node]
+
+    def cordon(self, node: str, reason: str = "cordoned by operator") -> int:
+        """Cordon ``node``: nothing new is placed there. Returns the accelerators reserved."""
+        self._require(node)
+        reserved = ray.get(self._ensure_agent(node).cordon.remote(reason))
+        with self._lock:
+            self._save(self._records[node].with_(cordoned=True, cordon_reason=reason))
+            self._event(node, "cordoned", reason, accelerators=reserved)
+        return reserved
+
+    def uncordon(self, node: str) -> None:
+        self._require(node)
+        ray.get(self._ensure_agent(node).uncordon.remote())
+        with self._lock:
+            self._save(self._records[node].with_(cordoned=False, cordon_reason=""))
+            self._event(node, "uncordoned", "operator")
+
+    def run_self_check(self, node: str, fault: str | None = None) -> dict:
+        """Run the node's GEMM self-check now (``fault='sdc'`` injects corruption first)."""
+        self._require(node)
+        agent = self._ensure_agent(node)
+        ray.get(agent.inject_fault.remote(fault))
+        result = ray.get(agent.self_check.remote())
+        self.heartbeat(ray.get(agent.report.remote()))
+        return result
+
+    # -- queries --------------------------------------------------------------------------
+    def inventory(self) -> list[dict]:
+        """Persisted node records (JSON-able), as the controller knows them."""
+        with self._lock:
+            return [r.to_json() for r in sorted(self._records.values(), key=lambda r: r.name)]
+
+    def events(self, limit: int = 50, subject: str | None = None) -> list[Event]:
+        return self.store.events(limit=limit, subject=subject)
+
+    def status(self, event_limit: int = 20) -> FleetStatus:
+        from ray._private.state import available_resources_per_node
+        from ray.util.placement_group import placement_group_table
+
+        totals = {n["NodeID"]: n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")}
+        available = available_resources_per_node()
+        holdings: dict[str, list[tuple[str, float]]] = defaultdict(list)
+        for group in placement_group_table().values():
+            if group.get("state") not in ("CREATED", "RESCHEDULING"):
+                continue
+            for index, resources in group["bundles"].items():
+                node_id = group["bundles_to_node_id"].get(index)
+                amount = sum(v for k, v in resources.items() if k in _ACCELERATOR_RESOURCES)
+                if node_id and amount:
+                    holdings[node_id].append((group.get("name") or "", amount))
+        now = time.time()
+        rows = []
+        with self._lock:
+            records = sorted(self._records.values(), key=lambda r: r.name)
+        for record in records:
+            try:
+                topo = NodeTopology.from_labels(record.labels, ray_node_id=record.ray_node_id)
+            except ValueError:
+                continue
+            kind = topo.accelerator.ray_resource
+            node_total = totals.get(record.ray_node_id, {})
+            usage = usage_from_observation(
+                total=node_total.get(kind, 0.0) if record.alive else topo.num_accelerators,
+                available=available.get(record.ray_node_id, {}).get(kind, 0.0) if record.alive else topo.num_accelerators,
+                group_holdings=holdings.get(record.ray_node_id, []),
+            )
+            health, reason = self.policy.decide(record, now=now)
+            rows.append(NodeStatus(
+                topology=topo, usage=usage, health=health, health_reason=reason, cordoned=record.cordoned,
+                cordon_reason=record.cordon_reason,
+                last_heartbeat_age_s=None if record.last_heartbeat is None else now - record.last_heartbeat,
+            ))
+        return FleetStatus(nodes=tuple(rows), events=tuple(self.store.events(limit=event_limit)))
+
+    def ping(self) -> str:
+        return self.state_path
+
+
+def get_controller():
+    """Handle of the running controller, or raise ``ValueError`` from Ray if there is none."""
+    return ray.get_actor(CONTROLLER_NAME, namespace=AGENT_NAMESPACE)
+
+
+def ensure_controller(state_path: str | None = None, *, timeout_s: float = 60.0, **options):
+    """Get the controller, creating it (pinned to the head node) if it does not exist."""
+    actor_cls = ray.remote(FleetController)
+    handle = actor_cls.options(
+        name=CONTROLLER_NAME, namespace=AGENT_NAMESPACE, lifetime="detached", get_if_exists=True,
+        num_cpus=0, max_restarts=-1, max_concurrency=8, label_selector={L.ROLE: "head"},
+    ).remote(state_path, **options)
+    ray.get(handle.ping.remote(), timeout=timeout_s)
+    return handle

@@ -1,0 +1,60 @@
+"""Plain-text rendering of fleet topology and status (CLI, notebooks, logs).
+
+Plain text rather than ``rich`` tables: the output goes to CI logs, ``ray job logs`` and
+notebooks alike, where escape codes and box characters get mangled.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from rayfleet.platform.inventory import FleetStatus
+from rayfleet.platform.topology import FleetTopology
+
+__all__ = ["format_table", "render_status", "render_topology"]
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def render_topology(topology: FleetTopology) -> str:
+    rows = [(n.name, n.role, n.accelerator_type, n.num_accelerators, n.rack, n.block, n.nvlink_domain)
+            for n in topology.nodes]
+    types = ", ".join(f"{count}x {t}" for t, count in sorted(topology.accelerator_types().items()))
+    head = (f"fleet: {len(topology.nodes)} nodes, {topology.num_accelerators} accelerators ({types}), "
+            f"{len(topology.racks())} racks, {len(topology.blocks())} blocks, "
+            f"{len(topology.nvlink_domains())} scale-up domains, {len(topology.rails())} rails")
+    return head + "\n" + format_table(("node", "role", "type", "accel", "rack", "block", "nvlink-domain"), rows)
+
+
+def _clip(text: str, width: int = 36) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def render_status(status: FleetStatus, *, show_events: bool = True) -> str:
+    rows = []
+    for row in status.nodes:
+        topo, use = row.topology, row.usage
+        beat = "-" if row.last_heartbeat_age_s is None else f"{row.last_heartbeat_age_s:.0f}s"
+        health = row.health + (f" ({_clip(row.health_reason)})" if row.health_reason else "")
+        cordon = f"yes: {_clip(row.cordon_reason)}" if row.cordoned else "no"
+        rows.append((topo.name, topo.accelerator_type, topo.rack, topo.block, topo.nvlink_domain,
+                     f"{use.free}/{use.total}", use.training, use.inference, use.cordoned, use.other,
+                     health, cordon, beat))
+    tot = status.totals()
+    out = format_table(
+        ("node", "type", "rack", "block", "nvlink", "free/total", "train", "infer", "cordoned", "other",
+         "health", "cordon", "heartbeat"), rows)
+    out += (f"\ntotal: {tot.free}/{tot.total} free, {tot.training} training, {tot.inference} inference, "
+            f"{tot.cordoned} cordoned, {tot.other} other")
+    if show_events and status.events:
+        out += "\n\nrecent events:\n" + format_table(
+            ("time", "subject", "event", "cause"),
+            [(time.strftime("%H:%M:%S", time.localtime(e.ts)), e.subject, e.kind, e.cause) for e in status.events])
+    return out

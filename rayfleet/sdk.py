@@ -1,0 +1,128 @@
+"""The notebook SDK: ``fleet = rayfleet.connect(); fleet.topology(); fleet.status()``.
+
+``connect`` resolves where the fleet is (an explicit address, the job's own cluster inside
+``ray job submit``, the local fleet recorded by ``rayfleet up``, or a new local fleet for
+``address="local"``), connects Ray with token authentication on, and makes sure the fleet
+controller runs. Later capabilities (``fleet.train``, ``fleet.serve``) hang off ``Fleet``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import tempfile
+from pathlib import Path
+
+import ray
+
+from rayfleet.errors import FleetNotFoundError
+from rayfleet.platform.controller import ensure_controller
+from rayfleet.platform.inventory import FleetStatus, NodeStatus
+from rayfleet.platform.launcher import LocalFleet, ensure_auth_token, rayfleet_home
+from rayfleet.platform.status_table import render_status
+from rayfleet.platform.topology import FleetTopology, build_topology
+
+__all__ = ["Fleet", "connect"]
+
+
+class Fleet:
+    """A connection to a rayfleet fleet."""
+
+    def __init__(self, address: str, *, local_fleet: LocalFleet | None = None) -> None:
+        self.address = address
+        self.local_fleet = local_fleet
+        self.controller = ensure_controller()
+
+    # -- views ----------------------------------------------------------------------------
+    def topology(self) -> FleetTopology:
+        """The fleet's topology, rebuilt from the live nodes' labels."""
+        return FleetTopology.from_ray_nodes(ray.nodes())
+
+    def status(self) -> FleetStatus:
+        """Per-node accelerators (free / training / inference / cordoned), health and recent events."""
+        return ray.get(self.controller.status.remote())
+
+    def nodes(self) -> list[NodeStatus]:
+        return list(self.status().nodes)
+
+    def events(self, limit: int = 50, node: str | None = None) -> list:
+        return ray.get(self.controller.events.remote(limit, node))
+
+    def print_status(self) -> None:
+        print(render_status(self.status()))
+
+    # -- operations -----------------------------------------------------------------------
+    def cordon(self, node: str, reason: str = "cordoned by operator") -> int:
+        return ray.get(self.controller.cordon.remote(node, reason))
+
+    def uncordon(self, node: str) -> None:
+        ray.get(self.controller.uncordon.remote(node))
+
+    def self_check(self, node: str, *, inject_fault: str | None = None) -> dict:
+        return ray.get(self.controller.run_self_check.remote(node, inject_fault))
+
+    def shutdown(self) -> None:
+        """Disconnect; stop the local fleet too if this ``Fleet`` started it."""
+        if ray.is_initialized():
+            ray.shutdown()
+        if self.local_fleet is not None:
+            self.local_fleet.down()
+            self.local_fleet = None
+
+    def __repr__(self) -> str:
+        return f"Fleet(address={self.address!r}, local={self.local_fleet is not None})"
+
+
+def _init(address: str) -> None:
+    ensure_auth_token()
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=address, namespace="rayfleet", log_to_driver=False,
+                 runtime_env={"env_vars": {"RAY_AUTH_MODE": "token"}})
+    except ConnectionError as exc:
+        raise FleetNotFoundError(
+            f"cannot connect to a Ray cluster at {address!r} ({exc}). Fix: start a fleet with "
+            "`rayfleet up` or `ray up cluster.yaml`, pass the right address (host:port of the head's GCS), "
+            "or use rayfleet.connect(address='local') to start a local one"
+        ) from None
+
+
+def connect(
+    address: str | None = None,
+    *,
+    nodes: int = 2,
+    accelerator: str = "H100",
+    accelerators_per_node: int | None = 8,
+    racks: int = 1,
+) -> Fleet:
+    """Connect to a fleet.
+
+    Args:
+        address: ``"host:port"`` of a running cluster; ``"local"`` to start a private local
+            fleet (stopped by ``fleet.shutdown()`` or at exit); ``None`` to use the cluster of
+            the current Ray job, else the fleet started by ``rayfleet up``.
+        nodes, accelerator, accelerators_per_node, racks: shape of the fleet started for
+            ``address="local"``.
+    """
+    if address == "local":
+        topology = build_topology(num_nodes=nodes, accelerator=accelerator,
+                                  accelerators_per_node=accelerators_per_node, num_racks=racks)
+        home = Path(tempfile.mkdtemp(prefix="rayfleet-local-"))
+        local = LocalFleet.up(topology, home=home)
+        atexit.register(local.down)
+        _init(local.address)
+        return Fleet(local.address, local_fleet=local)
+    if address is None:
+        if os.environ.get("RAY_ADDRESS"):
+            address = os.environ["RAY_ADDRESS"]
+        else:
+            record = LocalFleet.load(missing_ok=True)
+            if record is None or not record.is_running():
+                raise FleetNotFoundError(
+                    f"no fleet is running here (no live record under {rayfleet_home()}, no RAY_ADDRESS). "
+                    "Fix: run `rayfleet up`, pass address='host:port', or use connect(address='local')"
+                )
+            address = record.address
+    _init(address)
+    return Fleet(address)

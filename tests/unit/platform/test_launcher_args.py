@@ -1,0 +1,29 @@
+import json
+
+from rayfleet.platform import labels as L
+from rayfleet.platform.launcher import ray_start_args
+from rayfleet.platform.topology import build_topology
+
+
+def _arg(args, flag):
+    return [a.split("=", 1)[1] for a in args if a.startswith(flag + "=")][0]
+
+
+def test_head_and_worker_args_carry_labels_and_accelerators():
+    fleet = build_topology(num_nodes=2, accelerator="H100:1,P800:1")
+    head = ray_start_args(fleet.nodes[0], head_address=None, head_port=7000, system_config={"a": 1})
+    assert "--head" in head and _arg(head, "--port") == "7000" and _arg(head, "--num-gpus") == "8"
+    assert L.parse_label_string(_arg(head, "--labels")) == fleet.nodes[0].to_labels()
+    assert json.loads(_arg(head, "--system-config")) == {"a": 1}
+    worker = ray_start_args(fleet.nodes[1], head_address="127.0.0.1:7000")
+    assert "--head" not in worker and _arg(worker, "--address") == "127.0.0.1:7000"
+    assert _arg(worker, "--num-gpus") == "0"  # P800 is an XPU, declared as a custom resource
+    resources = json.loads(_arg(worker, "--resources"))
+    assert resources["XPU"] == 8 and all(resources[L.slot_resource(i)] == 1 for i in range(8))
+
+
+def test_each_node_gets_its_own_agent_ports():
+    node = build_topology(num_nodes=1).nodes[0]
+    a = ray_start_args(node, head_address="h:1")
+    b = ray_start_args(node, head_address="h:1")
+    assert _arg(a, "--dashboard-agent-listen-port") != _arg(b, "--dashboard-agent-listen-port")
