@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
 import tempfile
 from pathlib import Path
 
@@ -73,10 +74,29 @@ class Fleet:
         return f"Fleet(address={self.address!r}, local={self.local_fleet is not None})"
 
 
+def _check_reachable(address: str, *, timeout_s: float = 3.0) -> None:
+    """Fail fast: ``ray.init`` retries an unreachable GCS for minutes before giving up."""
+    if address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise FleetNotFoundError(
+            f"address {address!r} is not host:port. Fix: pass the head node's GCS address, e.g. '10.0.0.1:6379'")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise FleetNotFoundError(
+            f"no Ray cluster answers at {address!r} ({exc.strerror or exc}). Fix: start a fleet with "
+            "`rayfleet up` or `ray up cluster.yaml`, pass the head's GCS address (host:port), "
+            "or use rayfleet.connect(address='local') to start a local one"
+        ) from None
+
+
 def _init(address: str) -> None:
     ensure_auth_token()
     if ray.is_initialized():
         return
+    _check_reachable(address)
     try:
         ray.init(address=address, namespace="rayfleet", log_to_driver=False,
                  runtime_env={"env_vars": {"RAY_AUTH_MODE": "token"}})

@@ -72,7 +72,7 @@ def ray_start_args(
     *,
     head_address: str | None,
     node_ip: str = "127.0.0.1",
-    num_cpus: float = 2,
+    num_cpus: float | None = 2,
     object_store_bytes: int | None = None,
     temp_dir: str | None = None,
     head_port: int | None = None,
@@ -80,18 +80,23 @@ def ray_start_args(
     unique_ports: bool = True,
     system_config: dict | None = None,
     block: bool = False,
+    dashboard_host: str = "127.0.0.1",
 ) -> list[str]:
     """The ``ray start`` arguments that bring ``node`` up with its labels and accelerators.
 
     ``head_address`` is None for the head node. ``unique_ports`` picks free ports for the agent
-    and metrics endpoints so that several nodes can share one machine.
+    and metrics endpoints so that several nodes can share one machine. ``num_cpus=None`` lets
+    Ray detect the machine's CPUs; ``dashboard_host="0.0.0.0"`` lets other machines submit jobs
+    (the head of a ``ray up`` cluster).
     """
-    args = ["start", "--disable-usage-stats", f"--node-ip-address={node_ip}", f"--num-cpus={num_cpus:g}"]
+    args = ["start", "--disable-usage-stats", f"--node-ip-address={node_ip}"]
+    if num_cpus is not None:
+        args.append(f"--num-cpus={num_cpus:g}")
     if block:
         args.append("--block")
     if head_address is None:
         args += ["--head", f"--port={head_port or 6379}", "--include-dashboard=true",
-                 "--dashboard-host=127.0.0.1"]
+                 f"--dashboard-host={dashboard_host}"]
         if dashboard_port:
             args.append(f"--dashboard-port={dashboard_port}")
         if unique_ports:
@@ -201,7 +206,8 @@ class LocalFleet:
         # Job entrypoints (`ray job submit -- python -m rayfleet ...`) resolve `python` on the
         # raylet's PATH: put this interpreter's bin first so they run in rayfleet's environment.
         bin_dir = str(Path(sys.executable).parent)
-        env = dict(os.environ, RAY_AUTH_MODE="token",
+        # RAYFLEET_HOME travels too, so the controller's database lives with this fleet.
+        env = dict(os.environ, RAY_AUTH_MODE="token", RAYFLEET_HOME=str(Path(self.home).resolve()),
                    PATH=os.pathsep.join([bin_dir, os.environ.get("PATH", "")]))
         with open(log_path, "wb") as log:
             proc = subprocess.Popen([_ray_executable(), *args], stdout=log, stderr=subprocess.STDOUT,

@@ -1,0 +1,71 @@
+"""``rayfleet plan``: rank parallel plans for a model on a fleet and show where the ranks go.
+
+    rayfleet plan examples/models/mixtral-8x7b.yaml --fleet H100:64 --top 5 --layout
+    rayfleet plan deepseek-v3 --nodes 128 --accelerator H100 --racks 8
+    rayfleet plan model.yaml --fleet H100:64,P800:64          # mixed fleet
+
+The fleet is synthetic (``--fleet TYPE:ACCELERATORS[,...]`` or ``--nodes/--accelerator/...``);
+the model is a YAML file (see ``examples/models``) or a preset name. Pure: no cluster needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from rayfleet.errors import SpecError
+
+__all__ = ["register", "handle_plan"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``plan`` command to the ``rayfleet`` CLI."""
+    p = subparsers.add_parser("plan", help="rank parallel plans (TP/PP/DP/EP/CP) for a model on a fleet",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="model YAML (examples/models/*.yaml) or a preset name (e.g. mixtral-8x7b)")
+    p.add_argument("--fleet", default=None, help="accelerators, e.g. 'H100:128' or 'H100:64,P800:64'")
+    p.add_argument("--nodes", type=int, default=None, help="servers (instead of --fleet)")
+    p.add_argument("--accelerator", default="H100", help="type or mix 'H100:2,P800:2' (with --nodes)")
+    p.add_argument("--accelerators-per-node", type=int, default=None)
+    p.add_argument("--racks", type=int, default=None, help="racks (default: 16 servers per rack)")
+    p.add_argument("--racks-per-block", type=int, default=4)
+    p.add_argument("--top", type=int, default=5, help="plans to show")
+    p.add_argument("--layout", action="store_true", help="also print plan 1's rank -> accelerator layout")
+    p.set_defaults(func=handle_plan)
+
+
+def _topology(args: argparse.Namespace):
+    from rayfleet.placement.fleet_capacity import parse_fleet
+    from rayfleet.platform.topology import build_topology
+
+    if args.fleet and args.nodes:
+        raise SpecError("--fleet", args.fleet, "given together with --nodes", "use one way to describe the fleet")
+    if args.nodes:
+        racks = args.racks or max(1, -(-args.nodes // 16))
+        return build_topology(num_nodes=args.nodes, accelerator=args.accelerator,
+                              accelerators_per_node=args.accelerators_per_node, num_racks=racks,
+                              racks_per_block=args.racks_per_block)
+    return parse_fleet(args.fleet or "H100:64", num_racks=args.racks)
+
+
+def handle_plan(args: argparse.Namespace) -> int:
+    """Print the ranked plans (and optionally the best plan's layout); 1 when none is feasible."""
+    from rayfleet.placement import search
+    from rayfleet.placement.layout import build_layout
+    from rayfleet.placement.model_spec import load_model_spec
+    from rayfleet.placement.report import format_layout, format_plans
+
+    if args.top < 1:
+        raise SpecError("--top", args.top, "must be at least 1", "pass --top 1 or more")
+    model = load_model_spec(args.model)
+    topology = _topology(args)
+    result = search(model, topology, top_k=args.top)
+    fleet = ", ".join(f"{n} x {t}" for t, n in sorted(topology.accelerator_types().items()))
+    print(format_plans(result, model, fleet=f"{fleet} on {len(topology.nodes)} nodes"))
+    if not result.ranked:
+        return 1
+    if args.layout:
+        layout = build_layout(result.ranked[0].plan, topology)
+        print()
+        print(f"layout of plan 1 ({result.ranked[0].plan.describe()}):")
+        print(format_layout(layout, topology))
+    return 0

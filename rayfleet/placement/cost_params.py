@@ -1,0 +1,122 @@
+"""Named constants of the cost model, and the link/collective primitives it prices with.
+
+Design decisions:
+- Hardware numbers (peak FLOP/s, HBM, link and NIC bandwidth, NVLink-domain size) come only from
+  :mod:`rayfleet.platform.catalogue`; everything else the model assumes (efficiencies, byte
+  widths, overlap, latencies) is a field of :class:`CostParams`, so a calibration run can
+  replace them and a reader can see every assumption in one place.
+- Collectives use the alpha-beta model: ``latency + bytes / (bandwidth * efficiency)`` with the
+  ring volumes ``(n-1)/n`` for all-gather/reduce-scatter and all-to-all. A group that spans
+  scale-up domains is priced hierarchically: the in-domain part on the scale-up link, the rest
+  on the per-rail NIC (one NIC per accelerator, so rail-aligned rings run in parallel).
+
+Units: bytes, seconds, GB/s = 1e9 bytes/s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rayfleet.platform.catalogue import AcceleratorSpec
+
+__all__ = ["CostParams", "Link", "ring_time", "hierarchical_allreduce_time", "all_to_all_time"]
+
+
+@dataclass(frozen=True)
+class CostParams:
+    """Every non-hardware constant of the cost model.
+
+    Attributes:
+        gemm_efficiency: fraction of the catalogue's dense peak that large GEMMs reach.
+        gemm_rows_at_half_efficiency: a GEMM with this many rows (tokens) runs at half of
+            ``gemm_efficiency`` (efficiency x rows / (rows + this)); it is what makes many small
+            local experts (small EP) slower than a few well-fed ones.
+        attention_efficiency: fraction of the BF16 peak that fused attention reaches.
+        param_bytes: bytes per stored weight (BF16 master copy on device for FP8 too).
+        grad_bytes: bytes per gradient (FP32 main grads, as Megatron keeps them).
+        optimizer_bytes: FP32 master weight + Adam m and v, bytes per parameter.
+        fp8_weight_cache_bytes: FP8 training caches each GEMM weight in FP8 in both row- and
+            column-wise layouts (Transformer Engine), bytes per parameter.
+        activation_bytes: bytes per saved activation element (BF16).
+        comm_bytes_bf16 / comm_bytes_fp8: bytes per element on the wire for activations in each
+            precision (FP8 dispatch and TP all-gathers; reductions and combines stay BF16).
+        grad_reduce_bytes: bytes per element of the DP gradient reduce-scatter.
+        logits_bytes: bytes per element of the output logits (FP32 for a stable loss).
+        link_efficiency / nic_efficiency: achieved fraction of the scale-up link and NIC bandwidth.
+        intra_latency_s / inter_latency_s: per-collective latency inside / across domains.
+        dp_overlap_fraction: fraction of the last micro-batch's backward that hides DP reduction.
+        ep_overlap_fraction: fraction of the EP all-to-all hidden behind compute of another
+            micro-batch (Megatron-Core's EP A2A overlap, DeepSeek's DualPipe; 0 = none).
+        cp_overlap_fraction: fraction of ring-attention K/V exchange hidden behind attention.
+        optimizer_bytes_touched: HBM bytes read+written per parameter by the Adam step.
+        usable_memory_fraction: share of HBM a plan may fill (allocator, context, buffers).
+    """
+
+    gemm_efficiency: float = 0.5
+    gemm_rows_at_half_efficiency: float = 128.0
+    attention_efficiency: float = 0.35
+    param_bytes: int = 2
+    grad_bytes: int = 4
+    optimizer_bytes: int = 12
+    fp8_weight_cache_bytes: int = 2
+    activation_bytes: int = 2
+    comm_bytes_bf16: int = 2
+    comm_bytes_fp8: int = 1
+    grad_reduce_bytes: int = 2
+    logits_bytes: int = 4
+    link_efficiency: float = 0.75
+    nic_efficiency: float = 0.8
+    intra_latency_s: float = 10e-6
+    inter_latency_s: float = 25e-6
+    dp_overlap_fraction: float = 0.8
+    ep_overlap_fraction: float = 0.8
+    cp_overlap_fraction: float = 0.5
+    optimizer_bytes_touched: int = 36
+    usable_memory_fraction: float = 0.9
+
+
+@dataclass(frozen=True)
+class Link:
+    """Effective bandwidth (bytes/s) and latency (s) of one accelerator's link of one kind."""
+
+    bytes_per_s: float
+    latency_s: float
+
+    @classmethod
+    def scaleup(cls, accel: AcceleratorSpec, params: CostParams) -> "Link":
+        return cls(accel.intra_node_link_gbps * 1e9 * params.link_efficiency, params.intra_latency_s)
+
+    @classmethod
+    def scaleout(cls, accel: AcceleratorSpec, params: CostParams) -> "Link":
+        return cls(accel.nic_gbps * 1e9 * params.nic_efficiency, params.inter_latency_s)
+
+
+def ring_time(total_bytes: float, group: int, link: Link) -> float:
+    """All-gather or reduce-scatter of ``total_bytes`` (the gathered size) over ``group`` ranks."""
+    if group <= 1:
+        return 0.0
+    return link.latency_s + (group - 1) / group * total_bytes / link.bytes_per_s
+
+
+def hierarchical_allreduce_time(total_bytes: float, group: int, in_domain: int, intra: Link, inter: Link) -> float:
+    """All-reduce (= reduce-scatter + all-gather) of ``total_bytes`` per rank over ``group`` ranks,
+    ``in_domain`` of which share a scale-up domain: in-domain stage on the link, then the
+    ``group / in_domain`` domains exchange ``1 / in_domain`` of the bytes each over their rails."""
+    if group <= 1:
+        return 0.0
+    in_domain = max(1, min(in_domain, group))
+    across = group // in_domain
+    return 2 * ring_time(total_bytes, in_domain, intra) + 2 * ring_time(total_bytes / in_domain, across, inter)
+
+
+def all_to_all_time(bytes_per_rank: float, group: int, in_domain: int, intra: Link, inter: Link) -> float:
+    """All-to-all where each rank sends ``bytes_per_rank`` spread evenly over ``group`` ranks,
+    ``in_domain`` of which (itself included) share its scale-up domain; the two parts run in
+    parallel on different links, so the slower one sets the time."""
+    if group <= 1:
+        return 0.0
+    in_domain = max(1, min(in_domain, group))
+    share = bytes_per_rank / group
+    t_intra = (in_domain - 1) * share / intra.bytes_per_s + (intra.latency_s if in_domain > 1 else 0.0)
+    t_inter = (group - in_domain) * share / inter.bytes_per_s + (inter.latency_s if group > in_domain else 0.0)
+    return max(t_intra, t_inter)

@@ -1,0 +1,197 @@
+"""Per-device memory of a plan: weights, gradients, optimizer states and activations.
+
+Design decisions:
+- Parameter counts per device are exact element counts of the sharded tensors (the unit test
+  builds the same shards on the meta device and compares bytes): attention ``q/o`` and dense
+  MLPs split ``1/tp`` (column/row parallel), GQA ``k/v`` split ``1/tp`` while ``tp`` divides the
+  KV heads and one KV head per rank beyond that, MLA down-projections, norms and routers
+  replicated, routed experts ``num_experts/ep`` per rank each split ``1/etp``, shared experts
+  ``1/tp``, vocabulary-parallel embedding and head (rows rounded up to a multiple of ``tp``).
+- Dense parameters (everything but routed experts) are sharded by the distributed optimizer over
+  ``dp * cp`` ranks, routed experts over ``edp`` (Megatron's two optimizer groups).
+- Activations per layer and micro-batch follow Korthikanti et al. (sequence parallel, flash
+  attention: no ``s^2`` term), counting the tensors saved for backward. 1F1B keeps
+  ``min(pp - stage, num_microbatches)`` micro-batches in flight on a stage; full recompute keeps
+  only each layer's input plus one layer's working set.
+
+Units: elements for counts, bytes for memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rayfleet.placement.cost_params import CostParams
+from rayfleet.placement.model_spec import ModelSpec
+from rayfleet.placement.plan import ParallelPlan
+
+__all__ = ["ParamCounts", "MemoryBreakdown", "stage_param_counts", "stage_memory", "estimate_memory",
+           "layer_activation_bytes"]
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters held by one device of a stage, elements. ``expert`` = routed experts only."""
+
+    dense: int
+    expert: int
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on one device of pipeline stage ``stage``."""
+
+    stage: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def num_moe_layers(model: ModelSpec, layers: range) -> int:
+    """MoE layers among ``layers`` (they are the tail ``[first_k_dense_layers, L)``)."""
+    if not model.is_moe:
+        return 0
+    return max(0, layers.stop - max(layers.start, model.first_k_dense_layers))
+
+
+def attention_params_per_rank(model: ModelSpec, tp: int) -> int:
+    """Attention weights one TP rank holds (norms excluded)."""
+    if model.uses_mla:
+        return model.attention_replicated_params() + model.attention_split_params() // tp
+    h, hd = model.hidden_size, model.head_dim
+    kv_heads = model.num_kv_heads // tp if model.num_kv_heads % tp == 0 else 1
+    return 2 * h * model.num_heads * hd // tp + 2 * h * kv_heads * hd
+
+
+def layer_param_counts(model: ModelSpec, plan: ParallelPlan, layer: int) -> ParamCounts:
+    tp = plan.tp_of_layer(layer)
+    dense = attention_params_per_rank(model, tp) + model.norm_params_per_layer()
+    expert = 0
+    if model.is_moe_layer(layer):
+        dense += model.router_params() + model.num_shared_experts * model.expert_params() // tp
+        expert = model.num_experts // plan.ep * model.expert_params() // plan.etp
+    else:
+        dense += model.dense_mlp_params() // tp
+    return ParamCounts(dense, expert)
+
+
+def stage_param_counts(model: ModelSpec, plan: ParallelPlan, stage: int) -> ParamCounts:
+    """Parameters on one device of ``stage`` (embedding on the first stage, head on the last)."""
+    layers = plan.stage_ranges(model.num_layers)[stage]
+    if plan.layer_tp is None:
+        # Two layer kinds only: count them instead of looping (the planner calls this a lot).
+        num_moe = num_moe_layers(model, layers)
+        num_dense = len(layers) - num_moe
+        d = layer_param_counts(model, plan, 0) if num_dense else ParamCounts(0, 0)
+        m = layer_param_counts(model, plan, model.num_layers - 1) if num_moe else ParamCounts(0, 0)
+        dense, expert = num_dense * d.dense + num_moe * m.dense, num_dense * d.expert + num_moe * m.expert
+    else:
+        counts = [layer_param_counts(model, plan, i) for i in layers]
+        dense, expert = sum(c.dense for c in counts), sum(c.expert for c in counts)
+    vocab_rows = _ceil_div(model.vocab_size, plan.tp)
+    if stage == 0:
+        dense += vocab_rows * model.hidden_size
+    if stage == plan.pp - 1:
+        dense += vocab_rows * model.hidden_size + model.hidden_size
+    return ParamCounts(dense, expert)
+
+
+def layer_activation_bytes(model: ModelSpec, plan: ParallelPlan, layer: int, params: CostParams) -> float:
+    """Bytes one device saves for backward for one layer and one micro-batch.
+
+    ``plan.recompute == "selective"`` recomputes norms, SwiGLU activations and (MLA) the q/k/v
+    up-projections, so their outputs are not saved; "full" is handled by the caller."""
+    tp = plan.tp_of_layer(layer)
+    tokens = plan.micro_batch_size * model.seq_len / plan.cp
+    h, nh, hd = model.hidden_size, model.num_heads, model.head_dim
+    selective = plan.recompute == "selective"
+    norm_out = 0 if selective else h
+    act = 0 if selective else 1
+    if model.uses_mla:
+        latents = model.q_lora_rank + model.kv_lora_rank + model.rope_head_dim
+        # selective recompute rebuilds q/k/v from the saved latents (the "up-projection")
+        qkv = latents + (0 if selective else nh * (2 * (hd + model.rope_head_dim) + hd))
+    else:
+        qkv = (nh + 2 * model.num_kv_heads) * hd
+    attn = h + norm_out + qkv + nh * hd  # residual in, norm out, q/k/v, core out (o input)
+    if model.is_moe_layer(layer):
+        k, f = model.top_k, model.moe_ffn_hidden_size
+        # dispatched tokens (fc1 input), fc1 gate/up outputs, activation output; routing
+        # probabilities are applied inside the expert, so the expert output is not kept.
+        mlp = h + norm_out + k * h + k * f * (2 + act) + model.num_shared_experts * f * (2 + act)
+    else:
+        mlp = h + norm_out + model.ffn_hidden_size * (2 + act)
+    return tokens * (attn + mlp) / tp * params.activation_bytes
+
+
+def stage_memory(model: ModelSpec, plan: ParallelPlan, stage: int, *, num_microbatches: int,
+                 params: CostParams = CostParams(), counts: ParamCounts | None = None) -> MemoryBreakdown:
+    """Memory of one device of ``stage`` running ``num_microbatches`` per step (1F1B)."""
+    counts = counts or stage_param_counts(model, plan, stage)
+    dense_shard = plan.dp * plan.cp
+    expert_shard = plan.edp
+    z = plan.zero_stage
+
+    def sharded(n_dense: int, n_expert: int, bytes_per: int, on: bool) -> float:
+        if not on:
+            return float((n_dense + n_expert) * bytes_per)
+        return n_dense * bytes_per / dense_shard + n_expert * bytes_per / expert_shard
+
+    weights = sharded(counts.dense, counts.expert, params.param_bytes, z >= 3)
+    if model.precision == "fp8":
+        weights += counts.total * params.fp8_weight_cache_bytes
+    grads = sharded(counts.dense, counts.expert, params.grad_bytes, z >= 2)
+    optim = sharded(counts.dense, counts.expert, params.optimizer_bytes, z >= 1)
+
+    layers = plan.stage_ranges(model.num_layers)[stage]
+    in_flight = min(plan.pp - stage, num_microbatches)
+    tokens = plan.micro_batch_size * model.seq_len / plan.cp
+    per_layer = [layer_activation_bytes(model, plan, i, params) for i in _representatives(model, plan, layers)]
+    if plan.recompute == "full":
+        checkpoint = tokens * model.hidden_size / plan.tp * params.activation_bytes
+        acts = in_flight * len(layers) * checkpoint + max(per_layer)
+    else:
+        acts = in_flight * sum(b * n for b, n in zip(per_layer, _representative_counts(model, plan, layers)))
+    if stage == plan.pp - 1:
+        # logits and their gradient for the micro-batch being finished (vocab-parallel)
+        acts += 2 * tokens * _ceil_div(model.vocab_size, plan.tp) * params.logits_bytes
+    return MemoryBreakdown(stage, weights, grads, optim, acts)
+
+
+def _representatives(model: ModelSpec, plan: ParallelPlan, layers: range) -> list[int]:
+    if plan.layer_tp is not None:
+        return list(layers)
+    # one layer of each kind present in the stage (dense layers come first)
+    kinds: dict[bool, int] = {}
+    for i in (layers.start, layers.stop - 1):
+        kinds.setdefault(model.is_moe_layer(i), i)
+    return list(kinds.values())
+
+
+def _representative_counts(model: ModelSpec, plan: ParallelPlan, layers: range) -> list[int]:
+    if plan.layer_tp is not None:
+        return [1] * len(layers)
+    reps = _representatives(model, plan, layers)
+    num_moe = num_moe_layers(model, layers)
+    return [num_moe if model.is_moe_layer(i) else len(layers) - num_moe for i in reps]
+
+
+def estimate_memory(model: ModelSpec, plan: ParallelPlan, *, params: CostParams = CostParams(),
+                    num_microbatches: int | None = None) -> MemoryBreakdown:
+    """The worst (largest) stage's per-device memory."""
+    m = num_microbatches if num_microbatches is not None else plan.num_microbatches(model.global_batch_sequences)
+    return max((stage_memory(model, plan, s, num_microbatches=m, params=params) for s in range(plan.pp)),
+               key=lambda b: b.total)

@@ -1,0 +1,254 @@
+"""``ParallelPlan``: how a model is split over accelerators, and its validation.
+
+Design decisions:
+- MoE "parallel folding" (Megatron-Core): attention layers use the grid TP x CP x DP x PP, MoE
+  layers use ETP x EP x EDP x PP with the *same* PP stages and the same ranks, so
+  ``etp * ep * edp == tp * cp * dp``. EP may therefore exceed DP (it folds into TP/CP ranks).
+- Rank order, innermost first, is ``tp, cp, dp, pp`` (Megatron's default ``tp-cp-dp-pp``); the
+  expert grid over the same ranks is ``etp, ep, edp``. :mod:`rayfleet.placement.layout` and the
+  training launcher both read coordinates from :meth:`ParallelPlan.coords`.
+- Stage boundaries are explicit (``stage_starts``), so a dynamic split (MoE and dense layers of
+  different cost) is just a plan field; ``None`` means an even split and then the layer count
+  must divide.
+- Heterogeneous TP: ``layer_tp`` gives each layer's attention/dense-MLP TP degree, a divisor of
+  ``tp``; a layer with a smaller degree is replicated over ``tp / layer_tp`` sub-groups, which
+  split its tokens between them.
+- Mixed fleets: ``replica_accelerators`` names the accelerator type of each DP replica and
+  ``replica_microbatches`` how many micro-batches each gets (in proportion to speed).
+
+Validation raises :class:`rayfleet.errors.SpecError` naming the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal, NamedTuple
+
+from rayfleet.errors import SpecError
+from rayfleet.placement.model_spec import ModelSpec
+
+__all__ = ["ParallelPlan", "RankCoords", "Recompute", "validate_plan", "even_stage_starts"]
+
+Recompute = Literal["none", "selective", "full"]
+RECOMPUTE_OPTIONS: tuple[Recompute, ...] = ("none", "selective", "full")
+
+
+class RankCoords(NamedTuple):
+    """A rank's position in both grids. ``ep``/``etp``/``edp`` index the expert grid."""
+
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+    etp: int
+    ep: int
+    edp: int
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """A complete parallel configuration.
+
+    Attributes:
+        tp, cp, dp, pp: attention-grid degrees (tensor, context, data, pipeline parallel).
+        ep, etp: expert parallel and expert tensor parallel degrees (MoE layers).
+        micro_batch_size: sequences per micro-batch per DP replica.
+        recompute: activation recomputation: "none", "selective" (attention core), "full".
+        stage_starts: first layer of each pipeline stage (length ``pp``, starts with 0);
+            ``None`` = even split.
+        zero_stage: optimizer sharding over DP: 0 none, 1 optimizer states, 2 + gradients,
+            3 + parameters (FSDP).
+        layer_tp: per-layer TP degree for attention and dense MLPs (heterogeneous TP), or None.
+        replica_accelerators: accelerator type of each DP replica (mixed fleets), or None.
+        replica_microbatches: micro-batches per step of each DP replica, or None (= equal).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    micro_batch_size: int = 1
+    recompute: Recompute = "none"
+    stage_starts: tuple[int, ...] | None = None
+    zero_stage: int = 1
+    layer_tp: tuple[int, ...] | None = None
+    replica_accelerators: tuple[str, ...] | None = None
+    replica_microbatches: tuple[int, ...] | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel degree (replicas of each expert shard within a stage)."""
+        return (self.tp * self.cp * self.dp) // (self.ep * self.etp)
+
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        """(tp, cp, pp, dp, ep, etp): the parallel shape, without batch/recompute choices."""
+        return (self.tp, self.cp, self.pp, self.dp, self.ep, self.etp)
+
+    def num_microbatches(self, global_batch_sequences: int) -> int:
+        """Micro-batches per step of a (homogeneous) DP replica."""
+        return global_batch_sequences // (self.dp * self.micro_batch_size)
+
+    def stage_ranges(self, num_layers: int) -> tuple[range, ...]:
+        """Layer range of each stage."""
+        return _stage_ranges(self.stage_starts or even_stage_starts(num_layers, self.pp), num_layers)
+
+    def tp_of_layer(self, layer: int) -> int:
+        return self.layer_tp[layer] if self.layer_tp is not None else self.tp
+
+    def coords(self, rank: int) -> RankCoords:
+        """Grid coordinates of ``rank`` (order tp, cp, dp, pp innermost first)."""
+        tp_i = rank % self.tp
+        cp_i = rank // self.tp % self.cp
+        dp_i = rank // (self.tp * self.cp) % self.dp
+        pp_i = rank // (self.tp * self.cp * self.dp)
+        in_stage = rank % (self.tp * self.cp * self.dp)
+        return RankCoords(tp_i, cp_i, dp_i, pp_i, in_stage % self.etp, in_stage // self.etp % self.ep,
+                          in_stage // (self.etp * self.ep))
+
+    def describe(self) -> str:
+        parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}"]
+        if self.cp > 1:
+            parts.append(f"CP{self.cp}")
+        if self.ep > 1 or self.etp > 1:
+            parts += [f"EP{self.ep}", f"ETP{self.etp}"]
+        parts.append(f"mbs{self.micro_batch_size}")
+        if self.recompute != "none":
+            parts.append(f"rc:{self.recompute}")
+        return " ".join(parts)
+
+
+@lru_cache(maxsize=4096)
+def _stage_ranges(starts: tuple[int, ...], num_layers: int) -> tuple[range, ...]:
+    # cached: the cost model asks for the same split once per stage
+    ends = tuple(starts[1:]) + (num_layers,)
+    return tuple(range(a, b) for a, b in zip(starts, ends))
+
+
+def even_stage_starts(num_layers: int, pp: int) -> tuple[int, ...]:
+    return tuple(i * (num_layers // pp) for i in range(pp))
+
+
+def _divides(a: int, b: int) -> bool:
+    return a > 0 and b % a == 0
+
+
+def validate_plan(plan: ParallelPlan, model: ModelSpec, *, world_size: int | None = None,
+                  scaleup_domain_size: int | None = None) -> None:
+    """Raise :class:`SpecError` when ``plan`` cannot run ``model``; return None when it can.
+
+    ``world_size`` (accelerators the plan must fill) and ``scaleup_domain_size`` (largest NVLink
+    domain / super-node) are checked when given.
+    """
+    for name in ("tp", "pp", "dp", "cp", "ep", "etp", "micro_batch_size"):
+        if getattr(plan, name) < 1:
+            raise SpecError(f"plan.{name}", getattr(plan, name), "must be at least 1", f"set plan.{name} >= 1")
+    if world_size is not None and plan.world_size != world_size:
+        raise SpecError("plan", plan.describe(),
+                        f"tp*cp*dp*pp = {plan.world_size} but the fleet gives {world_size} accelerators",
+                        f"choose degrees whose product is {world_size}, or change the fleet")
+    _check_tensor_parallel(plan, model, scaleup_domain_size)
+    if not _divides(plan.cp, model.seq_len):
+        raise SpecError("plan.cp", plan.cp, f"does not divide seq_len={model.seq_len}",
+                        "use a context-parallel degree that divides the sequence length")
+    _check_experts(plan, model, scaleup_domain_size)
+    _check_stages(plan, model)
+    _check_batch(plan, model)
+    if plan.recompute not in RECOMPUTE_OPTIONS:
+        raise SpecError("plan.recompute", plan.recompute, "unknown recompute mode", f"use one of {RECOMPUTE_OPTIONS}")
+    if plan.zero_stage not in (0, 1, 2, 3):
+        raise SpecError("plan.zero_stage", plan.zero_stage, "unknown ZeRO stage", "use 0, 1, 2 or 3")
+
+
+def _check_tensor_parallel(plan: ParallelPlan, model: ModelSpec, domain: int | None) -> None:
+    degrees = set(plan.layer_tp or ()) | {plan.tp}
+    if plan.layer_tp is not None:
+        if len(plan.layer_tp) != model.num_layers:
+            raise SpecError("plan.layer_tp", len(plan.layer_tp), f"needs one TP degree per layer ({model.num_layers})",
+                            "give one entry per layer, or leave layer_tp unset")
+        bad = [d for d in plan.layer_tp if not _divides(d, plan.tp)]
+        if bad:
+            raise SpecError("plan.layer_tp", bad[0], f"does not divide the TP group size tp={plan.tp}",
+                            "use per-layer degrees that divide tp")
+    for degree in sorted(degrees):
+        if not _divides(degree, model.num_heads):
+            raise SpecError("plan.tp", degree, f"does not divide num_heads={model.num_heads}",
+                            "use a TP degree that divides the attention head count")
+        if not model.uses_mla and not (_divides(degree, model.num_kv_heads) or _divides(model.num_kv_heads, degree)):
+            raise SpecError("plan.tp", degree, f"neither divides nor is a multiple of num_kv_heads={model.num_kv_heads}",
+                            "use a TP degree that divides the KV head count, or a multiple of it")
+        if not model.is_moe or model.first_k_dense_layers:
+            if not _divides(degree, model.ffn_hidden_size):
+                raise SpecError("plan.tp", degree, f"does not divide ffn_hidden_size={model.ffn_hidden_size}",
+                                "use a TP degree that divides the MLP width")
+    if domain is not None and (plan.tp > domain or domain % plan.tp):
+        raise SpecError("plan.tp", plan.tp,
+                        f"a TP group of {plan.tp} does not fit the NVLink domain / super-node of {domain}",
+                        f"use tp <= {domain} (a divisor of it); split further with PP or DP")
+
+
+def _check_experts(plan: ParallelPlan, model: ModelSpec, domain: int | None) -> None:
+    if not model.is_moe:
+        if plan.ep != 1 or plan.etp != 1:
+            raise SpecError("plan.ep", (plan.ep, plan.etp), "a dense model has no experts to split",
+                            "set ep=1 and etp=1")
+        return
+    if not _divides(plan.ep, model.num_experts):
+        raise SpecError("plan.ep", plan.ep, f"does not divide num_experts={model.num_experts}",
+                        "use an expert-parallel degree that divides the expert count")
+    if not _divides(plan.etp, model.moe_ffn_hidden_size):
+        raise SpecError("plan.etp", plan.etp, f"does not divide moe_ffn_hidden_size={model.moe_ffn_hidden_size}",
+                        "use an expert TP degree that divides the expert width")
+    if domain is not None and (plan.etp > domain or domain % plan.etp):
+        raise SpecError("plan.etp", plan.etp, f"an expert-TP group of {plan.etp} does not fit the NVLink domain "
+                        f"of {domain}", f"use etp <= {domain}")
+    stage = plan.tp * plan.cp * plan.dp
+    if stage % (plan.ep * plan.etp):
+        raise SpecError("plan.ep", plan.ep,
+                        f"etp*ep = {plan.ep * plan.etp} does not divide the ranks of one stage, tp*cp*dp = {stage}",
+                        "choose ep*etp dividing tp*cp*dp (MoE parallel folding)")
+
+
+def _check_stages(plan: ParallelPlan, model: ModelSpec) -> None:
+    num_layers = model.num_layers
+    if plan.pp > num_layers:
+        raise SpecError("plan.pp", plan.pp, f"more pipeline stages than layers ({num_layers})",
+                        f"use pp <= {num_layers}")
+    if plan.stage_starts is None:
+        if num_layers % plan.pp:
+            raise SpecError("plan.pp", plan.pp, f"num_layers={num_layers} is not divisible into {plan.pp} even stages",
+                            "pick pp dividing the layer count, or give stage_starts (the planner balances them)")
+        return
+    starts = tuple(plan.stage_starts)
+    if len(starts) != plan.pp or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])) \
+            or starts[-1] >= num_layers:
+        raise SpecError("plan.stage_starts", starts,
+                        f"needs {plan.pp} strictly increasing first-layer indices starting at 0, below {num_layers}",
+                        "give the first layer of each stage, e.g. (0, 16) for 2 stages of 32 layers")
+
+
+def _check_batch(plan: ParallelPlan, model: ModelSpec) -> None:
+    gbs = model.global_batch_sequences
+    if plan.replica_accelerators is not None and len(plan.replica_accelerators) != plan.dp:
+        raise SpecError("plan.replica_accelerators", len(plan.replica_accelerators),
+                        f"needs one accelerator type per DP replica ({plan.dp})", "give dp entries")
+    if plan.replica_microbatches is not None:
+        if len(plan.replica_microbatches) != plan.dp or min(plan.replica_microbatches) < 1:
+            raise SpecError("plan.replica_microbatches", plan.replica_microbatches,
+                            f"needs {plan.dp} positive micro-batch counts", "give one count >= 1 per DP replica")
+        if sum(plan.replica_microbatches) * plan.micro_batch_size != gbs:
+            raise SpecError("plan.replica_microbatches", plan.replica_microbatches,
+                            f"sum x micro_batch_size != global_batch_sequences={gbs}",
+                            "make the micro-batch counts add up to the global batch")
+        return
+    if gbs % (plan.dp * plan.micro_batch_size):
+        raise SpecError("plan.micro_batch_size", plan.micro_batch_size,
+                        f"dp*micro_batch_size = {plan.dp * plan.micro_batch_size} does not divide "
+                        f"global_batch_sequences={gbs}",
+                        "pick dp and micro_batch_size whose product divides the global batch")

@@ -1,0 +1,232 @@
+"""Predicted training step time of a plan on one accelerator type.
+
+Design decisions:
+- Work is priced per layer and per micro-batch on one device, then assembled into a 1F1B
+  pipeline: ``sum_s T_s + (m - 1) * max_s T_s`` (fill/drain once through every stage, then the
+  slowest stage sets the pace), followed by the DP gradient reduction (partly hidden behind the
+  last backward) and the optimizer step (HBM-bound).
+- Compute: forward FLOPs per token from :class:`ModelSpec`, x3 for forward+backward, +1 forward
+  with full recompute, +attention core forward with selective recompute. GEMMs run at the
+  catalogue's peak for the model's precision (FP8 or BF16) times ``gemm_efficiency``; fused
+  attention and the output head stay BF16. Balanced routing is assumed: each device computes
+  ``1/(tp*cp)`` of a replica's tokens in every layer, in both grids.
+- Communication per layer and micro-batch (sequence-parallel Megatron layout):
+  TP all-gather + reduce-scatter pairs around attention, the dense MLP and the shared experts on
+  the scale-up link; EP dispatch/combine all-to-alls (FP8 dispatch under FP8) split into the
+  in-domain and cross-domain parts; ETP gathers of dispatched tokens; CP ring K/V exchange;
+  PP activation send/recv, on the NIC when stage peers sit on different nodes.
+- Ranks fill scale-up domains consecutively in the ``tp, cp, dp, pp`` order (as the layout
+  does), which fixes how much of each group shares a domain.
+
+Units: seconds per step unless a name says "per micro-batch".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rayfleet.placement.cost_params import CostParams, Link, all_to_all_time, hierarchical_allreduce_time, ring_time
+from rayfleet.placement.memory_model import ParamCounts, num_moe_layers
+from rayfleet.placement.model_spec import ModelSpec
+from rayfleet.placement.plan import ParallelPlan
+from rayfleet.platform.catalogue import AcceleratorSpec
+
+__all__ = ["LayerTime", "StepTimeBreakdown", "layer_time", "layer_times", "estimate_step_time"]
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    """One layer, one micro-batch, one device: seconds by kind (forward + backward)."""
+
+    compute: float
+    backward_compute: float
+    tp_comm: float
+    ep_comm: float
+    cp_comm: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp_comm + self.ep_comm + self.cp_comm
+
+
+@dataclass(frozen=True)
+class StepTimeBreakdown:
+    """Seconds of one optimizer step, split by cause along the critical path."""
+
+    compute: float
+    tp_comm: float
+    ep_comm: float
+    cp_comm: float
+    pp_p2p: float
+    pp_bubble: float
+    dp_comm: float
+    optimizer: float
+    stage_microbatch_s: tuple[float, ...]
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.tp_comm + self.ep_comm + self.cp_comm + self.pp_p2p + self.pp_bubble
+                + self.dp_comm + self.optimizer)
+
+    @property
+    def bottleneck(self) -> str:
+        parts = {"compute": self.compute, "TP comm": self.tp_comm, "EP all-to-all": self.ep_comm,
+                 "CP comm": self.cp_comm, "PP send/recv": self.pp_p2p, "PP bubble": self.pp_bubble,
+                 "DP grad reduce": self.dp_comm, "optimizer": self.optimizer}
+        return max(parts, key=parts.__getitem__)
+
+
+def _domain(accel: AcceleratorSpec) -> int:
+    return accel.scaleup_domain_size
+
+
+def layer_time(model: ModelSpec, plan: ParallelPlan, layer: int, accel: AcceleratorSpec,
+               params: CostParams = CostParams()) -> LayerTime:
+    """Forward+backward time of ``layer`` for one micro-batch on one device."""
+    tp = plan.tp_of_layer(layer)
+    tokens = plan.micro_batch_size * model.seq_len / plan.cp  # tokens of the replica's CP shard
+    h = model.hidden_size
+    gemm_peak = accel.peak_tflops(model.precision) * 1e12 * params.gemm_efficiency
+    attn_peak = accel.peak_bf16_tflops * 1e12 * params.attention_efficiency
+    core = model.attention_core_flops_per_token()
+    gemm = model.layer_forward_flops_per_token(layer) - core
+    # Rows per GEMM: a full micro-batch shard for attention/dense/shared-expert GEMMs (after the
+    # sequence-parallel all-gather); for routed experts the tokens a device receives, spread over
+    # its local experts -- small grouped GEMMs run well below peak.
+    dense_eff = tokens / (tokens + params.gemm_rows_at_half_efficiency)
+    fwd_gemm = tokens * gemm / plan.tp / (gemm_peak * dense_eff)
+    if model.is_moe_layer(layer):
+        routed = 2.0 * model.top_k * model.expert_params()
+        rows = tokens / tp * model.top_k * plan.etp / (model.num_experts / plan.ep)
+        expert_eff = rows / (rows + params.gemm_rows_at_half_efficiency)
+        fwd_gemm += tokens * routed / plan.tp / gemm_peak * (1 / expert_eff - 1 / dense_eff)
+    fwd_core = tokens * core / plan.tp / attn_peak
+    fwd = fwd_gemm + fwd_core
+    recompute = fwd if plan.recompute == "full" else fwd_core if plan.recompute == "selective" else 0.0
+    backward = 2 * fwd + recompute
+    compute = fwd + backward
+
+    link = Link.scaleup(accel, params)
+    nic = Link.scaleout(accel, params)
+    fp8 = model.precision == "fp8"
+    ag_bytes = params.comm_bytes_fp8 if fp8 else params.comm_bytes_bf16
+    rs_bytes = params.comm_bytes_bf16
+    # One "TP pair" = all-gather before a column-parallel GEMM + reduce-scatter after the row-
+    # parallel one, forward; the backward mirrors both in BF16.
+    pair = ring_time(tokens * h * ag_bytes, tp, link) + 3 * ring_time(tokens * h * rs_bytes, tp, link)
+    num_pairs = 1  # attention
+    ep_comm = 0.0
+    if model.is_moe_layer(layer):
+        num_pairs += 1 if model.num_shared_experts else 0
+        local = tokens / tp * model.top_k * h  # dispatched elements leaving this device
+        in_domain = min(plan.ep, max(1, _domain(accel) // plan.etp))
+        dispatch = all_to_all_time(local * ag_bytes, plan.ep, in_domain, link, nic)
+        rest = all_to_all_time(local * rs_bytes, plan.ep, in_domain, link, nic)
+        ep_comm = (1 - params.ep_overlap_fraction) * (dispatch + 3 * rest)
+        if plan.etp > 1:
+            gathered = local * plan.etp
+            ep_comm += ring_time(gathered * ag_bytes, plan.etp, link) + 3 * ring_time(gathered * rs_bytes, plan.etp, link)
+    else:
+        num_pairs += 1
+    tp_comm = num_pairs * pair if tp > 1 else 0.0
+
+    cp_comm = 0.0
+    if plan.cp > 1:
+        if model.uses_mla:
+            kv_width = model.num_heads * (2 * model.head_dim + model.rope_head_dim)
+        else:
+            kv_width = 2 * model.num_kv_heads * model.head_dim
+        kv_bytes = tokens * kv_width / tp * params.comm_bytes_bf16
+        cp_link = link if plan.tp * plan.cp <= _domain(accel) else nic
+        # forward passes K/V around the ring once, backward passes K/V and dK/dV
+        steps = 3 * (plan.cp - 1)
+        cp_comm = (1 - params.cp_overlap_fraction) * steps * (cp_link.latency_s + kv_bytes / cp_link.bytes_per_s)
+    return LayerTime(compute, backward, tp_comm, ep_comm, cp_comm)
+
+
+def layer_times(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorSpec,
+                params: CostParams = CostParams()) -> list[LayerTime]:
+    """``layer_time`` of every layer, computing each distinct (kind, TP degree) once."""
+    cache: dict[tuple[bool, int], LayerTime] = {}
+    out = []
+    for layer in range(model.num_layers):
+        key = (model.is_moe_layer(layer), plan.tp_of_layer(layer))
+        if key not in cache:
+            cache[key] = layer_time(model, plan, layer, accel, params)
+        out.append(cache[key])
+    return out
+
+
+def edge_times(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorSpec,
+               params: CostParams = CostParams()) -> tuple[float, float]:
+    """(embedding, output head + loss) time per micro-batch per device, forward+backward."""
+    tokens = plan.micro_batch_size * model.seq_len / plan.cp
+    peak = accel.peak_bf16_tflops * 1e12 * params.gemm_efficiency
+    head = 3 * tokens * model.head_forward_flops_per_token() / plan.tp / peak
+    embed = tokens * model.hidden_size * params.activation_bytes * 2 / plan.tp / (accel.hbm_bandwidth_gbps * 1e9)
+    return embed, head
+
+
+def estimate_step_time(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorSpec, *,
+                       num_microbatches: int, stage_counts: list[ParamCounts],
+                       params: CostParams = CostParams(), times: list[LayerTime] | None = None) -> StepTimeBreakdown:
+    """Step time of ``plan`` (its ``stage_starts`` already chosen) for a replica running
+    ``num_microbatches`` micro-batches; ``stage_counts[s]`` = parameters per device of stage s."""
+    times = times or layer_times(model, plan, accel, params)
+    embed, head = edge_times(model, plan, accel, params)
+    link, nic = Link.scaleup(accel, params), Link.scaleout(accel, params)
+    domain = _domain(accel)
+    m = num_microbatches
+    ranges = plan.stage_ranges(model.num_layers)
+
+    p2p = 0.0
+    if plan.pp > 1:
+        tokens = plan.micro_batch_size * model.seq_len / plan.cp
+        act = tokens * model.hidden_size / plan.tp * params.activation_bytes
+        pp_link = nic if plan.tp * plan.cp * plan.dp >= domain else link
+        p2p = 2 * (pp_link.latency_s + act / pp_link.bytes_per_s)  # activation forward, gradient back
+
+    stage_t, parts = [], []
+    for s, layers in enumerate(ranges):
+        if plan.layer_tp is None:
+            num_moe = num_moe_layers(model, layers)
+            kinds = [(times[layers.start], len(layers) - num_moe), (times[layers.stop - 1], num_moe)]
+        else:
+            kinds = [(times[i], 1) for i in layers]
+        comp = sum(t.compute * n for t, n in kinds) + (embed if s == 0 else 0.0) + (head if s == plan.pp - 1 else 0.0)
+        tp_c = sum(t.tp_comm * n for t, n in kinds)
+        ep_c = sum(t.ep_comm * n for t, n in kinds)
+        cp_c = sum(t.cp_comm * n for t, n in kinds)
+        bwd = sum(t.backward_compute * n for t, n in kinds)
+        stage_t.append(comp + tp_c + ep_c + cp_c + p2p)
+        parts.append((comp, tp_c, ep_c, cp_c, bwd))
+
+    slowest = max(range(plan.pp), key=stage_t.__getitem__)
+    pipeline = sum(stage_t) + (m - 1) * stage_t[slowest]
+    comp, tp_c, ep_c, cp_c, _ = parts[slowest]
+    steady = m * stage_t[slowest]
+
+    tail = 0.0
+    for s in range(plan.pp):
+        counts = stage_counts[s]
+        dense_group, expert_group = plan.dp * plan.cp, plan.edp
+        dp_t = hierarchical_allreduce_time(counts.dense * params.grad_reduce_bytes, dense_group,
+                                           min(dense_group, max(1, domain // plan.tp)), link, nic)
+        dp_t += hierarchical_allreduce_time(counts.expert * params.grad_reduce_bytes, expert_group,
+                                            min(expert_group, max(1, domain // (plan.ep * plan.etp))), link, nic)
+        if plan.zero_stage >= 3:  # parameters gathered for every micro-batch, forward and backward
+            dp_t += 2 * m * ring_time(counts.total * params.param_bytes, dense_group,
+                                      link if dense_group * plan.tp <= domain else nic)
+        exposed = max(0.0, dp_t - params.dp_overlap_fraction * parts[s][4])
+        shard = (counts.dense / (dense_group if plan.zero_stage >= 1 else 1)
+                 + counts.expert / (expert_group if plan.zero_stage >= 1 else 1))
+        opt = shard * params.optimizer_bytes_touched / (accel.hbm_bandwidth_gbps * 1e9)
+        if exposed + opt > tail:
+            tail, dp_part, opt_part = exposed + opt, exposed, opt
+    if tail == 0.0:
+        dp_part = opt_part = 0.0
+    return StepTimeBreakdown(
+        compute=m * comp, tp_comm=m * tp_c, ep_comm=m * ep_c, cp_comm=m * cp_c,
+        pp_p2p=m * p2p if plan.pp > 1 else 0.0, pp_bubble=pipeline - steady,
+        dp_comm=dp_part, optimizer=opt_part, stage_microbatch_s=tuple(stage_t),
+    )

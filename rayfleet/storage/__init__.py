@@ -1,0 +1,1 @@
+"""rayfleet.storage"""

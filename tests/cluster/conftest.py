@@ -1,0 +1,58 @@
+"""One local fleet for the whole test session (never ``ray.init()`` per test).
+
+4 nodes x 8 fake H100 in 2 racks, started by the same launcher as ``rayfleet up``, with the
+fleet controller and node agents running. Tests that change the fleet (cordons, injected faults,
+killed nodes) must put it back as they found it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pytest
+
+NUM_NODES = 4
+
+
+@dataclass
+class FleetHandle:
+    fleet: object  # rayfleet.platform.launcher.LocalFleet
+    sdk: object  # rayfleet.sdk.Fleet
+    topology: object  # FleetTopology of the live fleet, ray_node_id filled
+    address: str
+    dashboard_url: str
+
+
+def wait_until(predicate, *, timeout_s: float = 30.0, interval_s: float = 0.25, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+@pytest.fixture(scope="session")
+def local_fleet(tmp_path_factory):
+    import ray
+
+    from rayfleet.platform.launcher import LocalFleet
+    from rayfleet.platform.topology import FleetTopology, build_topology
+    from rayfleet.sdk import connect
+
+    topology = build_topology(num_nodes=NUM_NODES, accelerator="H100", accelerators_per_node=8, num_racks=2)
+    fleet = LocalFleet.up(topology, home=tmp_path_factory.mktemp("rayfleet-home"))
+    try:
+        sdk = connect(fleet.address)
+        wait_until(lambda: len(sdk.status().nodes) == NUM_NODES
+                   and all(r.health == "healthy" for r in sdk.status().nodes),
+                   timeout_s=90, what="all node agents to report healthy")
+        live = FleetTopology.from_ray_nodes(ray.nodes())
+        yield FleetHandle(fleet=fleet, sdk=sdk, topology=live, address=fleet.address,
+                          dashboard_url=fleet.dashboard_url)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        fleet.down()
