@@ -116,13 +116,21 @@ class NodeAgent:
                 "labels": self.labels, "cordoned": self._cordon_reason is not None,
                 "cordon_reason": self._cordon_reason or "", "self_check": self._last_check,
                 "devices": _probe_devices(), "load_avg": os.getloadavg()[0],
+                # Declared (virtual on CPU machines) accelerators: index = rail.
+                "accelerators": {"type": self.labels.get(L.ACCELERATOR_TYPE),
+                                 "count": int(self.labels.get(L.NUM_ACCELERATORS, 0))},
             }
 
     # -- self-check -------------------------------------------------------------------------
     def self_check(self) -> dict:
         """Run the GEMM self-check now; a failing node is reported suspect by the controller."""
         corrupt = flip_one_bit if self._fault == "sdc" else None
-        result = run_gemm_self_check(corrupt=corrupt, clock=time.perf_counter)
+        import torch
+
+        # The agent holds no GPU (num_cpus=0, no num_gpus): Ray hides them unless the node agent
+        # is given visibility, in which case checking the first device is representative.
+        device = "cuda:0" if torch.cuda.is_available() else "cpu"
+        result = run_gemm_self_check(corrupt=corrupt, clock=time.perf_counter, device=device)
         with self._lock:
             self._last_check = {"ok": result.ok, "checksum": result.checksum, "expected": result.expected,
                                 "repeatable": result.repeatable, "seconds": result.seconds,

@@ -133,6 +133,7 @@ class FleetController:
                 cordon_reason=report.get("cordon_reason", ""),
                 self_check_ok=ok, self_check_at=check.get("at"),
                 agent_info={"pid": report.get("pid"), "devices": report.get("devices", []),
+                            "accelerators": report.get("accelerators", {}),
                             "load_avg": report.get("load_avg")},
             )
             if ok is False and old.self_check_ok is not False:

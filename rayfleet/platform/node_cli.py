@@ -313,7 +313,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stop.add_argument("--node", default=None, help="only this node (by name)")
     # `ray stop`'s flags, so that this can stand in for it.
     stop.add_argument("-f", "--force", action="store_true", help="SIGKILL at once")
-    stop.add_argument("-g", "--grace-period", type=float, default=16.0, help="seconds before SIGKILL")
+    stop.add_argument("-g", "--grace-period", type=float, default=5.0,
+                      help="seconds before SIGKILL (Ray's GCS and monitor ignore SIGTERM for longer)")
     stop.add_argument("-v", "--verbose", action="store_true", help=argparse.SUPPRESS)
     stop.set_defaults(func=_cmd_stop)
 
