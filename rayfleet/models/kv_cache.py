@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from rayfleet.errors import SpecError
+from rayfleet.models.config import MoEConfig
 
 __all__ = ["PagedKVCache", "PagedBatch", "paged_attention"]
 
@@ -47,6 +48,15 @@ class PagedKVCache:
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         return cls(k=torch.zeros(shape, dtype=dtype, device=device),
                    v=torch.zeros(shape, dtype=dtype, device=device))
+
+    @classmethod
+    def for_config(cls, config: MoEConfig, *, num_blocks: int, block_size: int,
+                   dtype: torch.dtype = torch.float32,
+                   device: torch.device | str = "cpu") -> "PagedKVCache":
+        """Pools shaped for ``config`` (layers, KV heads, head dim)."""
+        return cls.allocate(num_layers=config.num_layers, num_blocks=num_blocks, block_size=block_size,
+                            num_kv_heads=config.num_kv_heads, head_dim=config.resolved_head_dim,
+                            dtype=dtype, device=device)
 
     @property
     def num_blocks(self) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping
 
 from rayfleet.placement.cost_params import CostParams
-from rayfleet.placement.memory_model import MemoryBreakdown, stage_memory, stage_param_counts
+from rayfleet.placement.memory_model import MemoryBreakdown, all_stage_param_counts, stage_memory
 from rayfleet.placement.model_spec import ModelSpec
 from rayfleet.placement.pipeline_split import balance_stages
 from rayfleet.placement.plan import ParallelPlan
@@ -97,7 +97,7 @@ def plan_memory(model: ModelSpec, plan: ParallelPlan, accelerator: AcceleratorSp
                 *, params: CostParams = CostParams()) -> tuple[MemoryBreakdown, str, float]:
     """(fullest device's memory, its accelerator type, its usable bytes) for a plan whose
     ``stage_starts`` are set; cheaper than :func:`evaluate_plan` (no step time)."""
-    counts = [stage_param_counts(model, plan, s) for s in range(plan.pp)]
+    counts = all_stage_param_counts(model, plan)
     default_m = plan.num_microbatches(model.global_batch_sequences)
     worst: tuple[MemoryBreakdown, str, float] | None = None
     worst_ratio = -1.0
@@ -126,7 +126,7 @@ def evaluate_plan(model: ModelSpec, plan: ParallelPlan, accelerator: Accelerator
     """
     groups = _accelerators(plan, accelerator)
     plan = balanced_plan(model, plan, slowest_accelerator(model, plan, accelerator), params)
-    counts = [stage_param_counts(model, plan, s) for s in range(plan.pp)]
+    counts = all_stage_param_counts(model, plan)
     default_m = plan.num_microbatches(model.global_batch_sequences)
     worst_mem, worst_type, worst_usable = plan_memory(model, plan, accelerator, params=params)
     worst_step: StepTimeBreakdown | None = None

@@ -16,6 +16,10 @@ Design decisions:
   Patterns are chosen greedily: the largest pattern whose group can host what is still needed,
   else the pattern with the most capacity, repeated. Exhaustive bin-packing is not worth it:
   the greedy result is rail-aligned on any fleet whose free blocks repeat across nodes.
+  4. Nodes of one pattern are dealt to pipeline stages in equal contiguous runs, so the k-th
+     node of every stage offers the same rails and PP peers stay rail-aligned.
+  EP groups are consecutive ranks of a stage, so patterns holding whole EP groups (when one fits
+  a server) are preferred over everything else: the all-to-all is the heaviest MoE traffic.
 - Mixed fleets: a rank runs on its DP replica's accelerator type (``plan.replica_accelerators``);
   each type has its own pool, consumed in rank order.
 - Held slots (accelerators already allocated) and cordoned nodes are never used.
@@ -86,11 +90,15 @@ def _node_order_key(node: NodeTopology) -> tuple:
     return (node.block, node.rack, node.nvlink_domain, node.name)
 
 
-def _block_pool(nodes: list[NodeTopology], needed: int, tp: int, held: set[AcceleratorSlot],
-                stage_size: int) -> list[AcceleratorSlot]:
-    """Ordered slots for ``needed`` ranks in TP-aligned blocks of ``tp`` on single nodes.
+def _block_chunks(nodes: list[NodeTopology], needed: int, tp: int, held: set[AcceleratorSlot],
+                  stage_size: int, ep_group: int = 1) -> list[list[AcceleratorSlot]]:
+    """Node chunks (the slots taken on one node, in TP-aligned blocks of ``tp``) for ``needed``
+    ranks, in pattern-group order.
 
-    A pattern whose ranks per node divide ``stage_size`` (ranks of one pipeline stage) is
+    Patterns that hold whole EP groups (``ep_group`` = ep * etp consecutive ranks, when larger
+    than a TP group) come first, so the all-to-all stays on NVLink wherever the fleet allows;
+
+    then a pattern whose ranks per node divide ``stage_size`` (ranks of one pipeline stage) is
     preferred among equals, so that no stage starts in the middle of a node.
     """
     masks: dict[str, int] = {}
@@ -103,7 +111,7 @@ def _block_pool(nodes: list[NodeTopology], needed: int, tp: int, held: set[Accel
             masks[node.name] = mask
     by_name = {n.name: n for n in nodes}
     remaining = needed // tp
-    pool: list[AcceleratorSlot] = []
+    chunks: list[list[AcceleratorSlot]] = []  # one per node use, in pattern-group order
     max_blocks = max((n.num_accelerators // tp for n in nodes), default=0)
     while remaining > 0 and masks:
         distinct: dict[int, int] = defaultdict(int)
@@ -122,7 +130,9 @@ def _block_pool(nodes: list[NodeTopology], needed: int, tp: int, held: set[Accel
             capacity = width * supporters
             # covers what is left -> widest pattern (fewest nodes); else the most capacity
             covers = capacity >= remaining
-            score = (covers, stage_size % (width * tp) == 0, width if covers else capacity, -pattern)
+            # a server whose rank count is a multiple of the EP group keeps EP on NVLink
+            ep_whole = ep_group <= tp or (width * tp) % ep_group == 0
+            score = (ep_whole, covers, stage_size % (width * tp) == 0, width if covers else capacity, -pattern)
             if best is None or score > best[0]:
                 best = (score, pattern, width)
         _, pattern, width = best
@@ -136,8 +146,7 @@ def _block_pool(nodes: list[NodeTopology], needed: int, tp: int, held: set[Accel
             if remaining <= 0:
                 break
             take = blocks[:remaining]
-            for b in take:
-                pool += [AcceleratorSlot(node.name, i) for i in range(b * tp, (b + 1) * tp)]
+            chunks.append([AcceleratorSlot(node.name, i) for b in take for i in range(b * tp, (b + 1) * tp)])
             remaining -= len(take)
             masks[node.name] &= ~sum(1 << b for b in take)
             if not masks[node.name]:
@@ -146,7 +155,60 @@ def _block_pool(nodes: list[NodeTopology], needed: int, tp: int, held: set[Accel
         free = needed - remaining * tp
         raise SpecError("layout", f"{needed} ranks", f"only {free} free accelerators sit in aligned, fully free "
                         f"blocks of tp={tp}", "free or add accelerators, uncordon nodes, or choose a smaller tp/world")
-    return pool
+    return chunks
+
+
+def _order_cost(pool: list[AcceleratorSlot], plan: ParallelPlan, rack_of: dict[str, str]) -> int:
+    """Rail changes and rack crossings of DP and PP neighbours if rank ``r`` takes ``pool[r]``."""
+    stage = plan.tp * plan.cp * plan.dp
+    cost = 0
+    for r in range(len(pool) - stage):  # PP neighbours
+        a, b = pool[r], pool[r + stage]
+        if a.node != b.node:
+            cost += (a.index != b.index) + (rack_of[a.node] != rack_of[b.node])
+    step = plan.tp * plan.cp
+    for first in range(0, len(pool), stage):  # DP groups of each stage
+        for offset in range(step):
+            lanes: dict[str, list[int]] = defaultdict(list)
+            prev = None
+            for k in range(plan.dp):
+                slot = pool[first + offset + k * step]
+                lanes[slot.node].append(slot.index)
+                if prev is not None and prev.node != slot.node:
+                    cost += rack_of[prev.node] != rack_of[slot.node]
+                prev = slot
+            rails = list(lanes.values())
+            for x, y in zip(rails, rails[1:]):
+                cost += sum(i != j for i, j in zip(x, y))
+    return cost
+
+
+def _deal_to_stages(chunks: list[list[AcceleratorSlot]], num_stages: int) -> list[AcceleratorSlot]:
+    """Order node chunks stage by stage so PP peers share rails.
+
+    Chunks with the same slot pattern are dealt to stages in equal, contiguous runs, so the k-th
+    node of every stage has the same free rails; what does not divide evenly fills the stages
+    last (and may change rail there).
+    """
+    total = sum(len(c) for c in chunks)
+    stage_size = total // num_stages
+    by_pattern: dict[tuple[int, ...], list[list[AcceleratorSlot]]] = defaultdict(list)
+    for chunk in chunks:
+        by_pattern[tuple(s.index for s in chunk)].append(chunk)
+    stages: list[list[AcceleratorSlot]] = [[] for _ in range(num_stages)]
+    leftovers: list[AcceleratorSlot] = []
+    for group in by_pattern.values():
+        per_stage = len(group) // num_stages
+        for s in range(num_stages):
+            for chunk in group[s * per_stage:(s + 1) * per_stage]:
+                stages[s] += chunk
+        for chunk in group[num_stages * per_stage:]:
+            leftovers += chunk
+    for stage in stages:
+        take = stage_size - len(stage)
+        stage += leftovers[:take]
+        leftovers = leftovers[take:]
+    return [slot for stage in stages for slot in stage]
 
 
 def _domain_pool(nodes: list[NodeTopology], needed: int, tp: int, held: set[AcceleratorSlot]) -> list[AcceleratorSlot]:
@@ -211,7 +273,17 @@ def build_layout(plan: ParallelPlan, topology: FleetTopology, *, held: Iterable[
                             "plan for the accelerator types the fleet has")
         per_node = min(n.num_accelerators for n in nodes)
         if plan.tp <= per_node:
-            pools[type_name] = _block_pool(nodes, count, plan.tp, held_set, plan.tp * plan.cp * plan.dp)
+            # ranks of this type per stage: all of a stage, or its replicas of this type
+            ep_group = plan.ep * plan.etp if plan.ep * plan.etp <= per_node else 1
+            chunks = _block_chunks(nodes, count, plan.tp, held_set, count // plan.pp, ep_group)
+            dealt = _deal_to_stages(chunks, plan.pp)
+            if plan.replica_accelerators is None and plan.pp > 1:
+                # Dealing aligns PP rails but may scatter a stage's DP group over racks: keep
+                # whichever order costs fewer rail changes and rack crossings.
+                in_order = [slot for chunk in chunks for slot in chunk]
+                rack_of = {n.name: n.rack for n in nodes}
+                dealt = min((dealt, in_order), key=lambda pool: _order_cost(pool, plan, rack_of))
+            pools[type_name] = dealt
         else:
             pools[type_name] = _domain_pool(nodes, count, plan.tp, held_set)
     cursor: dict[str, int] = defaultdict(int)

@@ -38,6 +38,8 @@ class LayoutQuality:
     tp_groups: int
     tp_groups_crossing_node: int
     tp_groups_crossing_domain: int
+    ep_groups: int
+    ep_groups_crossing_domain: int
     dp_inter_node_transfers: int
     dp_cross_rail_transfers: int
     pp_inter_node_transfers: int
@@ -74,6 +76,8 @@ def layout_quality(layout: Layout, topology: FleetTopology, model: ModelSpec | N
     tp_groups = rank_groups(plan, "tp")
     cross_node = sum(1 for g in tp_groups if len({slot[r].node for r in g}) > 1)
     cross_domain = sum(1 for g in tp_groups if len({node[slot[r].node].nvlink_domain for r in g}) > 1)
+    ep_groups = rank_groups(plan, "ep") if plan.ep > 1 else []
+    ep_cross = sum(1 for g in ep_groups if len({node[slot[r].node].nvlink_domain for r in g}) > 1)
 
     def rail_transfers(groups: list[list[int]], hierarchical: bool) -> tuple[int, int]:
         inter = cross = 0
@@ -124,8 +128,8 @@ def layout_quality(layout: Layout, topology: FleetTopology, model: ModelSpec | N
                 for b in g:
                     if a != b:
                         add(a, b, hop["ep"])
-    return LayoutQuality(len(tp_groups), cross_node, cross_domain, dp_inter, dp_cross, pp_inter, pp_cross,
-                         inter_bytes, spine, cross_block)
+    return LayoutQuality(len(tp_groups), cross_node, cross_domain, len(ep_groups), ep_cross, dp_inter, dp_cross,
+                         pp_inter, pp_cross, inter_bytes, spine, cross_block)
 
 
 def baseline_layout(plan: ParallelPlan, topology: FleetTopology, strategy: Literal["PACK", "SPREAD"], *,

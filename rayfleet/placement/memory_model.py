@@ -19,13 +19,14 @@ Units: elements for counts, bytes for memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from rayfleet.placement.cost_params import CostParams
 from rayfleet.placement.model_spec import ModelSpec
-from rayfleet.placement.plan import ParallelPlan
+from rayfleet.placement.plan import ParallelPlan, even_stage_starts
 
-__all__ = ["ParamCounts", "MemoryBreakdown", "stage_param_counts", "stage_memory", "estimate_memory",
+__all__ = ["ParamCounts", "MemoryBreakdown", "stage_param_counts", "all_stage_param_counts", "stage_memory", "estimate_memory",
            "layer_activation_bytes"]
 
 
@@ -90,6 +91,25 @@ def layer_param_counts(model: ModelSpec, plan: ParallelPlan, layer: int) -> Para
 
 def stage_param_counts(model: ModelSpec, plan: ParallelPlan, stage: int) -> ParamCounts:
     """Parameters on one device of ``stage`` (embedding on the first stage, head on the last)."""
+    return all_stage_param_counts(model, plan)[stage]
+
+
+def all_stage_param_counts(model: ModelSpec, plan: ParallelPlan) -> tuple[ParamCounts, ...]:
+    """:func:`stage_param_counts` of every stage."""
+    # Only the sharding degrees and the split matter: memoise on them, since the planner asks
+    # again for every micro-batch size and recompute mode of a shape.
+    key = replace(plan, dp=1, cp=1, micro_batch_size=1, recompute="none", zero_stage=1,
+                  replica_accelerators=None, replica_microbatches=None,
+                  stage_starts=plan.stage_starts or even_stage_starts(model.num_layers, plan.pp))
+    return _all_counts(model, key)
+
+
+@lru_cache(maxsize=16384)
+def _all_counts(model: ModelSpec, plan: ParallelPlan) -> tuple[ParamCounts, ...]:
+    return tuple(_stage_param_counts(model, plan, s) for s in range(plan.pp))
+
+
+def _stage_param_counts(model: ModelSpec, plan: ParallelPlan, stage: int) -> ParamCounts:
     layers = plan.stage_ranges(model.num_layers)[stage]
     if plan.layer_tp is None:
         # Two layer kinds only: count them instead of looping (the planner calls this a lot).

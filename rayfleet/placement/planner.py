@@ -4,13 +4,17 @@ Design decisions:
 - The search space is a product of *shapes* (tp, cp, pp, dp, ep, etp) and per-shape choices
   (micro-batch size, recompute). Plans are ranked per shape (each shape shows its best choice),
   so the top-k list offers genuinely different splits.
-- Branch and bound over shapes, exact with respect to the cost model: a shape's lower bound is
-  its total per-device work (compute + bandwidth terms, no latency, no bubble, no DP/optimizer
-  tail) divided evenly over stages, which no choice of micro-batch size or recompute can beat.
-  Shapes are visited in bound order and the search stops when the bound reaches the k-th best
-  time found. :func:`brute_force_plans` evaluates everything and is the test oracle.
+- Branch and bound over shapes, exact with respect to the cost model: a shape's lower bound
+  (:class:`_Bound`) is its per-device work (compute + bandwidth terms at the most efficient
+  micro-batch, no latency, no DP/optimizer tail) spread evenly over stages plus the smallest
+  possible 1F1B fill/drain, which no choice of micro-batch size, recompute or split can beat.
+  Shapes are visited in bound order; the search stops when the bound reaches the k-th best time
+  found, and skips micro-batch sizes whose own bound cannot win. A cheap memory bound (weights,
+  gradients and optimizer states averaged over stages) rejects shapes before any pricing.
+  :func:`brute_force_plans` evaluates everything and is the test oracle.
 - Within a shape and micro-batch size, recompute modes are tried from cheapest time
-  (none < selective < full) to smallest memory; the first that fits is the best of the three.
+  (none < selective < full) to smallest memory; the first that fits is the best of the three,
+  and once even full recompute overflows, larger micro-batches are not tried.
 - Mixed fleets: every DP replica lives on one accelerator type; a type with ``n`` free
   accelerators hosts ``n // (tp*cp*pp)`` replicas, and micro-batches go to replicas in
   proportion to their accelerators' peak FLOP/s (largest remainder), so fast replicas take more
@@ -263,9 +267,10 @@ def _best_of_shape(model: ModelSpec, capacity: FleetCapacity, shape, space: Sear
     micro-batch sizes whose bound reaches ``cutoff`` and stops at the first recompute that fits."""
     best: PlanCost | None = None
     reason: str | None = None
-    for mbs in space.micro_batch_sizes:
+    for mbs in sorted(space.micro_batch_sizes):
         if not exhaustive and bound is not None and bound.at(mbs) >= min(cutoff, best.step_time_s if best else cutoff):
             continue
+        fitted = False
         for recompute in space.recompute:
             plan = _build_plan(model, capacity, shape, mbs, recompute, space)
             if isinstance(plan, str):
@@ -277,11 +282,14 @@ def _best_of_shape(model: ModelSpec, capacity: FleetCapacity, shape, space: Sear
             if mem.total > usable:
                 reason = reason or f"memory: {mem.total / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable on {mem_type}"
                 continue
+            fitted = True
             cost = evaluate_plan(model, plan, accel, params=params)
             if best is None or cost.step_time_s < best.step_time_s:
                 best = cost
             if not exhaustive:
                 break  # slower recompute modes cannot beat the first one that fits
+        if not fitted and not exhaustive and reason and reason.startswith("memory"):
+            break  # activations only grow with the micro-batch: larger ones cannot fit either
     return best, (None if best else reason)
 
 
@@ -325,12 +333,13 @@ def search_plans(model: ModelSpec, capacity: FleetCapacity, *, top_k: int = 5, p
     for i, (bound, shape, _) in enumerate(candidates):
         cutoff = -heap[0] if len(heap) >= top_k else float("inf")
         if bound.lowest >= cutoff:
-            pruned = len(candidates) - i
+            pruned += len(candidates) - i
             break
         best, reason = _best_of_shape(model, capacity, shape, space, params, exhaustive=False, bound=bound,
                                       cutoff=cutoff)
         if best is None and reason is None:
-            continue  # every micro-batch size was bounded out: feasible but slower than the top k
+            pruned += 1  # every micro-batch size was bounded out: feasible but slower than the top k
+            continue
         if best is None:
             rejected.append(Rejection(_describe(shape), reason or "no valid micro-batch size"))
             continue

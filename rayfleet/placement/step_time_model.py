@@ -24,6 +24,7 @@ Units: seconds per step unless a name says "per micro-batch".
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from rayfleet.placement.cost_params import CostParams, Link, all_to_all_time, hierarchical_allreduce_time, ring_time
 from rayfleet.placement.memory_model import ParamCounts, num_moe_layers
@@ -168,7 +169,7 @@ def edge_times(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorSpec,
 
 
 def estimate_step_time(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorSpec, *,
-                       num_microbatches: int, stage_counts: list[ParamCounts],
+                       num_microbatches: int, stage_counts: Sequence[ParamCounts],
                        params: CostParams = CostParams(), times: list[LayerTime] | None = None) -> StepTimeBreakdown:
     """Step time of ``plan`` (its ``stage_starts`` already chosen) for a replica running
     ``num_microbatches`` micro-batches; ``stage_counts[s]`` = parameters per device of stage s."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -31,9 +32,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rayfleet.errors import FleetStateError, LabelError, SpecError
 from rayfleet.platform import labels as L
+
+if TYPE_CHECKING:
+    from rayfleet.platform.topology import NodeTopology
 
 __all__ = ["register", "NodeRecord", "own_addresses", "unique_node_labels"]
 
@@ -76,8 +81,15 @@ def _load_records() -> list[tuple[Path, NodeRecord]]:
 
 # -- which node am I? -----------------------------------------------------------------------------
 def own_addresses(explicit: str | None = None) -> list[str]:
-    """Addresses this machine may be listed under, most specific first."""
-    out = [explicit, os.environ.get("RAYFLEET_NODE_IP")]
+    """Addresses this machine may be listed under, most specific first.
+
+    An explicit address (``--node-ip-address`` or ``$RAYFLEET_NODE_IP``) is the only candidate:
+    on a host with several "machines" (loopback addresses) a fallback would pick the wrong node.
+    """
+    explicit = explicit or os.environ.get("RAYFLEET_NODE_IP")
+    if explicit:
+        return [explicit]
+    out: list[str | None] = []
     ssh = os.environ.get("SSH_CONNECTION", "").split()
     if len(ssh) == 4:
         out.append(ssh[2])  # the server address the SSH client (Ray's updater) connected to
@@ -115,7 +127,7 @@ def unique_node_labels(type_labels: dict[str, str], host: str) -> dict[str, str]
 @dataclass(frozen=True)
 class _StartPlan:
     cluster: str
-    topology: object  # NodeTopology
+    topology: "NodeTopology"
     address: str
     head_address: str | None
     temp_dir: str | None
@@ -133,7 +145,11 @@ def _plan_start(args: argparse.Namespace) -> _StartPlan:
         if not raw:
             raise LabelError("--node-type-labels: RAY_OVERRIDE_LABELS is not set. Fix: declare the labels "
                              "in the node type (available_node_types.<type>.labels) or the container env")
-        type_labels = json.loads(raw)
+        try:
+            type_labels = json.loads(raw)
+        except ValueError:
+            raise LabelError(f"RAY_OVERRIDE_LABELS={raw!r} is not a JSON object. Fix: set it to the node "
+                             "type's labels as JSON, e.g. '{\"rayfleet.io/rack\": \"r00\"}'") from None
         topology = node_topology_from_labels(unique_node_labels(type_labels, socket.gethostname()),
                                              where="RAY_OVERRIDE_LABELS")
         address = own_addresses(args.node_ip_address)[0]
@@ -161,13 +177,52 @@ def _plan_start(args: argparse.Namespace) -> _StartPlan:
             temp_dir=temp_dir if is_head else None, head_port=spec.head_port,
             dashboard_port=spec.dashboard_port, dashboard_host=spec.dashboard_host,
             system_config=dict(spec.system_config) if spec.system_config else None,
-            # Several "machines" may share one host (loopback addresses): pick free ports.
-            unique_ports=True, block=args.block,
+            unique_ports=False, block=args.block,
         )
-        if not is_head:  # ray_start_args gives it to heads only; a private dir per cluster everywhere
-            ray_args.append(f"--temp-dir={temp_dir}")
+        # Several "machines" may share one host (loopback addresses): every node gets its own ports.
+        ray_args += _unique_port_args(is_head=is_head)
+        if not is_head:
+            # A private dir per cluster, and per node under it: nodes on one host sharing a temp
+            # dir race for the same socket names (raylet.1, ...) when started together.
+            ray_args.append(f"--temp-dir={temp_dir}/{topology.name}")
     return _StartPlan(cluster=cluster, topology=topology, address=address, head_address=head_address,
                       temp_dir=temp_dir, gcs_address=gcs_address, ray_args=[*ray_args, *extra])
+
+
+_PORT_FLAGS = ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
+               "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _unique_port_args(*, is_head: bool) -> list[str]:
+    """Free ports for one node, picked at random between Ray's worker-port range and the kernel's
+    ephemeral range.
+
+    Why not bind(0) as the local launcher does: a port from the ephemeral range can be taken as
+    the *source* port of some outgoing connection between picking it and the raylet binding it;
+    with nodes starting in parallel (the autoscaler starts all workers at once) that race was
+    seen ("bind: Address already in use"). Ray's worker processes use 10002-19999.
+    """
+    rng = random.SystemRandom()
+    flags = _PORT_FLAGS + (("--ray-client-server-port",) if is_head else ())
+    ports: list[int] = []
+    while len(ports) < len(flags):
+        port = rng.randrange(20000, max(_ephemeral_low(), 20001))
+        if port in ports:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        ports.append(port)
+    return [f"{flag}={port}" for flag, port in zip(flags, ports)]
 
 
 # -- start / stop ---------------------------------------------------------------------------------
@@ -175,10 +230,9 @@ def _cmd_start(args: argparse.Namespace) -> int:
     from rayfleet.platform.launcher import _ray_executable, ensure_auth_token
 
     plan = _plan_start(args)
-    command = [_ray_executable(), *plan.ray_args]
     name = plan.topology.name
     if args.dry_run:
-        print(subprocess.list2cmdline(command))
+        print(subprocess.list2cmdline([_ray_executable(), *plan.ray_args]))
         return 0
     if plan.head_address is None:
         ensure_auth_token()
@@ -195,27 +249,34 @@ def _cmd_start(args: argparse.Namespace) -> int:
     env = dict(os.environ, RAY_AUTH_MODE="token",
                PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     env.pop("RAY_OVERRIDE_LABELS", None)  # would override the labels computed here
-    with open(log_path, "ab") as log:
-        log.write(f"\n$ {subprocess.list2cmdline(command)}\n".encode())
-        log.flush()
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, start_new_session=True)
-    record = NodeRecord(cluster=plan.cluster, node=name, address=plan.address, pgid=proc.pid,
-                        temp_dir=plan.temp_dir, log_path=str(log_path), started_at=time.time())
-    path.write_text(json.dumps(asdict(record), indent=2))
     print(f"rayfleet node {name} ({plan.address}, cluster {plan.cluster}): "
           f"{L.format_label_string(plan.topology.to_labels())}")
-    if args.block:
-        return proc.wait()
-    try:
-        code = proc.wait(timeout=_START_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        code = -1
-    if code != 0:
-        print(Path(log_path).read_text(errors="replace")[-3000:], file=sys.stderr)
-        raise FleetStateError(f"`ray start` for node {name} failed (exit {code}). Fix: see {log_path}")
-    print(f"started node {name}; cluster address {plan.gcs_address}; log {log_path}")
-    return 0
+    attempts = 1 if args.block else 2
+    for attempt in range(1, attempts + 1):
+        command = [_ray_executable(), *plan.ray_args]
+        with open(log_path, "ab") as log:
+            log.write(f"\n$ {subprocess.list2cmdline(command)}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, start_new_session=True)
+        record = NodeRecord(cluster=plan.cluster, node=name, address=plan.address, pgid=proc.pid,
+                            temp_dir=plan.temp_dir, log_path=str(log_path), started_at=time.time())
+        path.write_text(json.dumps(asdict(record), indent=2))
+        if args.block:
+            return proc.wait()
+        try:
+            code = proc.wait(timeout=_START_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            code = -1
+        if code == 0:
+            print(f"started node {name}; cluster address {plan.gcs_address}; log {log_path}")
+            return 0
+        # A failed start can leave daemons behind; stop them before trying again with new ports.
+        _stop_records([(path, record)], grace_s=2.0)
+        print(f"`ray start` for node {name} failed (exit {code}, attempt {attempt}/{attempts}):\n"
+              f"{log_path.read_text(errors='replace')[-3000:]}", file=sys.stderr)
+        plan = _plan_start(args)
+    raise FleetStateError(f"`ray start` for node {name} failed {attempts} times. Fix: see {log_path}")
 
 
 def _session_members(sid: int) -> list[int]:
@@ -270,6 +331,12 @@ def _stop_records(records: list[tuple[Path, NodeRecord]], *, grace_s: float) -> 
 def _cmd_stop(args: argparse.Namespace) -> int:
     records = [(p, r) for p, r in _load_records()
                if (args.cluster is None or r.cluster == args.cluster) and (args.node is None or r.node == args.node)]
+    ssh = os.environ.get("SSH_CONNECTION", "").split()
+    if args.cluster is None and args.node is None and len(ssh) == 4:
+        # Reached over SSH (e.g. the `ray stop` of `ray down`, through the gate): stop the
+        # clusters that have a node at the address the caller connected to, not every cluster.
+        clusters = {r.cluster for _, r in records if r.address == ssh[2]}
+        records = [(p, r) for p, r in records if r.cluster in clusters]
     if not records:
         print("rayfleet node stop: no node started by `rayfleet node start` is recorded on this machine")
         return 0
