@@ -41,16 +41,6 @@ NOISE = "bf16-perturbed"
 WINDOW = 50
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def prepare_text(num_files: int) -> np.ndarray:
     """Tokenize the first ``num_files`` top-level stdlib modules through the token dataset path."""
     stdlib = Path(os.path.realpath(sysconfig.get_paths()["stdlib"]))

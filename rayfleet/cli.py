@@ -22,6 +22,9 @@ _COMMAND_MODULES = (
     "rayfleet.placement.cli",
     "rayfleet.storage.data_cli",
     "rayfleet.platform.node_cli",
+    "rayfleet.jobs.cli",
+    "rayfleet.serving.cli",
+    "rayfleet.platform.queue_cli",
 )
 
 

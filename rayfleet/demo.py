@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import threading
 import time
 from typing import Callable
 
@@ -74,10 +75,217 @@ def step_job_submission(local: LocalFleet) -> None:
         raise RuntimeError(f"demo: job {job} ended {status}")
 
 
+def step_training(fleet, workdir: str, *, steps: int) -> str:
+    """Train the tiny MoE with FP8 on two H100 workers (EP2 over DP2); returns the model's URI."""
+    _banner(f"training: tiny MoE, FP8 (tensorwise), EP2 x DP2 on 2 H100 workers, {steps} steps (Ray Train)")
+    import os
+
+    from rayfleet.storage.tokens import prepare_token_dataset
+
+    data_uri = os.path.join(workdir, "tokens")
+    manifest = prepare_token_dataset([os.path.join(os.path.dirname(os.__file__), "json"),
+                                      os.path.join(os.path.dirname(os.__file__), "email")],
+                                     data_uri, shard_tokens=1 << 16, seq_len=128)
+    print(f"dataset: {manifest.num_tokens:,} tokens of Python stdlib source in {len(manifest.shards)} Parquet shards")
+    model_uri = os.path.join(workdir, "models", "tiny-fp8")
+    spec = {"name": "demo-tiny-fp8", "model": {"preset": "tiny", "seed": 0},
+            "data": {"uri": data_uri, "seq_len": 128}, "plan": {"dp": 2, "ep": 2},
+            "precision": "tensorwise", "steps": steps, "global_batch_size": 8,
+            "optimizer": {"lr": 2e-3}, "schedule": {"warmup_steps": 3},
+            "resources": {"accelerator": "H100", "num_workers": 2}, "output": {"uri": model_uri}}
+    run = fleet.train(spec)
+    print(f"submitted as Ray job {run.job_id}")
+    status = run.follow()
+    if status != "SUCCEEDED":
+        print("\n".join(run.logs().splitlines()[-30:]))
+        raise RuntimeError(f"demo: training ended {status}")
+    table = run.metrics()
+    print(table)
+    first, last = table.rows[0], table.rows[-1]
+    print(f"loss {first['loss']:.3f} -> {last['loss']:.3f}; final model saved to {model_uri}")
+    return model_uri
+
+
+def step_serving(fleet, model_uri: str) -> None:
+    """Serve the trained model disaggregated (1 prefill + 1 decode replica on H100s) and call it
+    with the official OpenAI client, streaming and not; then delete the app and stop Serve."""
+    _banner("serving: the trained model, prefill/decode split on Ray Serve, OpenAI API")
+    import json
+    import socket
+    import urllib.request
+
+    import openai
+    from ray import serve
+
+    with socket.socket() as s:  # a free port: the demo must not collide with a running server
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pool = {"replicas": 1, "accelerators_per_replica": 1, "accelerator_type": "H100"}
+    spec = {"name": "demo-tiny-fp8", "model": {"checkpoint": model_uri, "name": "demo-tiny-fp8"},
+            "mode": "disaggregated", "prefill": pool, "decode": pool, "http": {"port": port}}
+    started = time.monotonic()
+    served = fleet.serve(spec)
+    try:
+        print(f"deployed {served.status()['deployments']} in {time.monotonic() - started:.1f}s; "
+              f"OpenAI base URL {served.openai_base_url}")
+        client = openai.OpenAI(base_url=served.openai_base_url, api_key="unused")
+        prompt = "import json\n\ndef load(path):\n"
+        out = client.completions.create(model="demo-tiny-fp8", prompt=prompt, max_tokens=48, temperature=0)
+        print(f"completion (greedy, {out.usage.completion_tokens} tokens, finish={out.choices[0].finish_reason}):")
+        print(f"  {prompt!r} -> {out.choices[0].text!r}")
+        sent, first, pieces = time.monotonic(), None, []
+        for chunk in client.chat.completions.create(
+                model="demo-tiny-fp8", messages=[{"role": "user", "content": "Write a Python function."}],
+                max_tokens=48, temperature=0, stream=True):
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first or time.monotonic()
+                pieces.append(chunk.choices[0].delta.content)
+        print(f"chat (streamed in {len(pieces)} chunks, first after {(first - sent) * 1e3:.0f} ms): "
+              f"{''.join(pieces)!r}")
+        with urllib.request.urlopen(served.url + "/metrics", timeout=30) as resp:
+            metrics = {}
+            for line in resp.read().decode().splitlines():
+                if line.startswith("rayfleet:") and not line.startswith("rayfleet:prefix_cache"):
+                    name, value = line.rsplit(" ", 1)
+                    metrics[name.split("{")[0]] = float(value)  # one model: one sample per name
+
+        def mean(name: str) -> float:
+            return metrics[f"rayfleet:{name}_seconds_sum"] / metrics[f"rayfleet:{name}_seconds_count"]
+        ttft, e2e = mean("time_to_first_token"), mean("e2e_request_latency")
+        print(f"metrics: {metrics['rayfleet:e2e_request_latency_seconds_count']:.0f} requests, "
+              f"mean TTFT {ttft * 1e3:.0f} ms, mean end-to-end {e2e * 1e3:.0f} ms, "
+              f"{metrics['rayfleet:generation_tokens_total']:.0f} tokens generated")
+        usage = served.block_usage()
+        print("KV blocks free after the requests: " + json.dumps(
+            {name: f"{u['num_free_blocks']}/{u['num_blocks']}" for name, u in usage.items()}))
+    finally:
+        served.shutdown()
+        serve.shutdown()
+    print(f"deleted app {served.name!r} and stopped Serve")
+
+
+def _stream_burst(base_url: str, model: str, *, clients: int, stop: threading.Event, results: list) -> list:
+    """``clients`` threads streaming short completions until ``stop``; each request appended to
+    ``results`` as (TTFT seconds or None, error or None)."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+
+    def run(index: int) -> None:
+        n = 0
+        while not stop.is_set():
+            sent, first, error = time.monotonic(), None, None
+            try:
+                for chunk in client.completions.create(model=model, prompt=f"def f{index}_{n}(x):\n", max_tokens=16,
+                                                       temperature=0, stream=True):
+                    if chunk.choices and chunk.choices[0].text and first is None:
+                        first = time.monotonic()
+            except Exception as exc:  # noqa: BLE001 - a failed request is reported, not raised
+                error = repr(exc)
+            results.append((None if first is None else first - sent, error))
+            n += 1
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def step_autoscaler(local: LocalFleet, fleet, workdir: str, model_uri: str) -> None:
+    """A burst of requests makes the shared autoscaler lend one accelerator of an elastic
+    training job to Serve, and give it back once the burst is over."""
+    _banner("autoscaler: a burst borrows an accelerator from elastic training, then gives it back")
+    import os
+
+    from ray import serve
+
+    from rayfleet.platform.topology import NodeTopology
+
+    slo_s = 2.0
+    served = fleet.serve({"name": "demo-burst", "mode": "colocated",
+                          "model": {"checkpoint": model_uri, "name": "demo-tiny-fp8"},
+                          "colocated": {"replicas": 1, "accelerators_per_replica": 1, "accelerator_type": "H100"},
+                          "http": {"port": _free_port()}})
+    # A small 2-accelerator server joins; the big H100 servers are cordoned, so the job below
+    # and the autoscaler's moves share exactly those two accelerators.
+    small = NodeTopology(name="n0009", accelerator_type="H100", num_accelerators=2, rack="r09", block="b9",
+                         nvlink_domain="nvl-n0009")
+    local.add_node(small)
+    big = [r.topology.name for r in fleet.status().nodes if r.topology.accelerator_type == "H100"
+           and r.topology.name != small.name]
+    shell = None
+    try:
+        for name in big:
+            fleet.cordon(name, "demo: leave the autoscaler two accelerators")
+        fleet.start_autoscaler(interval_s=1.0, scale_down_after_s=3.0, job_resize_cooldown_s=5.0)
+        shell = fleet.autoscale_serve(served, ttft_slo_s=slo_s, target_ongoing_requests=2, max_replicas=2,
+                                      window_s=3.0)
+        run = fleet.train({"name": "demo-elastic", "model": {"preset": "tiny", "seed": 0},
+                           "data": {"uri": os.path.join(workdir, "tokens"), "seq_len": 64}, "plan": {},
+                           "precision": "fp32", "steps": 40, "global_batch_size": 4, "schedule": {"warmup_steps": 1},
+                           "resources": {"accelerator": "H100", "elastic": {"min_workers": 1, "max_workers": 2}},
+                           "checkpoint": {"every_n_steps": 1, "persist_every": 1}})
+        _wait(lambda: "on 2 workers" in run.logs() and "step=2 " in run.logs() or run.status() in ("FAILED", "STOPPED"),
+              180, "the elastic job's first steps")
+        print(f"elastic job {run.job_id} trains on 2 workers on {small.name}; Serve has 1 replica; "
+              f"6 clients now stream requests")
+        stop, results = threading.Event(), []
+        threads = _stream_burst(served.openai_base_url, "demo-tiny-fp8", clients=6, stop=stop, results=results)
+        try:
+            _wait(lambda: any(h["running_at"] for h in shell.history()) or run.status() in ("FAILED", "STOPPED"),
+                  120, "a lent replica serving")
+            time.sleep(5)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=120)
+        print(f"burst over after {len(results)} requests; waiting for the autoscaler to give the accelerator back")
+        _wait(lambda: all(h["removed_at"] for h in shell.history()), 90, "the lent replica to be drained")
+        status = run.wait(timeout_s=300)
+        ttfts = [t for t, e in results if t is not None]
+        failed = sum(1 for t, e in results if e is not None)
+        history = shell.history()
+        print(f"requests: {len(results)}, failed: {failed}, within TTFT SLO {slo_s:g}s: "
+              f"{sum(1 for t in ttfts if t <= slo_s) / max(1, len(ttfts)):.0%}; handover "
+              + ", ".join(f"{h['handover_s']:.1f}s on {h['node']}" for h in history if h["handover_s"] is not None))
+        print("what the autoscaler did (also in `rayfleet status`):")
+        for e in fleet.autoscaler_decisions(limit=20):
+            print(f"  {time.strftime('%H:%M:%S', time.localtime(e.ts))} {e.subject:<18} "
+                  f"{e.kind.removeprefix('autoscaler_'):<16} {e.cause}")
+        formations = [line.split("rayfleet elastic: ", 1)[1] for line in run.logs().splitlines()
+                      if "rayfleet elastic: formation" in line]
+        print(f"training: {'; '.join(formations)}; job {status}")
+        if status != "SUCCEEDED" or failed:
+            raise RuntimeError(f"demo: autoscaler step: job {status}, {failed} failed requests")
+    finally:
+        if shell is not None:
+            shell.stop()
+        fleet.stop_autoscaler()
+        served.shutdown()
+        for app in list(serve.status().applications):
+            if app.startswith("demo-burst--"):
+                serve.delete(app)
+        serve.shutdown()
+        for name in big:
+            fleet.uncordon(name)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rayfleet.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--accelerator", default="H100:2,P800:2", help="fleet mix (default: 2 H100 + 2 P800 servers)")
     parser.add_argument("--racks", type=int, default=2)
+    parser.add_argument("--train-steps", type=int, default=30)
+    # Off by default until it is verified on the 2-core machine (see tests/cluster/test_autoscaler.py).
+    parser.add_argument("--autoscaler", action="store_true",
+                        help="end with a burst that makes the autoscaler lend an accelerator and give it back")
     args = parser.parse_args(argv)
 
     from rayfleet.sdk import connect
@@ -99,6 +307,11 @@ def main(argv: list[str] | None = None) -> int:
         step_health_and_cordon(fleet)
         step_silent_data_corruption(fleet)
         step_job_submission(local)
+        workdir = tempfile.mkdtemp(prefix="rayfleet-demo-work-")
+        model_uri = step_training(fleet, workdir, steps=args.train_steps)
+        step_serving(fleet, model_uri)
+        if args.autoscaler:
+            step_autoscaler(local, fleet, workdir, model_uri)
         _banner("demo finished: all steps passed")
         return 0
     finally:

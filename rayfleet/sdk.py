@@ -62,6 +62,100 @@ class Fleet:
     def self_check(self, node: str, *, inject_fault: str | None = None) -> dict:
         return ray.get(self.controller.run_self_check.remote(node, inject_fault))
 
+    # -- training -------------------------------------------------------------------------
+    @property
+    def dashboard_url(self) -> str:
+        """The job API / dashboard address of the connected cluster (``http://host:port``)."""
+        from ray._private.worker import get_dashboard_url
+
+        url = get_dashboard_url()
+        return url if "://" in url else f"http://{url}"
+
+    def train(self, spec, *, max_failures: int | None = None, storage_path: str | None = None):
+        """Submit a training job; returns a :class:`rayfleet.jobs.handle.TrainingRun`.
+
+        ``spec``: a ``TrainJobSpec``, a mapping of its fields, or a job YAML path. The spec and
+        its dataset are checked here, before anything is submitted.
+        """
+        from rayfleet.jobs.handle import submit_training
+        from rayfleet.jobs.planning import check_dataset, validate_job
+        from rayfleet.jobs.spec import TrainJobSpec
+
+        if isinstance(spec, (str, Path)):
+            spec = TrainJobSpec.from_yaml(spec)
+        elif not isinstance(spec, TrainJobSpec):
+            spec = TrainJobSpec.model_validate(dict(spec))
+        if spec.resources.num_workers is not None or (spec.plan is not None and spec.plan.dp is not None):
+            validate_job(spec)  # dataset, plan and memory, before anything is submitted
+        else:
+            check_dataset(spec)  # the plan needs the live fleet's size: the job driver checks it
+        return submit_training(spec, dashboard_url=self.dashboard_url, max_failures=max_failures,
+                               storage_path=storage_path)
+
+    # -- serving --------------------------------------------------------------------------------
+    def serve(self, spec, *, timeout_s: float = 300.0):
+        """Deploy a model on this fleet (Ray Serve); returns a
+        :class:`~rayfleet.serving.api.ServeDeployment` once its engines answer.
+
+        ``spec``: a ``ServeSpec``, a mapping of its fields, or a serve YAML path (see
+        ``examples/serve/``). Use ``.openai_base_url`` with any OpenAI client and
+        ``.shutdown()`` to delete the app. Raises ``SpecError`` for a bad spec and
+        ``ServeDeployError`` if the app does not come up within ``timeout_s``.
+        """
+        from rayfleet.serving.api import deploy
+
+        return deploy(spec, timeout_s=timeout_s)
+
+    # -- queues and the shared autoscaler -------------------------------------------------------
+    def queues(self) -> list:
+        """The fleet's queues (frozen :class:`~rayfleet.platform.queues.Queue` records)."""
+        from rayfleet.platform.queues import parse_queue_spec
+
+        return [parse_queue_spec(q) for q in ray.get(self.controller.list_queues.remote())]
+
+    def create_queue(self, name: str, *, parent: str | None = None, quota: dict | None = None,
+                     borrow_limit: dict | None = None, priority: int = 0):
+        """Create or replace a queue (validated here, then as a whole tree by the controller)."""
+        from rayfleet.platform.queues import parse_queue_spec
+
+        queue = parse_queue_spec({"name": name, "parent": parent, "quota": quota or {},
+                                  "borrow_limit": borrow_limit, "priority": priority})
+        return parse_queue_spec(ray.get(self.controller.create_queue.remote(queue.to_json())))
+
+    def delete_queue(self, name: str) -> None:
+        ray.get(self.controller.delete_queue.remote(name))
+
+    def autoscaler_step(self) -> list[dict]:
+        """Run one step of the shared autoscaler now; returns its decisions (also in events)."""
+        return ray.get(self.controller.autoscaler_step.remote())
+
+    def start_autoscaler(self, interval_s: float = 10.0, **config) -> None:
+        """Run the shared autoscaler in the controller every ``interval_s`` seconds.
+
+        ``config``: :class:`~rayfleet.platform.autoscaler_policy.AutoscalerConfig` fields, e.g.
+        ``scale_down_after_s=5, job_resize_cooldown_s=10`` (seconds of hysteresis).
+        """
+        ray.get(self.controller.start_autoscaler.remote(interval_s, config or None))
+
+    def stop_autoscaler(self) -> bool:
+        """Stop the shared autoscaler loop; returns whether one was running."""
+        return ray.get(self.controller.stop_autoscaler.remote())
+
+    def autoscaler_decisions(self, limit: int = 20) -> list:
+        """The autoscaler's recent decisions and handovers (events with their reasons), oldest first."""
+        return ray.get(self.controller.autoscaler_decisions.remote(limit))
+
+    def autoscale_serve(self, served, **config):
+        """Let the shared autoscaler scale a served model (``fleet.serve(...)``'s result) onto
+        accelerators it lends from elastic training; returns a handle with ``history()``/``stop()``.
+
+        ``config``: :class:`~rayfleet.serving.autoscale.ServeShellConfig` fields — ``ttft_slo_s``,
+        ``target_ongoing_requests``, ``max_replicas``, ``role``, ``interval_s``, ``window_s``.
+        """
+        from rayfleet.serving.autoscale import start_serve_shell
+
+        return start_serve_shell(served.spec, **config)
+
     def shutdown(self) -> None:
         """Disconnect; stop the local fleet too if this ``Fleet`` started it."""
         if ray.is_initialized():
@@ -97,9 +191,12 @@ def _init(address: str) -> None:
     if ray.is_initialized():
         return
     _check_reachable(address)
+    # Inside a submitted job the job's runtime env already applies (and Ray refuses a driver
+    # env that repeats one of its variables); elsewhere workers need the auth mode passed on.
+    in_job = bool(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"))
     try:
         ray.init(address=address, namespace="rayfleet", log_to_driver=False,
-                 runtime_env={"env_vars": {"RAY_AUTH_MODE": "token"}})
+                 runtime_env=None if in_job else {"env_vars": {"RAY_AUTH_MODE": "token"}})
     except ConnectionError as exc:
         raise FleetNotFoundError(
             f"cannot connect to a Ray cluster at {address!r} ({exc}). Fix: start a fleet with "

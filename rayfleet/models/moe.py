@@ -100,6 +100,10 @@ class TokenDispatcher(Protocol):
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor: ...
 
+    # Optional: ``run_experts(experts, x, topk_idx, topk_weight, *, num_experts, capacity) ->
+    # (out, dispatched_copies)`` replaces dispatch -> experts -> combine when a dispatcher
+    # schedules its own exchanges (e.g. overlapping all-to-all with expert GEMMs).
+
 
 class _LocalHandle(NamedTuple):
     token_ids: torch.Tensor  # [N] source row of each dispatched row
@@ -142,7 +146,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) -> t
     """
     outs = [seg @ weight[g].t() for g, seg in enumerate(torch.split(x, sizes)) if sizes[g]]
     if not outs:
-        return x.new_zeros(x.shape[0], weight.shape[1])
+        # Stay in the autograd graph even with no rows: under expert parallelism every rank
+        # must run the backward of its all-to-all exchanges, rows or not, or its peers hang.
+        return x @ weight[0].t()
     return torch.cat(outs)
 
 
@@ -217,12 +223,18 @@ class MoELayer(nn.Module):
         routing = self.router(flat)
         counts = torch.bincount(routing.topk_idx.reshape(-1), minlength=self.num_experts)
         self.last_tokens_per_expert = counts.detach()
-        dispatched = self.dispatcher.dispatch(flat, routing.topk_idx, routing.topk_weight,
-                                              num_experts=self.num_experts,
-                                              capacity=self.capacity(flat.shape[0]))
-        self.last_dropped_tokens = int(routing.topk_idx.numel() - dispatched.tokens_per_expert.sum())
-        out = self.dispatcher.combine(self.experts(dispatched.tokens, dispatched.tokens_per_expert),
-                                      dispatched)
+        capacity = self.capacity(flat.shape[0])
+        run_experts = getattr(self.dispatcher, "run_experts", None)
+        if run_experts is not None:  # a dispatcher that schedules its own exchanges (EP overlap)
+            out, dispatched_copies = run_experts(self.experts, flat, routing.topk_idx, routing.topk_weight,
+                                                 num_experts=self.num_experts, capacity=capacity)
+        else:
+            dispatched = self.dispatcher.dispatch(flat, routing.topk_idx, routing.topk_weight,
+                                                  num_experts=self.num_experts, capacity=capacity)
+            out = self.dispatcher.combine(self.experts(dispatched.tokens, dispatched.tokens_per_expert),
+                                          dispatched)
+            dispatched_copies = int(dispatched.tokens_per_expert.sum())
+        self.last_dropped_tokens = int(routing.topk_idx.numel() - dispatched_copies)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         if self.training and self.aux_loss_coef > 0 and torch.is_grad_enabled():

@@ -99,7 +99,7 @@ class SearchSpace:
     max_pp: int = 64
     context_parallel: tuple[int, ...] | None = None  # None: (1,) below 16k tokens, else up to 8
     zero_stage: int = 1
-    expert_tp_options: str = "1_or_tp"  # etp in {1, tp}
+    expert_tp_options: str = "1_or_tp"  # "1_or_tp": etp in {1, tp}; "1": etp = 1 only
 
 
 def _divisors(n: int) -> list[int]:
@@ -123,7 +123,8 @@ def _shapes(model: ModelSpec, capacity: FleetCapacity, space: SearchSpace) -> It
                     if capacity.total % (tp * cp) == 0 else []
             for pp in pps:
                 for ep in eps:
-                    for etp in sorted({1, tp}) if model.is_moe else [1]:
+                    etps = sorted({1, tp}) if space.expert_tp_options == "1_or_tp" else [1]
+                    for etp in etps if model.is_moe else [1]:
                         yield tp, cp, pp, ep, etp
 
 

@@ -154,6 +154,7 @@ class FleetStatus:
 
     nodes: tuple[NodeStatus, ...]
     events: tuple  # tuple[state_store.Event, ...], newest last
+    decisions: tuple = ()  # the shared autoscaler's recent events (decisions, handovers), newest last
 
     def totals(self) -> AcceleratorUsage:
         fields_ = ("total", "free", "training", "inference", "cordoned", "other")

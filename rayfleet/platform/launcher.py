@@ -317,19 +317,28 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
+def live_pids_where(*, pgid: int | None = None, sid: int | None = None) -> list[int]:
+    """Live (non-zombie) processes of a process group or a session, read from ``/proc``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # After the ")" closing the command name: state, ppid, pgrp, session, ...
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] == "Z":
+            continue
+        if (pgid is not None and int(fields[2]) == pgid) or (sid is not None and int(fields[3]) == sid):
+            pids.append(int(entry.name))
+    return pids
+
+
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
     except (ProcessLookupError, PermissionError):
         return False
     # A group of zombies still "exists"; look for one live member.
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+    return bool(live_pids_where(pgid=pgid))

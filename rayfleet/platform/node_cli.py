@@ -287,17 +287,9 @@ def _session_members(sid: int) -> list[int]:
     node's whole process tree. Job entrypoints that start their own session are the exception;
     they exit with their job or when their node's raylet goes away.
     """
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            pids.append(int(entry.name))
-    return pids
+    from rayfleet.platform.launcher import live_pids_where
+
+    return live_pids_where(sid=sid)
 
 
 def _stop_records(records: list[tuple[Path, NodeRecord]], *, grace_s: float) -> list[str]:

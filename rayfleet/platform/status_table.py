@@ -53,6 +53,11 @@ def render_status(status: FleetStatus, *, show_events: bool = True) -> str:
          "health", "cordon", "heartbeat"), rows)
     out += (f"\ntotal: {tot.free}/{tot.total} free, {tot.training} training, {tot.inference} inference, "
             f"{tot.cordoned} cordoned, {tot.other} other")
+    if show_events and status.decisions:
+        out += "\n\nautoscaler decisions:\n" + format_table(
+            ("time", "subject", "decision", "reason"),
+            [(time.strftime("%H:%M:%S", time.localtime(e.ts)), e.subject, e.kind.removeprefix("autoscaler_"), e.cause)
+             for e in status.decisions])
     if show_events and status.events:
         out += "\n\nrecent events:\n" + format_table(
             ("time", "subject", "event", "cause"),

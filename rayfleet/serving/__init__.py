@@ -11,6 +11,17 @@ design decisions):
 - ``prefix_index`` + ``router_policy``: pure prefix-aware routing for prefill/decode replicas.
 
 None of these import Ray: Serve deployments (next layer) wrap them.
+
+The serving layer on top (import these modules directly; only ``deployments`` and ``api`` need
+Ray Serve at import or call time):
+
+- ``spec``: ``ServeSpec`` (pydantic), what ``rayfleet serve serve.yaml`` / ``fleet.serve`` deploy;
+- ``kv_transfer``: KV handoff interface, leases, Ray object store and in-process transports;
+- ``engine_loop``: ``AsyncEngine``, the asyncio runtime of one engine replica (any role);
+- ``replica_client``, ``router``, ``service``: how requests reach replicas, routing, retries;
+- ``openai_app`` + ``metrics``: the OpenAI-compatible FastAPI app and Prometheus metrics;
+- ``deployments`` + ``api`` + ``cli``: the Serve application, ``deploy(spec)``, ``rayfleet serve``;
+- ``local``: the same stack in one process without Ray (tests, policy benchmarks).
 """
 
 from rayfleet.serving.block_hash import BlockHash, hash_block, hash_full_blocks, root_block_hash

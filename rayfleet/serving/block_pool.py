@@ -15,12 +15,15 @@ Design decisions:
   computed the same prefix concurrently), it simply stays uncached and is recycled first.
 - Optional KV events (hashes stored / evicted) let a replica tell a router's prefix index and
   the KV tiers what it holds, without either reaching into the pool.
+- ``eviction_listener`` (set by a KV tier connector) is called synchronously with the
+  ``(block_id, hash)`` of every cached block ``get_new_blocks`` evicts, *before* the caller can
+  write into them: the one moment their KV can still be copied to a lower tier.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NewType
 
@@ -67,6 +70,7 @@ class BlockPool:
         self._free: OrderedDict[BlockId, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._hash_to_block: dict[BlockHash, KVBlock] = {}
         self._events: list[KVCacheEvent] | None = [] if enable_kv_events else None
+        self.eviction_listener: Callable[[Sequence[tuple[BlockId, BlockHash]]], None] | None = None
 
     # -- queries (pure) -------------------------------------------------------------------------
 
@@ -103,17 +107,21 @@ class BlockPool:
             raise NoFreeBlocksError(f"asked for {num_blocks} KV blocks, {len(self._free)} free")
         taken = []
         removed = []
+        evicted = []
         for _ in range(num_blocks):
             _, block = self._free.popitem(last=False)
             assert block.ref_cnt == 0, block
             if block.block_hash is not None:
                 removed.append(block.block_hash)
+                evicted.append((block.block_id, block.block_hash))
                 del self._hash_to_block[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1
             taken.append(block)
         if removed and self._events is not None:
             self._events.append(KVCacheEvent(removed=tuple(removed)))
+        if evicted and self.eviction_listener is not None:
+            self.eviction_listener(evicted)
         return taken
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:

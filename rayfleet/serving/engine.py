@@ -8,22 +8,35 @@ Design decisions:
   numerics as training, no serving copy of the model.
 - Block ids and block hashes are the engine's public currency (``block_hashes_of``,
   ``take_kv_events``): a router indexes them, a KV connector ships blocks by id.
+- Prefill/decode split at the engine level (the Serve layer moves the bytes): a
+  ``prefill_only`` request runs as a one-token request; when it finishes, its prompt KV is
+  copied out of the pool (``pop_prefill_result``) right after the step, before any later step
+  could reuse its freed blocks, together with the first token and whether that token already
+  ends the request under the caller's real parameters. On the decode side
+  ``reserve_prefilled`` allocates the blocks first and ``commit_prefilled`` writes the KV into
+  them; from then on the request decodes like any other. A seeded request carries its
+  generator state along, so its sampled tokens do not depend on the split.
 - ``EngineConfig`` is a frozen dataclass validated at construction; a pydantic spec at the
   Serve edge maps onto it. ``max_model_len`` defaults to what both the model and the KV pool
   can hold, so one request can always run alone (the scheduler relies on it).
+- KV tiers are optional and outside the scheduler: a ``KVTierConnector`` hooks the block pool's
+  evictions (write-back to host memory / disk) and, before each ``schedule()``, loads queued
+  requests' blocks from the lower tiers into the pool as ordinary cached blocks
+  (``kv_connector``), so the scheduler's prefix lookup finds them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from rayfleet.errors import SpecError
 from rayfleet.models import ByteTokenizer, MoETransformer, build_model, preset
 from rayfleet.serving.block_hash import BlockHash, hash_full_blocks, root_block_hash
-from rayfleet.serving.block_pool import BlockPool, KVCacheEvent
+from rayfleet.serving.block_pool import BlockId, BlockPool, KVCacheEvent
+from rayfleet.serving.kv_connector import KVTierConnector
 from rayfleet.serving.kv_cache_manager import KVCacheManager, KVCacheStats
 from rayfleet.serving.model_runner import ModelRunner
 from rayfleet.serving.prefix_index import ReplicaId
@@ -31,8 +44,9 @@ from rayfleet.serving.request import FinishReason, Request, RequestId, RequestOu
 from rayfleet.serving.router_policy import ReplicaSnapshot
 from rayfleet.serving.sampling import SamplingParams, sample_tokens
 from rayfleet.serving.scheduler import Scheduler, SchedulerConfig
+from rayfleet.serving.stop_checker import check_stop
 
-__all__ = ["EngineConfig", "EngineStats", "GenerationResult", "LLMEngine"]
+__all__ = ["EngineConfig", "EngineStats", "GenerationResult", "LLMEngine", "PrefillResult"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +63,8 @@ class EngineConfig:
     enable_kv_events: bool = False
     model_id: str = ""  # part of every block hash: engines of different models never share
     seed: int = 0  # generator for requests without their own seed
+    # Never sample ids >= this (the tokenizer's size; see ``sampling``). None: the model's vocab.
+    vocab_limit: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks"):
@@ -71,6 +87,27 @@ class EngineStats:
 
 
 @dataclass(frozen=True)
+class PrefillResult:
+    """A finished ``prefill_only`` request: its prompt KV and first token.
+
+    ``k``/``v``: ``[num_layers, ceil(num_prompt_tokens / block_size), block_size, kv_heads,
+    head_dim]`` copies of the request's blocks (positions past the prompt are garbage).
+    ``finish_reason`` is set when the first token already ends the request (EOS, a stop,
+    ``max_tokens == 1``); then no decode is needed.
+    """
+
+    request_id: RequestId
+    prompt_token_ids: tuple[int, ...]
+    first_token_id: int
+    k: torch.Tensor
+    v: torch.Tensor
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
+    generator_state: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class GenerationResult:
     request_id: RequestId
     prompt_token_ids: tuple[int, ...]
@@ -84,7 +121,7 @@ class LLMEngine:
     """One model, its KV cache and a continuous-batching scheduler."""
 
     def __init__(self, model: MoETransformer, config: EngineConfig = EngineConfig(), *,
-                 tokenizer: ByteTokenizer | None = None) -> None:
+                 tokenizer: ByteTokenizer | None = None, kv_tiers: KVTierConnector | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer or ByteTokenizer()
         capacity = config.num_blocks * config.block_size
@@ -106,8 +143,18 @@ class LLMEngine:
                             max_model_len=max_model_len,
                             enable_chunked_prefill=config.enable_chunked_prefill),
             self.kv_cache_manager, eos_token_id=self.tokenizer.eos_id, detokenize=self.tokenizer.decode)
+        self.kv_tiers = kv_tiers
+        if kv_tiers is not None:
+            if not config.enable_prefix_caching:
+                raise SpecError("enable_prefix_caching", False, "KV tiers reuse blocks through the prefix cache",
+                                "enable prefix caching, or drop kv_cache from the spec")
+            kv_tiers.attach(block_pool=self.block_pool, kv_cache=self.runner.kv_cache,
+                            block_size=config.block_size)
         self._generator = torch.Generator().manual_seed(config.seed)
         self._num_added = 0
+        self._prefill_params: dict[RequestId, SamplingParams] = {}
+        self._prefill_results: dict[RequestId, PrefillResult] = {}
+        self.last_scheduled_ids: tuple[RequestId, ...] = ()  # requests in the latest step
 
     @classmethod
     def from_preset(cls, name: str = "tiny", config: EngineConfig = EngineConfig(), *, seed: int = 0,
@@ -123,10 +170,22 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None, *,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, prefill_only: bool = False) -> None:
         """Queue a request; its tokens arrive through ``step()``. Raises ``SpecError`` for a
-        duplicate id, an empty or too long prompt, or token ids outside the vocabulary."""
+        duplicate id, an empty or too long prompt, or token ids outside the vocabulary.
+
+        ``prefill_only``: stop after the first token and keep the prompt KV for
+        ``pop_prefill_result`` (see module doc)."""
         params = sampling_params or SamplingParams()
+        request = self._make_request(request_id, prompt_token_ids,
+                                     replace(params, max_tokens=1) if prefill_only else params, cache_salt)
+        self.scheduler.add_request(request)
+        if prefill_only:
+            self._prefill_params[request.request_id] = params
+        self._num_added += 1
+
+    def _make_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                      cache_salt: str | None) -> Request:
         vocab = self.model.config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
         if bad:
@@ -139,8 +198,50 @@ class LLMEngine:
                           sampling_params=params, block_size=self.config.block_size,
                           root_hash=root_block_hash(model_id=self.config.model_id, cache_salt=cache_salt),
                           arrival_index=self._num_added, generator=generator)
-        self.scheduler.add_request(request)
-        self._num_added += 1
+        return request
+
+    def reserve_prefilled(self, request_id: str, prompt_token_ids: Sequence[int], first_token_id: int,
+                          sampling_params: SamplingParams, *,
+                          cache_salt: str | None = None) -> tuple[BlockId, ...] | None:
+        """Pre-allocate blocks for a request prefilled elsewhere (prompt + its first token).
+
+        Returns the block table, or ``None`` when the pool or the sequence slots are full now
+        (retry after a step). The request is held until ``commit_prefilled``; ``abort`` frees
+        it. Raises ``SpecError`` like ``add_request``.
+        """
+        request = self._make_request(request_id, prompt_token_ids, sampling_params, cache_salt)
+        request.append_output_token(int(first_token_id))
+        if not 0 <= int(first_token_id) < self.model.config.vocab_size:
+            raise SpecError("first_token_id", first_token_id, "outside the vocabulary", "pass a sampled id")
+        block_ids = self.scheduler.reserve_prefilled(request, request.num_prompt_tokens)
+        if block_ids is not None:
+            self._num_added += 1
+        return block_ids
+
+    def commit_prefilled(self, request_id: str, k: torch.Tensor, v: torch.Tensor, *,
+                         generator_state: torch.Tensor | None = None) -> None:
+        """Write the transferred prompt KV (``PrefillResult.k``/``v`` layout) into the reserved
+        blocks and let the request decode; a seeded request resumes its generator from
+        ``generator_state``. Raises ``KeyError`` if it is no longer reserved (aborted) and
+        ``SpecError`` if the KV does not match the reservation."""
+        rid = RequestId(request_id)
+        request = self.scheduler.reserved[rid]
+        if generator_state is not None and request.sampling_params.seed is not None:
+            request.generator.set_state(generator_state)
+        num_blocks = -(-request.num_prompt_tokens // self.config.block_size)
+        cache = self.runner.kv_cache
+        if tuple(k.shape) != (cache.k.shape[0], num_blocks, *cache.k.shape[2:]) or k.shape != v.shape:
+            raise SpecError("kv", tuple(k.shape), f"does not match {num_blocks} blocks of this engine's "
+                            f"KV layout {tuple(cache.k.shape)}", "transfer between engines of one model "
+                            "and block size")
+        ids = torch.tensor(self.kv_cache_manager.get_block_ids(rid)[:num_blocks], dtype=torch.long)
+        cache.k[:, ids] = k.to(cache.k.dtype)
+        cache.v[:, ids] = v.to(cache.v.dtype)
+        self.scheduler.commit_prefilled(rid)
+
+    def pop_prefill_result(self, request_id: str) -> PrefillResult | None:
+        """The KV and first token of a finished ``prefill_only`` request (once)."""
+        return self._prefill_results.pop(RequestId(request_id), None)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request: its blocks are freed now, a final ``abort`` output comes at the
@@ -152,12 +253,47 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample, and report new tokens and finished requests."""
+        if self.kv_tiers is not None and self.scheduler.waiting:
+            sched = self.scheduler
+            # Blocks the running requests may take this step: loads must not cause preemptions.
+            reserved = sum(self.kv_cache_manager.num_blocks_needed(r, r.num_tokens - r.num_computed_tokens)
+                           for r in sched.running)
+            self.kv_tiers.before_schedule(sched.waiting, admit_window=self.config.max_num_seqs - len(sched.running),
+                                          num_reserved_blocks=reserved)
         output = self.scheduler.schedule()
+        self.last_scheduled_ids = tuple(c.request_id for c in output.chunks)
         step_logits = self.runner.execute(output)
         requests = [self.scheduler.requests[rid] for rid in step_logits.request_ids]
         tokens = sample_tokens(step_logits.logits, [r.sampling_params for r in requests],
-                               [r.generator or self._generator for r in requests])
-        return self.scheduler.update_from_output(output, dict(zip(step_logits.request_ids, tokens)))
+                               [r.generator or self._generator for r in requests],
+                               vocab_limit=self.config.vocab_limit)
+        # Block tables of prefill-only requests sampling now: finishing frees them (contents
+        # stay intact until a later step allocates them), so export right after the update.
+        exporting = {r.request_id: (r, self.kv_cache_manager.get_block_ids(r.request_id))
+                     for r in requests if r.request_id in self._prefill_params}
+        outputs = self.scheduler.update_from_output(output, dict(zip(step_logits.request_ids, tokens)))
+        for out in outputs:
+            if out.request_id in exporting and out.finished and out.finish_reason is not FinishReason.ABORT:
+                self._export_prefill(*exporting[out.request_id])
+            if out.finished:
+                self._prefill_params.pop(out.request_id, None)
+        return outputs
+
+    def _export_prefill(self, request: Request, block_ids: list[BlockId]) -> None:
+        params = self._prefill_params[request.request_id]
+        num_blocks = -(-request.num_prompt_tokens // self.config.block_size)
+        ids = torch.tensor(block_ids[:num_blocks], dtype=torch.long)
+        stop = check_stop(output_token_ids=request.output_token_ids, num_tokens=request.num_tokens,
+                          params=params, eos_token_id=self.tokenizer.eos_id,
+                          max_model_len=self.max_model_len, detokenize=self.tokenizer.decode)
+        seeded = params.seed is not None and request.generator is not None
+        self._prefill_results[request.request_id] = PrefillResult(
+            request_id=request.request_id, prompt_token_ids=tuple(request.prompt_token_ids),
+            first_token_id=request.output_token_ids[0],
+            k=self.runner.kv_cache.k[:, ids].clone(), v=self.runner.kv_cache.v[:, ids].clone(),
+            finish_reason=stop.finish_reason if stop else None, stop_reason=stop.stop_reason if stop else None,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            generator_state=request.generator.get_state() if seeded else None)
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

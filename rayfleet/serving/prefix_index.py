@@ -44,6 +44,11 @@ class PrefixIndex:
     def replicas(self) -> list[ReplicaId]:
         return list(self._replica_to_bit)
 
+    def num_blocks_on(self, replica_id: ReplicaId) -> int:
+        """How many block hashes the replica is known to cache (0 if unknown). O(1)."""
+        held = self._replica_to_hashes.get(replica_id)
+        return len(held) if held is not None else 0
+
     def _bit(self, replica_id: ReplicaId) -> int:
         bit = self._replica_to_bit.get(replica_id)
         if bit is None:

@@ -16,6 +16,10 @@ Design decisions:
   Worked example (``load_weight = 0.5``, an 8-block prompt; ``test_router_policy`` checks it):
   r0 caches 6 blocks and has load 20 -> cost 2 + 10 = 12; r1 caches nothing, load 0 -> 8.
   r1 wins. Had r0's load been 4 (cost 4), r0 would win and save 6 blocks of prefill.
+- Ties (equal cost and equal cached prefix, e.g. a new prefix on idle replicas) go to the
+  replica whose cache holds the fewest blocks, then by name. A plain by-name tie-break sent
+  every new prefix to the first replica whenever the pool was idle, so with more distinct
+  prefixes than one cache holds that replica kept evicting while the others' caches sat empty.
 - Decode choice: among healthy replicas with enough free KV blocks and a free sequence slot,
   the most free blocks wins, then the fewest active blocks (decode is memory-bound: its
   capacity is free KV and its step time grows with the KV it reads).
@@ -116,20 +120,21 @@ class RouterPolicy:
             load = snap.num_active_blocks + snap.num_queued_blocks
             fits = snap.num_free_blocks >= to_prefill and (
                 not snap.max_num_seqs or snap.num_running_requests < snap.max_num_seqs)
-            rows.append((not fits, to_prefill + weight * load, -hit, snap.replica_id, load))
+            rows.append((not fits, to_prefill + weight * load, -hit, index.num_blocks_on(snap.replica_id),
+                         snap.replica_id, load))
         if not rows:
             return RouteDecision(None, (), "no healthy prefill replica")
         rows.sort()
         ranked = tuple(ReplicaScore(rid, cost, -neg_hit, num_blocks + neg_hit, load, not no_fit)
-                       for no_fit, cost, neg_hit, rid, load in rows[:max(1, max_ranked)])
+                       for no_fit, cost, neg_hit, _, rid, load in rows[:max(1, max_ranked)])
         best = ranked[0]
         top_hit = min(rows, key=lambda r: (r[2], r[1]))  # longest prefix, then cheapest
         if not best.fits:
             why = "no replica has room now; least costly queue"
-        elif best.cached_blocks and best.replica_id == top_hit[3]:
+        elif best.cached_blocks and best.replica_id == top_hit[4]:
             why = "longest cached prefix"
         elif -top_hit[2] > best.cached_blocks:
-            why = (f"spread: {top_hit[3]} caches {-top_hit[2]} blocks but its load {top_hit[4]} "
+            why = (f"spread: {top_hit[4]} caches {-top_hit[2]} blocks but its load {top_hit[5]} "
                    f"makes it cost {top_hit[1]:.1f}")
         else:
             why = "no cached prefix; least loaded"

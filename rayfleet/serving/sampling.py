@@ -9,6 +9,10 @@ Design decisions:
   keeps its generator state: tokens already drawn are kept, not redrawn).
 - Unseeded requests share one engine generator (itself seeded from the engine config), so a
   whole engine run is reproducible too, though not per request.
+- ``vocab_limit`` masks ids at and above it before any choice (greedy included): models pad
+  their embedding table beyond the tokenizer (the byte tokenizer has 259 ids, the model 320),
+  and a padded id is a token no client could read. Serving sets it to the tokenizer's size;
+  raw token-id users of the engine may leave it off.
 - Per-row sampling loops over requests for the random draws: a batch holds tens of requests
   and each draw is one ``multinomial`` over the vocabulary; the filtering is batched.
 """
@@ -84,15 +88,18 @@ def _filter_logits(logits: torch.Tensor, *, top_k: int, top_p: float) -> torch.T
 
 
 def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
-                  generators: Sequence[torch.Generator]) -> list[int]:
+                  generators: Sequence[torch.Generator], *, vocab_limit: int | None = None) -> list[int]:
     """One token id per row of ``logits`` ``[B, V]`` (any float dtype).
 
     ``generators[b]`` is request b's own generator (seeded requests) or the engine's shared
     one; it is advanced by exactly one draw for non-greedy rows and untouched for greedy rows.
-    Mutates only the generators.
+    Ids ``>= vocab_limit`` (when given) are never chosen. Mutates only the generators.
     """
     assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators)
     logits = logits.float()
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        logits = logits.clone()
+        logits[:, vocab_limit:] = float("-inf")
     greedy_ids = logits.argmax(dim=-1).tolist()
     out = []
     for b, p in enumerate(params):

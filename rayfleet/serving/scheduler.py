@@ -17,6 +17,11 @@ Design decisions:
   means "KV written"; only then are newly full blocks cached (``KVCacheManager``).
 - The scheduler talks to the KV layers only through ``KVCacheManager`` and hands the engine a
   frozen ``SchedulerOutput``; it never sees tensors, blocks or hashes.
+- Disaggregated decode: ``reserve_prefilled`` admits a request whose prompt KV is computed
+  elsewhere. It allocates every block the prompt (and its first sampled token) needs *before*
+  the KV arrives, and holds the request in ``reserved`` (outside the batch) until
+  ``commit_prefilled``; an abort frees the reservation. After commit it is an ordinary running
+  request one token from decoding, so preemption (recompute) works unchanged.
 - A request that cannot fit in the pool even alone is rejected at ``add_request`` (the engine
   sizes ``max_model_len`` to the pool), so preemption always makes progress.
 """
@@ -98,6 +103,7 @@ class Scheduler:
         self.requests: dict[RequestId, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.reserved: dict[RequestId, Request] = {}  # prefilled elsewhere, KV not yet written
         self._finished_ids: list[RequestId] = []
         self._aborted_outputs: list[RequestOutput] = []
         self.num_preemptions = 0
@@ -107,6 +113,36 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ``SpecError`` for a duplicate id or a prompt that leaves no
         room to generate within ``max_model_len``."""
+        self._validate(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def reserve_prefilled(self, request: Request, num_computed_tokens: int) -> tuple[BlockId, ...] | None:
+        """Allocate blocks for all of ``request``'s tokens, the first ``num_computed_tokens`` of
+        which will be written by ``commit_prefilled`` (see module doc). Returns the block table,
+        or ``None`` (nothing changed) when the pool or the sequence slots cannot take it now.
+        Raises ``SpecError`` like ``add_request``."""
+        self._validate(request)
+        if len(self.running) + len(self.reserved) >= self.config.max_num_seqs:
+            return None
+        request.num_computed_tokens = num_computed_tokens
+        if self.kv.allocate_slots(request, request.num_tokens - num_computed_tokens) is None:
+            request.num_computed_tokens = 0
+            return None
+        request.status = RequestStatus.RUNNING
+        request.num_cached_tokens = 0
+        self.requests[request.request_id] = request
+        self.reserved[request.request_id] = request
+        return tuple(self.kv.get_block_ids(request.request_id))
+
+    def commit_prefilled(self, request_id: RequestId) -> None:
+        """The reserved request's KV is written: make its full blocks findable and let it decode.
+        Raises ``KeyError`` if it is not reserved (aborted meanwhile)."""
+        request = self.reserved.pop(request_id)
+        self.kv.cache_computed_blocks(request)
+        self.running.append(request)
+
+    def _validate(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise SpecError("request_id", request.request_id, "is already in flight",
                             "use a unique id per request")
@@ -116,8 +152,6 @@ class Scheduler:
             raise SpecError("prompt_token_ids", f"<{request.num_prompt_tokens} tokens>",
                             f"needs room for one more token within max_model_len={self.config.max_model_len}",
                             "shorten the prompt or raise max_model_len (and the KV pool)")
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
 
     def abort_requests(self, request_ids: Iterable[RequestId]) -> None:
         """Finish requests with ``FinishReason.ABORT`` and free their blocks; unknown or
@@ -126,7 +160,9 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            if request.status is RequestStatus.WAITING:
+            if self.reserved.pop(request_id, None) is not None:
+                pass
+            elif request.status is RequestStatus.WAITING:
                 self.waiting.remove(request)
             else:
                 self.running.remove(request)

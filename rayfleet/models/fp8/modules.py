@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Shard
 
 from rayfleet.models.fp8.functional import DelayedScalingState, fp8_grouped_mm
 from rayfleet.models.fp8.recipes import Fp8Recipe
@@ -39,12 +40,33 @@ class Fp8Linear(nn.Linear):
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        out = fp8_grouped_mm(flat, self.weight.unsqueeze(0), [flat.shape[0]], recipe=self.recipe,
+        if isinstance(self.weight, DTensor):
+            return self._forward_sharded(x)
+        return self._gemm(x, self.weight)
+
+    def _gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, weight.shape[1])
+        out = fp8_grouped_mm(flat, weight.unsqueeze(0), [flat.shape[0]], recipe=self.recipe,
                              state=self.fp8_state, use_scaled_mm=self.use_scaled_mm)
         if self.bias is not None:
-            out = out + self.bias.to(out.dtype)
-        return out.reshape(*x.shape[:-1], self.out_features)
+            bias = self.bias.to_local() if isinstance(self.bias, DTensor) else self.bias
+            out = out + bias.to(out.dtype)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    def _forward_sharded(self, x: torch.Tensor) -> torch.Tensor:
+        """Tensor parallel: the FP8 GEMM runs on local shards (scales are per shard).
+
+        A column-split weight (``Shard(0)``) gives a ``Shard(-1)`` output; a row-split weight
+        (``Shard(1)``) a ``Partial`` one that the parallel style's output hook all-reduces.
+        The quantizer works on plain tensors only, so DTensors are unwrapped around it.
+        """
+        weight = self.weight
+        if weight.device_mesh.ndim != 1 or not isinstance(weight.placements[0], Shard) or self.bias is not None:
+            raise NotImplementedError("Fp8Linear supports 1-D column/row tensor parallelism without bias")
+        local_x = x.to_local() if isinstance(x, DTensor) else x
+        out = self._gemm(local_x, weight.to_local())
+        placement = Shard(out.dim() - 1) if weight.placements[0].dim == 0 else Partial()
+        return DTensor.from_local(out, weight.device_mesh, (placement,), run_check=False)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.recipe.name}"

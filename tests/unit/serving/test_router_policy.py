@@ -94,6 +94,26 @@ def test_hot_shared_prefix_spreads_across_replicas_as_load_grows():
                                  hashes(system + [n] * BLOCK), piled).replica_id for n in range(5)} == {"r0"}
 
 
+def test_new_prefixes_on_an_idle_pool_spread_over_the_caches():
+    """Regression: ties went to the first replica by name, so on an idle pool every new prefix
+    (a new tenant, or one evicted everywhere) landed on r0 and only r0's cache was used."""
+    def route_tenants(index: PrefixIndex) -> Counter:
+        idle = [snapshot(f"r{i}") for i in range(2)]
+        chosen = Counter()
+        for tenant in range(6):  # one at a time, each finished before the next: the pool is idle
+            prompt = hashes([tenant] * 8 * BLOCK)
+            rid = RouterPolicy().choose_prefill(idle, prompt, index).replica_id
+            index.add_blocks(rid, prompt)  # its KV events
+            chosen[rid] += 1
+        return chosen
+
+    assert route_tenants(PrefixIndex()) == {"r0": 3, "r1": 3}
+    # Broken variant: the by-name tie-break (nothing cached anywhere as far as ties go).
+    by_name = PrefixIndex()
+    by_name.num_blocks_on = lambda replica_id: 0
+    assert route_tenants(by_name) == {"r0": 6}
+
+
 def test_unhealthy_and_full_replicas():
     index = PrefixIndex()
     prompt = hashes(list(range(4 * BLOCK)))

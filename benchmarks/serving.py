@@ -1,0 +1,373 @@
+"""Serving benchmark: trace-driven open-loop load over HTTP on loopback against Ray Serve apps.
+
+    python benchmarks/serving.py            # ~2.5-3 min on 2 cores
+    python benchmarks/serving.py --quick    # fewer requests, ~1.5 min
+
+Starts its own local Ray cluster (``ray.init(address="local")`` with 8 fake GPUs; never an
+existing one), deploys each configuration with ``rayfleet.serving.api.deploy``, and drives it
+with streamed ``/v1/completions`` requests (aiohttp).
+
+Part 1 (router decision time, pure, in-process): ``RouterPolicy.choose_prefill`` over 64 replica
+snapshots and a ``PrefixIndex`` holding 100k block hashes, for 64-block prompts; p50/p99 against
+round robin's decision time (the baseline). Goal: p99 <= 1 ms.
+
+Part 2 (trace load): arrivals and lengths from ``../shared/traces/azure2023_conv.csv`` (Azure LLM
+inference trace, conversation service, 2023; CC BY 4.0), scaled to a 2-core CPU machine and the
+tiny model: prompt tokens = clamp(ContextTokens / 8, 16, 384), output = clamp(GeneratedTokens / 8,
+4, 32), inter-arrival gaps scaled so the mean rate is ``--rate`` requests/s. Each prompt starts
+with one of a few shared conversation prefixes (a chat service's system prompts), so the
+prefix-aware router has something to find. Configurations: colocated (2 replicas) with the
+prefix-aware router and with round robin, and disaggregated (1 prefill + 1 decode, the same two
+engines split by phase; with one replica per pool the router has no choice to make, so only one
+policy runs there). Reported: TTFT and inter-token latency p50/p99, output-token throughput, and
+goodput (requests/s meeting the SLO: TTFT <= ``--slo-ttft`` s and mean inter-token latency <=
+``--slo-itl`` s).
+
+Part 2b (multi-tenant system prompts, router comparison under cache pressure): the trace's
+arrivals and output lengths (twice as many requests), but every prompt is one of 12 tenants'
+512-token system prompts plus a short question. The 12 prompts (384 blocks) do not fit in one
+replica's 256-block pool, half of them do: round robin sends every tenant to both replicas (each
+pays the first prefill of all 12 and its LRU evicts tenants it will need again), the
+prefix-aware router keeps each tenant where it is cached. Colocated, 2 replicas, both policies.
+
+Part 3 (shared system prompt): every prompt is one ~1,000-token system prompt plus a short
+question, against the colocated app with prefix reuse vs without (the baseline: the same
+replicas, each request with its own ``cache_salt`` so that no prefix is shared): prefix hit rate
+(goal >= 0.85) and TTFT p50 (goal: >= 2x lower with the cache).
+
+One deployment per mode: between runs the router policy is switched live (``set_policy``) and
+every engine's prefix cache emptied, so runs start from the same state without paying Serve's
+start-up again.
+
+Writes ``benchmarks/results/serving.json``; prints a table last. Everything runs on this machine's
+CPUs (fake GPUs only decide placement): compare rows within one run, not across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure2023_conv.csv"
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    fmt = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
+
+
+# -- part 1: router decision time ---------------------------------------------------------------
+
+def router_decision_time(*, num_replicas: int = 64, num_blocks: int = 100_000, trials: int = 2000) -> dict:
+    from rayfleet.serving.block_hash import hash_full_blocks, root_block_hash
+    from rayfleet.serving.prefix_index import PrefixIndex, ReplicaId
+    from rayfleet.serving.router import RouterCore
+    from rayfleet.serving.router_policy import ReplicaSnapshot, RouterPolicy
+
+    rng = random.Random(0)
+    root = root_block_hash(model_id="bench")
+    index = PrefixIndex()
+    prefixes = []
+    per_chain = 64
+    while index.num_indexed_blocks < num_blocks:
+        tokens = [rng.randrange(256) for _ in range(per_chain * 16)]
+        chain = hash_full_blocks(tokens, block_size=16, root=root)
+        for r in rng.sample(range(num_replicas), 2):
+            index.add_blocks(ReplicaId(f"r{r}"), chain)
+        prefixes.append(chain)
+    snaps = [ReplicaSnapshot(ReplicaId(f"r{i}"), 4096, rng.randrange(0, 4096), rng.randrange(0, 3000),
+                             rng.randrange(0, 200), rng.randrange(0, 32), 32) for i in range(num_replicas)]
+    policy = RouterPolicy()
+    prefix_aware, rr = [], []
+    import gc
+
+    gc.collect()
+    gc.disable()  # a collection of the 100k-entry index would be timed as a decision
+    rr_core = RouterCore(roles={"colocated": [f"r{i}" for i in range(num_replicas)]}, mode="round_robin",
+                         block_size=16, model_id="bench")
+    for _ in range(trials):
+        chain = rng.choice(prefixes)
+        cut = rng.randrange(1, per_chain)
+        query = chain[:cut] + hash_full_blocks([rng.randrange(256) for _ in range(16 * (per_chain - cut))],
+                                               block_size=16, root=chain[cut - 1])
+        t0 = time.perf_counter()
+        policy.choose_prefill(snaps, query, index)
+        prefix_aware.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        rr_core._round_robin("colocated", snaps)
+        rr.append(time.perf_counter() - t0)
+    gc.enable()
+    return {"num_replicas": num_replicas, "indexed_blocks": index.num_indexed_blocks, "prompt_blocks": per_chain,
+            "prefix_aware_p50_ms": pct(prefix_aware, 50) * 1e3, "prefix_aware_p99_ms": pct(prefix_aware, 99) * 1e3,
+            "round_robin_p99_ms": pct(rr, 99) * 1e3}
+
+
+# -- workloads ----------------------------------------------------------------------------------
+
+def trace_workload(num_requests: int, rate: float, seed: int = 0) -> list[dict]:
+    rows = []
+    with TRACE.open() as f:
+        for row in csv.DictReader(f):
+            rows.append(row)
+            if len(rows) >= num_requests:
+                break
+    times = [datetime.fromisoformat(r["TIMESTAMP"][:26]).timestamp() for r in rows]
+    gaps = [max(0.0, b - a) for a, b in zip(times, times[1:])]
+    scale = (1.0 / rate) / (statistics.mean(gaps) or 1.0)
+    rng = random.Random(seed)
+    prefixes = ["".join(chr(rng.randrange(97, 123)) for _ in range(160)) for _ in range(4)]
+    arrival, out = 0.0, []
+    for i, r in enumerate(rows):
+        n_in = min(384, max(16, int(r["ContextTokens"]) // 8))
+        n_out = min(32, max(4, int(r["GeneratedTokens"]) // 8))
+        shared = prefixes[rng.randrange(len(prefixes))][:max(0, n_in - 16)]
+        unique = "".join(chr(rng.randrange(97, 123)) for _ in range(max(1, n_in - len(shared))))
+        out.append({"at": arrival, "prompt": shared + unique, "max_tokens": n_out})
+        if i < len(gaps):
+            arrival += gaps[i] * scale
+    return out
+
+
+def tenant_workload(trace: list[dict], *, num_tenants: int = 12, prefix_tokens: int = 512,
+                    seed: int = 2) -> list[dict]:
+    """``trace``'s arrivals and output lengths; prompts = one tenant's system prompt + a question."""
+    rng = random.Random(seed)
+    systems = ["".join(chr(rng.randrange(97, 123)) for _ in range(prefix_tokens)) for _ in range(num_tenants)]
+    return [{"at": item["at"], "max_tokens": item["max_tokens"],
+             "prompt": systems[rng.randrange(num_tenants)] + "".join(chr(rng.randrange(97, 123)) for _ in range(16))}
+            for item in trace]
+
+
+def shared_prompt_workload(num_requests: int, rate: float, seed: int = 1) -> list[dict]:
+    rng = random.Random(seed)
+    system = "You are a careful assistant. " * 36  # ~1,000 bytes = tokens
+    return [{"at": i / rate, "prompt": system + f"Question {i}: " + "".join(chr(rng.randrange(97, 123)) for _ in range(12)),
+             "max_tokens": 4} for i in range(num_requests)]
+
+
+# -- load generator -----------------------------------------------------------------------------
+
+async def _one(session, url: str, item: dict, start: float) -> dict:
+    await asyncio.sleep(max(0.0, start + item["at"] - time.perf_counter()))
+    sent = time.perf_counter()
+    body = {"model": "tiny", "prompt": item["prompt"], "max_tokens": item["max_tokens"], "temperature": 0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    if "cache_salt" in item:
+        body["cache_salt"] = item["cache_salt"]
+    times = []
+    ok = True
+    try:
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            ok = resp.status == 200
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    ok = False
+                    break
+                n = len(event["choices"][0].get("token_ids", []))
+                times += [time.perf_counter()] * n
+    except Exception:  # noqa: BLE001 - counted as a failed request
+        ok = False
+    ttft = times[0] - sent if times else float("nan")
+    itls = [b - a for a, b in zip(times, times[1:])]
+    return {"ok": ok and bool(times), "ttft": ttft, "itls": itls, "tokens": len(times),
+            "e2e": (times[-1] - sent) if times else float("nan")}
+
+
+async def drive(url: str, workload: list[dict], timeout_s: float) -> tuple[list[dict], float]:
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(_one(session, url, item, start) for item in workload))
+        return results, time.perf_counter() - start
+
+
+def summarize(results: list[dict], wall_s: float, *, slo_ttft: float, slo_itl: float) -> dict:
+    good = [r for r in results if r["ok"]]
+    ttfts = [r["ttft"] for r in good]
+    itls = [x for r in good for x in r["itls"]]
+    meets = [r for r in good if r["ttft"] <= slo_ttft and (not r["itls"] or statistics.mean(r["itls"]) <= slo_itl)]
+    return {"requests": len(results), "ok": len(good), "ttft_p50_s": pct(ttfts, 50), "ttft_p99_s": pct(ttfts, 99),
+            "itl_p50_s": pct(itls, 50), "itl_p99_s": pct(itls, 99),
+            "throughput_tok_s": sum(r["tokens"] for r in good) / wall_s, "goodput_req_s": len(meets) / wall_s,
+            "slo_attained": len(meets) / max(1, len(results)), "wall_s": wall_s}
+
+
+def cache_counters(url: str) -> tuple[float, float]:
+    """(prefix-cache query tokens, hit tokens) summed over replicas, from ``/metrics``."""
+    import urllib.request
+
+    time.sleep(0.3)  # let the router poll the engines' latest counters
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    q = h = 0.0
+    for line in text.splitlines():
+        if line.startswith("rayfleet:prefix_cache_queries_total"):
+            q += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("rayfleet:prefix_cache_hits_total"):
+            h += float(line.rsplit(" ", 1)[1])
+    return q, h
+
+
+def measure(url: str, workload: list[dict], args) -> dict:
+    q0, h0 = cache_counters(url)
+    results, wall = asyncio.run(drive(url, workload, 300))
+    row = summarize(results, wall, slo_ttft=args.slo_ttft, slo_itl=args.slo_itl)
+    q1, h1 = cache_counters(url)
+    row["prefix_hit_rate"] = (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0
+    return row
+
+
+def reset(app: str, replicas: list[str], policy: str) -> None:
+    """Same replicas, fresh state: switch the router policy and empty every prefix cache."""
+    from ray import serve
+
+    serve.get_deployment_handle("router", app_name=app).set_policy.remote(policy).result()
+    for name in replicas:
+        assert serve.get_deployment_handle(name, app_name=app).reset_prefix_cache.remote().result(), name
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rate", type=float, default=None, help="mean arrivals per second (trace load)")
+    # A tiny model on 2 CPU cores: interactive-feeling targets at this scale.
+    parser.add_argument("--slo-ttft", type=float, default=0.25, help="SLO: time to first token, s")
+    parser.add_argument("--slo-itl", type=float, default=0.05, help="SLO: mean inter-token latency, s")
+    args = parser.parse_args()
+    num_trace = 16 if args.quick else 48
+    rate = args.rate or (3.0 if args.quick else 4.0)
+    num_shared = 16 if args.quick else 30
+
+    load_before = os.getloadavg()[0]  # other work on the machine skews every latency: say how busy it was
+    print("part 1: router decision time (64 replicas, 100k indexed blocks) ...", flush=True)
+    router = router_decision_time(trials=2000)
+
+    import ray
+
+    from rayfleet.serving.api import deploy
+
+    ray.init(address="local", num_cpus=4, num_gpus=8, include_dashboard=False, log_to_driver=False)
+    port = _free_port()
+    model = {"preset": "tiny", "seed": 0, "dtype": "float32"}
+    engine = {"block_size": 16, "num_blocks": 256, "max_num_seqs": 16, "max_num_batched_tokens": 256}
+    pool = {"replicas": 1, "accelerators_per_replica": 1}
+    apps = [("colocated", {"mode": "colocated", "colocated": {**pool, "replicas": 2}}),
+            ("disaggregated", {"mode": "disaggregated", "prefill": pool, "decode": pool})]
+    trace = trace_workload(num_trace, rate)
+    tenants = tenant_workload(trace_workload(2 * num_trace, rate))
+    shared = shared_prompt_workload(num_shared, rate=4.0)
+    load_rows, cache_rows = [], []
+    try:
+        for mode, extra in apps:
+            # One deployment per mode; the router policy is switched live and every prefix
+            # cache emptied between runs (Serve start-up is the slow part of this benchmark).
+            spec = {"name": f"bench-{mode}", "model": model, "engine": engine,
+                    "http": {"port": port, "route_prefix": "/bench"}, **extra}
+            t0 = time.perf_counter()
+            served = deploy(spec)
+            replicas = [n for names in served.spec.replica_names().values() for n in names]
+            print(f"{mode}: deployed in {time.perf_counter() - t0:.1f}s", flush=True)
+            # Warm-up of every replica (first forwards of each batch shape, Serve streams): round
+            # robin, because the prefix-aware router can leave a replica idle and the first
+            # measured run would pay its cold start (seen: 2x TTFT p50 for whichever ran first).
+            reset(served.name, replicas, "round_robin")
+            asyncio.run(drive(served.url, trace[:16], 60))
+            # One replica per pool (disaggregated): the router has no choice, so one policy.
+            policies = ["prefix_aware", "round_robin"] if mode == "colocated" else ["prefix_aware"]
+            for policy in policies:
+                reset(served.name, replicas, policy)
+                print(f"part 2: {mode}/{policy}: {len(trace)} requests at {rate:g}/s ...", flush=True)
+                row = measure(served.url, trace, args)
+                row.update(mode=mode, router=policy, workload="trace")
+                load_rows.append(row)
+            if mode == "colocated":
+                for policy in ("prefix_aware", "round_robin"):
+                    reset(served.name, replicas, policy)
+                    print(f"part 2b: 12 tenants' system prompts, {len(tenants)} requests, {policy} ...",
+                          flush=True)
+                    row = measure(served.url, tenants, args)
+                    row.update(mode=mode, router=policy, workload="12 tenants")
+                    load_rows.append(row)
+                for caching in (False, True):
+                    reset(served.name, replicas, "prefix_aware")
+                    print(f"part 3: shared system prompt, prefix reuse {'on' if caching else 'off'} ...", flush=True)
+                    # The baseline gives every request its own cache_salt: same engines, no reuse.
+                    work = shared if caching else [dict(w, cache_salt=f"s{i}") for i, w in enumerate(shared)]
+                    row = measure(served.url, work, args)
+                    row.update(prefix_cache=caching)
+                    cache_rows.append(row)
+            served.shutdown()
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+
+    machine = (f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} (1-min load average "
+               f"{load_before:.1f} at start, {os.getloadavg()[0]:.1f} at end); torch CPU; tiny MoE preset, fp32")
+    cache_rows.reverse()  # [on, off]
+    speedup = cache_rows[1]["ttft_p50_s"] / cache_rows[0]["ttft_p50_s"]
+    result = {"machine": machine, "router_decision": router, "trace_load": load_rows, "shared_prompt": cache_rows,
+              "rate_req_s": rate, "slo": {"ttft_s": args.slo_ttft, "mean_itl_s": args.slo_itl},
+              "ttft_speedup_with_cache": speedup}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "serving.json").write_text(json.dumps(result, indent=1))
+    print(f"\nran on: {machine}; trace: Azure LLM inference 2023 (conv), {num_trace} requests, "
+          f"{rate:g} req/s; SLO: TTFT <= {args.slo_ttft:g} s, mean ITL <= {args.slo_itl:g} s")
+    print(f"wrote {RESULTS / 'serving.json'}\n")
+    print(f"router decision, {router['num_replicas']} replicas, {router['indexed_blocks']} indexed blocks, "
+          f"{router['prompt_blocks']}-block prompts: p50 {router['prefix_aware_p50_ms']:.3f} ms, "
+          f"p99 {router['prefix_aware_p99_ms']:.3f} ms (goal <= 1 ms; round robin p99 "
+          f"{router['round_robin_p99_ms']:.4f} ms)")
+    print(f"shared system prompt: hit rate {cache_rows[0]['prefix_hit_rate']:.2f} (goal >= 0.85); TTFT p50 "
+          f"{cache_rows[0]['ttft_p50_s'] * 1e3:.0f} ms with cache vs {cache_rows[1]['ttft_p50_s'] * 1e3:.0f} ms "
+          f"without = {speedup:.1f}x lower (goal >= 2x)\n")
+    def figures(r: dict) -> list[str]:
+        return [f"{r['ok']}/{r['requests']}", f"{r['ttft_p50_s'] * 1e3:.0f}", f"{r['ttft_p99_s'] * 1e3:.0f}",
+                f"{r['itl_p50_s'] * 1e3:.1f}", f"{r['itl_p99_s'] * 1e3:.1f}", f"{r['throughput_tok_s']:.1f}",
+                f"{r['goodput_req_s']:.2f}", f"{r['slo_attained']:.0%}", f"{r['prefix_hit_rate']:.2f}"]
+
+    header = ["workload", "mode", "router", "ok", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "tok/s",
+              "goodput req/s", "SLO met", "hit rate"]
+    by_workload = sorted(load_rows, key=lambda r: r["workload"] != "trace")  # stable: run order within one
+    rows = [[r["workload"], r["mode"], r["router"], *figures(r)] for r in by_workload]
+    rows += [["shared prompt", "colocated", f"cache {'on' if r['prefix_cache'] else 'off'}", *figures(r)]
+             for r in cache_rows]
+    print(_table(header, rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""``rayfleet train job.yaml``: validate, submit through Ray's job API, follow with a progress bar."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["register"]
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from rayfleet.jobs.train import load_spec
+    from rayfleet.sdk import connect
+
+    spec = load_spec(args.job, overrides=args.set)
+    fleet = connect(args.address)
+    run = fleet.train(spec, max_failures=args.max_failures)
+    print(f"submitted {spec.name} as Ray job {run.job_id} (dashboard {run.dashboard_url})", flush=True)
+    if args.detach:
+        return 0
+    status = run.follow()
+    rows = run.metrics()
+    if rows:
+        last = rows.last()
+        print(f"{spec.name}: {status} after {last.get('step')} steps, loss {last.get('loss'):.4f}")
+    if status != "SUCCEEDED":
+        print("\n".join(run.logs().splitlines()[-20:]), file=sys.stderr)
+        return 1
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("train", help="submit a training job (YAML spec) and follow its progress")
+    p.add_argument("job", help="job YAML (see examples/jobs)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
+    p.add_argument("--address", default=None, help="host:port of the cluster (default: the local fleet)")
+    p.add_argument("--detach", action="store_true", help="submit and return without following")
+    p.add_argument("--max-failures", type=int, default=None,
+                   help="worker-group restarts (default: checkpoint.max_failures, or 0 without checkpoints)")
+    p.set_defaults(func=_cmd_train)

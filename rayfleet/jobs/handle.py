@@ -1,0 +1,223 @@
+"""A submitted training job as seen from a notebook or the CLI: status, metrics, logs, cancel.
+
+Design decisions:
+- Jobs go through Ray's job API (``JobSubmissionClient``), the same path as ``ray job submit``,
+  so a run started from a notebook, the CLI or a shell is the same kind of object, survives the
+  client going away, and shows up in the Ray dashboard.
+- Rank 0 prints one line per step, ``RAYFLEET_METRICS {json}``, to the job's log. The client
+  reads metrics back from the log it already has to fetch for ``logs()``; no second channel
+  (and no port on the driver) is needed. The same rows are also written to Parquet in the
+  run's storage and exported as Ray metrics by the job itself.
+- ``MetricsTable`` is a small column view of those rows (``table["loss"]``, ``table.last()``,
+  ``to_pandas()`` when pandas is installed): notebooks get a table without a hard pandas
+  dependency.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+from rayfleet.errors import RayfleetError
+
+__all__ = ["METRICS_PREFIX", "format_metrics_line", "parse_metrics_lines", "MetricsTable",
+           "TrainingRun", "JobFailedError", "submit_training", "summarize", "encode_spec", "decode_spec", "render_progress"]
+
+METRICS_PREFIX = "RAYFLEET_METRICS "
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+class JobFailedError(RayfleetError):
+    """A training job ended in FAILED or STOPPED."""
+
+
+def format_metrics_line(metrics: dict[str, Any]) -> str:
+    return METRICS_PREFIX + json.dumps(metrics, sort_keys=True, default=float)
+
+
+def parse_metrics_lines(text: str) -> list[dict[str, Any]]:
+    """Every ``RAYFLEET_METRICS`` row in a log (Ray may prefix worker lines with ``(pid=...)``)."""
+    rows = []
+    for line in text.splitlines():
+        at = line.find(METRICS_PREFIX)
+        if at < 0:
+            continue
+        try:
+            rows.append(json.loads(line[at + len(METRICS_PREFIX):]))
+        except json.JSONDecodeError:
+            continue  # a line cut by log rotation; the next step's row follows
+    # A restarted worker group re-reports steps: keep the newest row of each step.
+    by_step: dict[Any, dict] = {}
+    for row in rows:
+        by_step[row.get("step", len(by_step))] = row
+    return [by_step[k] for k in sorted(by_step, key=lambda s: (s is None, s))]
+
+
+def encode_spec(spec_dict: dict[str, Any]) -> str:
+    return base64.urlsafe_b64encode(json.dumps(spec_dict).encode()).decode()
+
+
+def decode_spec(text: str) -> dict[str, Any]:
+    return json.loads(base64.urlsafe_b64decode(text.encode()))
+
+
+@dataclass(frozen=True)
+class MetricsTable:
+    """Per-step metrics rows with column access."""
+
+    rows: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def columns(self) -> list[str]:
+        return sorted({k for row in self.rows for k in row})
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, column: str) -> list[Any]:
+        if column not in self.columns:
+            raise KeyError(f"no column {column!r}; columns: {self.columns}")
+        return [row.get(column) for row in self.rows]
+
+    def last(self) -> dict[str, Any]:
+        return dict(self.rows[-1]) if self.rows else {}
+
+    def to_pandas(self):
+        import pandas as pd  # optional; notebooks usually have it
+
+        return pd.DataFrame(list(self.rows))
+
+    def __repr__(self) -> str:
+        cols = [c for c in ("step", "loss", "tokens_per_s", "mfu", "step_time_s") if c in self.columns]
+        lines = ["  ".join(f"{c:>12}" for c in cols)]
+        for row in self.rows[-10:]:
+            lines.append("  ".join(f"{_fmt(row.get(c)):>12}" for c in cols))
+        return f"MetricsTable({len(self)} rows)\n" + "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+def render_progress(row: dict[str, Any], *, total_steps: int | None, started_s: float) -> str:
+    """One progress line: ``[#####     ] step 12/40  loss 4.812  1.2k tok/s  ETA 0:21``."""
+    step = int(row.get("step", 0))
+    frac = min(1.0, step / total_steps) if total_steps else 0.0
+    bar = "#" * int(frac * 20)
+    elapsed = time.monotonic() - started_s
+    eta = (elapsed / frac - elapsed) if frac > 0 else math.nan
+    eta_s = "--:--" if math.isnan(eta) else f"{int(eta // 60)}:{int(eta % 60):02d}"
+    tps = row.get("tokens_per_s") or 0.0
+    loss = row.get("loss")
+    loss_s = f"{loss:.4f}" if isinstance(loss, (int, float)) else "?"
+    total = f"/{total_steps}" if total_steps else ""
+    return f"[{bar:<20}] step {step}{total}  loss {loss_s}  {tps:,.0f} tok/s  ETA {eta_s}"
+
+
+@dataclass
+class TrainingRun:
+    """A training job submitted through Ray's job API.
+
+    ``status()``: PENDING / RUNNING / SUCCEEDED / FAILED / STOPPED. ``metrics()``: a
+    ``MetricsTable``. ``wait()`` blocks until the end and raises ``JobFailedError`` on failure.
+    """
+
+    job_id: str
+    dashboard_url: str
+    name: str = ""
+    total_steps: int | None = None
+    _client: Any = field(default=None, repr=False)
+
+    @property
+    def client(self):
+        if self._client is None:
+            from ray.job_submission import JobSubmissionClient
+
+            self._client = JobSubmissionClient(self.dashboard_url)
+        return self._client
+
+    def status(self) -> str:
+        return str(self.client.get_job_status(self.job_id).value)
+
+    def info(self):
+        return self.client.get_job_info(self.job_id)
+
+    def logs(self) -> str:
+        return self.client.get_job_logs(self.job_id)
+
+    def metrics(self) -> MetricsTable:
+        return MetricsTable(tuple(parse_metrics_lines(self.logs())))
+
+    def cancel(self) -> bool:
+        return bool(self.client.stop_job(self.job_id))
+
+    def wait(self, timeout_s: float = 3600.0, *, poll_s: float = 1.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            status = self.status()
+            if status in TERMINAL:
+                if status != "SUCCEEDED":
+                    raise JobFailedError(self._failure_message(status))
+                return status
+            time.sleep(poll_s)
+        raise TimeoutError(f"training job {self.job_id} still {self.status()} after {timeout_s:.0f} s")
+
+    def follow(self, *, out=sys.stdout, poll_s: float = 1.0) -> str:
+        """Print a progress line per new step until the job ends; returns the final status."""
+        started, seen = time.monotonic(), -1
+        for row in self._new_rows(poll_s):
+            if int(row.get("step", 0)) > seen:
+                seen = int(row.get("step", 0))
+                print(render_progress(row, total_steps=self.total_steps, started_s=started), file=out, flush=True)
+        return self.status()
+
+    def _new_rows(self, poll_s: float) -> Iterator[dict[str, Any]]:
+        while True:
+            status = self.status()
+            yield from parse_metrics_lines(self.logs())
+            if status in TERMINAL:
+                return
+            time.sleep(poll_s)
+
+    def _failure_message(self, status: str) -> str:
+        info = self.info()
+        tail = "\n".join(self.logs().splitlines()[-15:])
+        return (f"training job {self.job_id} ({self.name}) ended {status}: {info.message}\n"
+                f"last log lines:\n{tail}")
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Mean throughput and final loss of a run's rows (for CLI summaries and demos)."""
+    if not rows:
+        return {}
+    steady = rows[1:] or rows  # the first step pays for warm-up
+    return {"steps": len(rows), "final_loss": rows[-1].get("loss"),
+            "mean_tokens_per_s": sum(r.get("tokens_per_s", 0.0) for r in steady) / len(steady)}
+
+
+def submit_training(spec, *, dashboard_url: str, max_failures: int | None = None,
+                    storage_path: str | None = None) -> TrainingRun:
+    """Submit ``spec`` (a ``TrainJobSpec``) as a Ray job running ``python -m rayfleet.jobs.train``."""
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(dashboard_url)
+    entrypoint = f"python -m rayfleet.jobs.train --spec-b64 {encode_spec(spec.to_dict())}"
+    if max_failures is not None:
+        entrypoint += f" --max-failures {max_failures}"
+    if storage_path:
+        entrypoint += f" --storage-path {storage_path}"
+    job_id = client.submit_job(entrypoint=entrypoint,
+                               submission_id=f"rayfleet-train-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}",
+                               runtime_env={"env_vars": {"RAY_AUTH_MODE": "token", "PYTHONUNBUFFERED": "1"}},
+                               metadata={"rayfleet.kind": "train", "rayfleet.job": spec.name,
+                                         "rayfleet.queue": spec.queue})
+    return TrainingRun(job_id=job_id, dashboard_url=dashboard_url, name=spec.name, total_steps=spec.steps,
+                       _client=client)

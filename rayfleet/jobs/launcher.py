@@ -1,0 +1,217 @@
+"""Run a ``TrainJobSpec`` on the fleet: plan → layout → Ray Train ``TorchTrainer`` on that layout.
+
+Design decisions:
+- Everything that can fail on the user's input (spec, dataset, plan against memory, fleet too
+  small) is checked in the driver before the trainer starts, so a bad job never reserves an
+  accelerator (``prepare_launch`` is pure given the observed fleet).
+- Workers go where the layout says. Ray Train takes one ``label_selector`` per worker, which
+  pins each worker's node (``rayfleet.io/node``); the accelerator index on that node is what
+  Ray hands out, so on an idle node bundle order equals rail order. Ray Train then numbers
+  workers by (node id, GPU id), so each worker re-forms the default process group with its
+  layout rank (``worker_ranks``); the number of workers that landed on their planned rail is
+  reported as ``rail_matches``.
+- Uniform ``resources_per_worker`` (a Ray Train limit): a job uses one accelerator kind's Ray
+  resource (GPU for NVIDIA, XPU/NPU as custom resources). A plan whose DP replicas mix kinds is
+  launched with node selectors only and holds the accelerators through a reservation
+  placement group named ``rayfleet:train:<job>`` so the inventory still counts them.
+- Ray Train's controller restarts the worker group on a failure (``FailureConfig``); resuming
+  from snapshots is the flash-checkpoint layer's job.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from rayfleet.errors import SpecError
+from rayfleet.jobs.spec import TrainJobSpec
+from rayfleet.placement.layout import Layout, build_layout
+from rayfleet.placement.plan import ParallelPlan
+from rayfleet.platform import labels as L
+from rayfleet.platform.catalogue import get_accelerator
+from rayfleet.platform.topology import AcceleratorSlot, FleetTopology
+
+__all__ = ["TrainLaunch", "prepare_launch", "scaling_options", "run_training", "default_storage_path"]
+
+
+@dataclass(frozen=True)
+class TrainLaunch:
+    """What the driver decided before starting any worker."""
+
+    spec: TrainJobSpec
+    plan: ParallelPlan
+    layout: Layout
+
+    @property
+    def slots(self) -> list[tuple[str, int]]:
+        return [(s.node, s.index) for s in self.layout.rank_to_slot]
+
+    def describe(self) -> str:
+        nodes = ", ".join(f"{n}×{sum(1 for s in self.layout.rank_to_slot if s.node == n)}"
+                          for n in self.layout.nodes())
+        return f"{self.spec.name}: {self.plan.describe()} on {self.layout.world_size} workers ({nodes})"
+
+
+def plan_to_dict(plan: ParallelPlan) -> dict[str, Any]:
+    return asdict(plan)
+
+
+def plan_from_dict(data: dict[str, Any]) -> ParallelPlan:
+    return ParallelPlan(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
+def prepare_launch(spec: TrainJobSpec, topology: FleetTopology, *, held: set[AcceleratorSlot] = frozenset(),
+                   cordoned: set[str] = frozenset()) -> TrainLaunch:
+    """Plan and lay out ``spec`` on the free part of ``topology`` (pure).
+
+    Raises:
+        SpecError: the dataset is missing, the plan does not fit, or the fleet lacks the
+            accelerators (naming the spec field that fixes it).
+    """
+    from rayfleet.jobs.planning import check_dataset, resolve_plan
+
+    check_dataset(spec)
+    accelerator = spec.resources.accelerator
+    free = sum(1 for n in topology.nodes if n.name not in cordoned and n.accelerator_type == accelerator
+               for s in n.slots if s not in held)
+    if spec.resources.num_workers is not None:
+        world = spec.resources.num_workers
+    elif spec.plan is not None and spec.plan.dp is not None:
+        world = spec.plan.replica_size * spec.plan.dp
+    else:
+        world = free
+    if world > free:
+        raise SpecError("resources.num_workers", world,
+                        f"the fleet has {free} free {accelerator} accelerators",
+                        "lower resources.num_workers (or the plan's degrees), or add/uncordon nodes")
+    plan = resolve_plan(spec, world_size=world, accelerator=accelerator)
+    layout = build_layout(plan, topology, held=held, cordoned=cordoned,
+                          accelerator_type=None if plan.replica_accelerators else accelerator)
+    return TrainLaunch(spec=spec, plan=plan, layout=layout)
+
+
+def scaling_options(launch: TrainLaunch) -> dict[str, Any]:
+    """Keyword arguments of ``ray.train.ScalingConfig`` for the launch (pure)."""
+    kinds = {get_accelerator(t).ray_resource for t in launch.layout.rank_to_accelerator}
+    selectors = [{L.NODE: node} for node, _ in launch.slots]
+    if len(kinds) == 1:
+        resource = kinds.pop()
+        use_gpu = resource == "GPU"
+        resources = {resource: 1.0, "CPU": 0.0}
+    else:
+        use_gpu, resources = False, {"CPU": 0.0}
+    return {"num_workers": launch.layout.world_size, "use_gpu": use_gpu, "resources_per_worker": resources,
+            "label_selector": selectors, "placement_strategy": "PACK"}
+
+
+def default_storage_path() -> str:
+    home = os.environ.get("RAYFLEET_HOME") or os.path.join(os.path.expanduser("~"), ".rayfleet")
+    return os.path.join(home, "runs")
+
+
+def observe_fleet() -> tuple[FleetTopology, set[AcceleratorSlot], set[str]]:
+    """The live topology, slots held by other work, and cordoned nodes (driver connected to Ray)."""
+    import ray
+
+    topology = FleetTopology.from_ray_nodes(ray.nodes())
+    held: set[AcceleratorSlot] = set()
+    cordoned: set[str] = set()
+    try:
+        from rayfleet.platform.controller import get_controller
+
+        status = ray.get(get_controller().status.remote(), timeout=10)
+        for node in status.nodes:
+            # A node that just (re)joined has no agent heartbeat yet: Ray reports it alive, so it
+            # may take work (an elastic job grows onto it); one whose heartbeats stopped may not.
+            joining = node.health == "unreachable" and node.last_heartbeat_age_s is None
+            if node.cordoned or (node.health in ("suspect", "unreachable", "dead") and not joining):
+                cordoned.add(node.topology.name)
+    except Exception:  # noqa: BLE001 - no controller (plain `ray start` cluster): labels only
+        pass
+    return topology, held, cordoned
+
+
+def run_training(spec: TrainJobSpec, *, storage_path: str | None = None, max_failures: int | None = None,
+                 log=print) -> dict[str, Any]:
+    """Plan, lay out and train ``spec`` on the connected cluster; returns the last metrics.
+
+    An elastic job (``resources.elastic`` + ``checkpoint``) is re-formed by
+    :mod:`rayfleet.jobs.elastic` when a node of its layout is lost (smaller plan, checkpoint
+    resharded) and when capacity returns (larger plan), until it finishes.
+    """
+    from rayfleet.jobs.elastic import run_elastic
+
+    if max_failures is None:  # restarts only make sense when there is a snapshot to resume from
+        max_failures = spec.checkpoint.max_failures if spec.checkpoint is not None else 0
+    storage = storage_path or default_storage_path()
+    job_dir = os.path.join(storage, f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if spec.checkpoint is not None and spec.checkpoint.uri is None:
+        # one checkpoint location for every re-formation of the job
+        spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(
+            update={"uri": os.path.join(job_dir, "checkpoints")})})
+    return run_elastic(spec, job_dir=job_dir, max_failures=max_failures, log=log)
+
+
+def fit_once(spec: TrainJobSpec, launch: TrainLaunch, *, run_dir: str, max_failures: int, log,
+             stop_signal: Any = None, on_trainer_start=None, on_step=None) -> dict[str, Any]:
+    """One Ray Train ``fit`` of ``launch``; returns the last metrics (raises the run's error).
+    ``on_step(metrics)`` is called in the driver for every step rank 0 reports."""
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.util.queue import Queue
+
+    from rayfleet.jobs.handle import format_metrics_line
+    from rayfleet.jobs.worker_entry import train_loop_per_worker
+
+    log(f"rayfleet train: {launch.describe()}")
+    # Rank 0 pushes each step's metrics here and the driver prints them: worker stdout reaches
+    # a job's log only through Ray's log streaming, which may still be in flight when the job
+    # ends, while the driver's own stdout is the job log `rayfleet train` and the SDK follow.
+    metrics_queue = Queue(actor_options={"num_cpus": 0})
+    config = {"spec": spec.to_dict(), "plan": plan_to_dict(launch.plan), "slots": launch.slots,
+              "run_dir": run_dir, "metrics_queue": metrics_queue, "stop_signal": stop_signal}
+    last: dict[str, Any] = {}
+    done = threading.Event()
+
+    def drain() -> None:
+        while True:
+            try:
+                row = metrics_queue.get(timeout=0.5)
+            except Exception:  # noqa: BLE001 - Empty (or the queue actor gone): poll again or stop
+                if done.is_set() and metrics_queue.empty():
+                    return
+                continue
+            if "restored_from" in row:
+                log(f"rayfleet checkpoint: restored step {row.pop('restored_step')} from {row.pop('restored_from')} "
+                    f"({row.pop('restore_reason', '') or 'snapshot verified on every rank'})")
+            last.update(row)
+            log(format_metrics_line(row))
+            if on_step is not None:
+                on_step(row)
+
+    printer = threading.Thread(target=drain, name="rayfleet-metrics", daemon=True)
+    printer.start()
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=config,
+        # Ray Train's own group only bootstraps the workers: each one re-forms the default group
+        # with its layout rank (NCCL where CUDA is present, gloo otherwise; ``worker_ranks``). gloo
+        # here works on every fleet, including fake-GPU local fleets where NCCL is absent.
+        torch_config=TorchConfig(backend="gloo"),
+        scaling_config=ray.train.ScalingConfig(**scaling_options(launch)),
+        run_config=ray.train.RunConfig(name=os.path.basename(run_dir), storage_path=os.path.dirname(run_dir),
+                                       failure_config=ray.train.FailureConfig(max_failures=max_failures)),
+    )
+    if on_trainer_start is not None:
+        on_trainer_start(launch)
+    try:
+        result = trainer.fit()  # in the main thread: Ray Train installs signal handlers
+    finally:
+        done.set()
+        printer.join(timeout=30)
+    if result.error is not None:
+        raise result.error
+    return {**last, **(result.metrics or {})}

@@ -1,0 +1,161 @@
+"""``ParallelContext``: this rank's coordinates, device meshes and process groups for a plan.
+
+Design decisions:
+- Two meshes over the same ranks, as in Megatron-Core's "MoE parallel folding": the attention
+  grid ``(pp, dp, cp, tp)`` and the expert grid ``(pp, edp, ep, etp)``. Both follow
+  :meth:`ParallelPlan.coords` (tp innermost, then cp, dp, pp; etp, ep, edp inside a stage), so
+  the ranks the planner placed together (TP inside a node, EP inside the fast domain) are the
+  ranks that talk here. Every rank builds both meshes in the same order (``new_group`` is a
+  collective over the world).
+- Only the degrees the trainer implements are accepted: ``cp`` and ``etp`` must be 1 (context
+  parallel attention and expert-tensor-parallel GEMMs are not built yet) and a plan asking for
+  them fails here with the field and the fix, not with a wrong result later.
+- ``moe_token_split``: when TP > 1 and EP > 1, the TP peers of a rank hold the same tokens; they
+  each route and dispatch a disjoint 1/tp slice (Megatron's sequence split before dispatch), so
+  no token reaches an expert twice. The MoE layer's replicated parameters (router, shared
+  experts) then hold partial gradients on each TP peer, summed in ``finalize_gradients``.
+- The a2a statistics (``A2AStats``) live on the context: the dispatchers of every MoE layer add
+  to them, and the loop reads the step's hidden fraction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from rayfleet.errors import SpecError
+from rayfleet.placement.plan import ParallelPlan
+
+__all__ = ["A2AStats", "ParallelContext", "build_parallel_context"]
+
+
+@dataclass
+class A2AStats:
+    """Expert all-to-all time of the current step, in seconds (reset by the loop every step).
+
+    ``issued_s``: total time from issuing each collective to its completion being observed;
+    ``exposed_s``: the part of it the rank spent blocked waiting. With overlap off every
+    collective is blocking, so exposed == issued and nothing is hidden.
+    """
+
+    issued_s: float = 0.0
+    exposed_s: float = 0.0
+    calls: int = 0
+
+    def reset(self) -> None:
+        self.issued_s = self.exposed_s = 0.0
+        self.calls = 0
+
+    def hidden_fraction(self) -> float | None:
+        if self.calls == 0 or self.issued_s <= 0:
+            return None
+        return max(0.0, min(1.0, 1.0 - self.exposed_s / self.issued_s))
+
+
+@dataclass
+class ParallelContext:
+    """What a rank needs to know about the parallel layout. Built by ``build_parallel_context``."""
+
+    plan: ParallelPlan
+    device: torch.device
+    rank: int
+    world_size: int
+    tp_rank: int
+    dp_rank: int
+    pp_rank: int
+    ep_rank: int
+    edp_rank: int
+    mesh: DeviceMesh  # (pp, dp, cp, tp)
+    expert_mesh: DeviceMesh  # (pp, edp, ep, etp)
+    stage_group: dist.ProcessGroup | None  # all ranks of this pipeline stage (tp*cp*dp)
+    a2a_overlap: bool = False
+    fp8_dispatch: bool = False
+    misroute_experts: bool = False  # BROKEN ON PURPOSE: the mis-routed EP control of the tests
+    a2a: A2AStats = field(default_factory=A2AStats)
+    pipeline: Any = None  # the PipelineRunner when plan.pp > 1 (set by parallelize_model)
+    expert_ckpt_mesh: DeviceMesh | None = None  # (ep, edp) of this stage, ep-major: experts' global layout
+
+    @property
+    def tp_size(self) -> int:
+        return self.plan.tp
+
+    @property
+    def dp_size(self) -> int:
+        return self.plan.dp
+
+    @property
+    def ep_size(self) -> int:
+        return self.plan.ep
+
+    @property
+    def edp_size(self) -> int:
+        return self.plan.edp
+
+    @property
+    def grad_divide_factor(self) -> int:
+        return self.plan.dp
+
+    @property
+    def moe_token_split(self) -> bool:
+        return self.plan.tp > 1 and self.plan.ep > 1
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        """Process group of one mesh dimension: ``tp``, ``dp``, ``pp`` or ``ep``, ``edp``."""
+        if name in ("tp", "dp", "pp", "cp"):
+            return self.mesh.get_group(name)
+        return self.expert_mesh.get_group(name)
+
+    def submesh(self, name: str) -> DeviceMesh:
+        return (self.mesh if name in ("tp", "dp", "pp", "cp") else self.expert_mesh)[name]
+
+    def a2a_hidden_fraction(self) -> float | None:
+        return self.a2a.hidden_fraction()
+
+
+def _check_supported(plan: ParallelPlan, world_size: int) -> None:
+    if plan.world_size != world_size:
+        raise SpecError("plan", plan.describe(), f"needs {plan.world_size} workers but the job has {world_size}",
+                        "set resources.num_workers to tp*cp*dp*pp, or leave plan: auto")
+    if plan.cp != 1:
+        raise SpecError("plan.cp", plan.cp, "context parallelism is not implemented by the trainer",
+                        "set plan.cp: 1 (use tp/dp/ep/pp)")
+    if plan.etp != 1:
+        raise SpecError("plan.etp", plan.etp, "expert tensor parallelism is not implemented by the trainer",
+                        "set plan.etp: 1 and split experts with plan.ep instead")
+
+
+def build_parallel_context(plan: ParallelPlan, *, device: torch.device, a2a_overlap: bool = False,
+                           fp8_dispatch: bool = False, misroute_experts: bool = False) -> ParallelContext:
+    """Collective over the default group: build both meshes and this rank's context."""
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    _check_supported(plan, world_size)
+    device = torch.device(device)
+    ranks = torch.arange(world_size)
+    # coords(): rank = tp + tp*(cp + cp*(dp + dp*pp)), so a row-major reshape (pp, dp, cp, tp).
+    mesh = DeviceMesh(device.type, ranks.reshape(plan.pp, plan.dp, plan.cp, plan.tp),
+                      mesh_dim_names=("pp", "dp", "cp", "tp"))
+    expert_mesh = DeviceMesh(device.type, ranks.reshape(plan.pp, plan.edp, plan.ep, plan.etp),
+                             mesh_dim_names=("pp", "edp", "ep", "etp"))
+    # The checkpoint layout of routed experts: rows [E, ...] split over EP first, then over EDP
+    # (FSDP), i.e. a (ep, edp) mesh. DCP needs it to save every rank's experts under one global
+    # tensor and to reshard them when the next run has another EP/EDP.
+    ckpt_mesh = None
+    if plan.ep > 1:
+        grid = ranks.reshape(plan.pp, plan.edp, plan.ep, plan.etp)[..., 0].permute(0, 2, 1).contiguous()
+        ckpt_mesh = DeviceMesh(device.type, grid, mesh_dim_names=("pp", "ep", "edp"))["ep", "edp"]
+    stage = plan.tp * plan.cp * plan.dp
+    stage_group = None
+    for pp_i in range(plan.pp):  # new_group is collective: every rank creates every stage group
+        group = dist.new_group(list(range(pp_i * stage, (pp_i + 1) * stage)))
+        if rank // stage == pp_i:
+            stage_group = group
+    c = plan.coords(rank)
+    return ParallelContext(plan=plan, device=device, rank=rank, world_size=world_size, tp_rank=c.tp,
+                           dp_rank=c.dp, pp_rank=c.pp, ep_rank=c.ep, edp_rank=c.edp, mesh=mesh,
+                           expert_mesh=expert_mesh, stage_group=stage_group, a2a_overlap=a2a_overlap,
+                           fp8_dispatch=fp8_dispatch, misroute_experts=misroute_experts,
+                           expert_ckpt_mesh=ckpt_mesh)

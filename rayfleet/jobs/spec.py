@@ -1,0 +1,397 @@
+"""``TrainJobSpec``: the one typed description of a training job (YAML, SDK, CLI).
+
+Design decisions:
+- Pydantic v2 at the edge, one small section per concern (model, data, plan, optimizer,
+  schedule, checkpoint, output, resources), each with ``extra="forbid"``; components receive
+  only their section (torchtitan's lesson: a root config passed everywhere leaks everywhere).
+- Every validation failure surfaces as :class:`rayfleet.errors.SpecError` naming the dotted
+  field (``plan.ep``, ``model.config.dim``), the value and the fix, whether the spec came from
+  ``from_yaml``, ``model_validate`` or the constructor: pydantic's ``ValidationError`` is
+  translated once here, so users never see two error shapes.
+- Checks that need only the spec run at construction (names, ranges, batch arithmetic that
+  does not depend on the fleet). Checks that need I/O or the fleet (the dataset's manifest,
+  the plan against the accelerators' memory) live in :mod:`rayfleet.jobs.planning` and run
+  in the driver before any worker starts.
+- ``plan: auto`` is stored as ``None`` internally and serialised back as ``"auto"``.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
+
+from rayfleet.errors import SpecError
+from rayfleet.models.config import PRESETS, MoEConfig, preset
+from rayfleet.models.fp8.recipes import RECIPES
+from rayfleet.platform.catalogue import accelerator_names, get_accelerator
+
+__all__ = [
+    "TrainJobSpec", "ModelSection", "DataSection", "PlanSection", "OptimizerSection", "ScheduleSection",
+    "CheckpointSection", "OutputSection", "ResourcesSection", "ElasticSection", "PRECISIONS",
+    "is_fp8_precision",
+]
+
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", *sorted(RECIPES))
+
+
+def is_fp8_precision(precision: str) -> bool:
+    """True when ``precision`` names an FP8 recipe (GEMMs in FP8, the rest in BF16)."""
+    return precision in RECIPES
+
+
+def _split_spec_error(err: SpecError) -> tuple[str, str]:
+    """(why, fix) of a SpecError, recovered from its fixed message shape ``f=v: why. Fix: fix``."""
+    body = str(err).split(": ", 1)[-1]
+    why, _, fix = body.partition(". Fix: ")
+    return why, fix
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Section):
+    """A preset, ``config`` overrides of :class:`MoEConfig` fields, and the init seed."""
+
+    preset: str | None = None
+    config: dict[str, Any] = Field(default_factory=dict)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _builds(self) -> "ModelSection":
+        if self.preset is None and not self.config:
+            raise SpecError("model", {}, "names neither a preset nor a config",
+                            f"add `preset: tiny` (one of {sorted(PRESETS)}) or `config: {{...}}`")
+        if self.preset is not None and self.preset not in PRESETS:
+            raise SpecError("model.preset", self.preset, "unknown model preset",
+                            f"use one of {sorted(PRESETS)}")
+        known = set(MoEConfig.__dataclass_fields__)
+        unknown = sorted(set(self.config) - known)
+        if unknown:
+            raise SpecError(f"model.config.{unknown[0]}", self.config[unknown[0]], "is not a model config field",
+                            f"use fields of MoEConfig: {sorted(known)}")
+        try:
+            self.to_config()
+        except SpecError as err:
+            why, fix = _split_spec_error(err)
+            raise SpecError(f"model.config.{err.field}", err.value, why, fix) from None
+        except TypeError as err:
+            raise SpecError("model.config", self.config, str(err), "give values of the right type") from None
+        return self
+
+    def to_config(self) -> MoEConfig:
+        if self.preset is not None:
+            return preset(self.preset, **self.config)
+        return MoEConfig(**self.config)
+
+
+class DataSection(_Section):
+    """A Parquet token dataset (``rayfleet data prepare``) at an fsspec URI."""
+
+    uri: str
+    seq_len: int = Field(256, ge=1)
+    shuffle: bool = True
+    seed: int = 0
+
+
+class PlanSection(_Section):
+    """An explicit parallel plan; ``dp`` left out means "whatever fills the workers"."""
+
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    dp: int | None = Field(None, ge=1)
+    cp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1)
+    etp: int = Field(1, ge=1)
+    micro_batch_size: int | None = Field(None, ge=1)
+    recompute: Literal["none", "selective", "full"] = "none"
+    zero_stage: int = Field(3, ge=0, le=3)
+    replica_microbatches: tuple[int, ...] | None = None
+    replica_accelerators: tuple[str, ...] | None = None
+
+    @field_validator("cp")
+    @classmethod
+    def _no_cp(cls, v: int) -> int:
+        if v != 1:
+            raise SpecError("plan.cp", v, "context parallelism is not implemented by the train loop",
+                            "set cp: 1 (use tp, ep or pp to split further)")
+        return v
+
+    @field_validator("etp")
+    @classmethod
+    def _no_etp(cls, v: int) -> int:
+        if v != 1:
+            raise SpecError("plan.etp", v, "expert tensor parallelism is not implemented by the train loop",
+                            "set etp: 1 and split experts with ep")
+        return v
+
+    @property
+    def replica_size(self) -> int:
+        return self.tp * self.cp * self.pp
+
+
+class CommSection(_Section):
+    """How collectives run: expert all-to-all overlap and FP8 dispatch (FP8 recipes only)."""
+
+    a2a_overlap: bool = True
+    fp8_dispatch: bool = True
+
+
+class OptimizerSection(_Section):
+    """AdamW hyper-parameters (decoupled weight decay on matrices only)."""
+
+    lr: float = Field(3e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise SpecError("optimizer.betas", v, "each beta must lie in [0, 1)", "use e.g. [0.9, 0.95]")
+        return v
+
+
+class ScheduleSection(_Section):
+    """Linear warmup to ``optimizer.lr``, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
+
+    kind: Literal["cosine", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+
+
+class CheckpointSection(_Section):
+    """Flash snapshots every ``every_n_steps``; every ``persist_every``-th one goes to ``uri``."""
+
+    every_n_steps: int = Field(50, ge=1)
+    persist_every: int = Field(10, ge=1)
+    uri: str | None = None  # None: under the run's storage path
+    keep: int = Field(3, ge=1)
+    max_failures: int = Field(3, ge=0)  # worker-group restarts Ray Train may do; each resumes from snapshots
+
+
+class OutputSection(_Section):
+    """Where the final model is saved as a servable (``rayfleet.storage.model_registry``)."""
+
+    uri: str
+
+
+class ElasticSection(_Section):
+    min_workers: int = Field(ge=1)
+    max_workers: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "ElasticSection":
+        if self.min_workers > self.max_workers:
+            raise SpecError("resources.elastic.min_workers", self.min_workers,
+                            f"exceeds max_workers={self.max_workers}", "make min_workers <= max_workers")
+        return self
+
+
+class ResourcesSection(_Section):
+    """Which accelerators and how many workers (one worker per accelerator)."""
+
+    accelerator: str = "H100"
+    num_workers: int | None = Field(None, ge=1)
+    elastic: ElasticSection | None = None
+
+    @field_validator("accelerator")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        try:
+            return get_accelerator(v).name
+        except ValueError:
+            raise SpecError("resources.accelerator", v, "is not in the accelerator catalogue",
+                            f"use one of {accelerator_names()}") from None
+
+
+class TrainJobSpec(_Section):
+    """A training job. See ``examples/jobs/*.yaml``.
+
+    ``global_batch_size`` counts sequences of ``data.seq_len`` tokens per optimizer step;
+    ``grad_accum`` (optional) fixes the micro-batches per DP replica, otherwise the plan's
+    ``micro_batch_size`` derives it.
+    """
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    model: ModelSection
+    data: DataSection
+    plan: PlanSection | None = None  # None == "auto"
+    precision: str = "bf16"
+    optimizer: OptimizerSection = OptimizerSection()
+    schedule: ScheduleSection = ScheduleSection()
+    steps: int = Field(ge=1)
+    global_batch_size: int = Field(ge=1)
+    grad_accum: int | None = Field(None, ge=1)
+    grad_clip: float | None = Field(1.0, gt=0)
+    comm: CommSection = CommSection()
+    checkpoint: CheckpointSection | None = None
+    output: OutputSection | None = None
+    priority: int = Field(0, ge=0, le=100)
+    queue: str = Field("default", min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    resources: ResourcesSection = ResourcesSection()
+
+    # -- construction that always raises SpecError ---------------------------------------
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as err:
+            raise _to_spec_error(err, data) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> "TrainJobSpec":  # type: ignore[override]
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as err:
+            raise _to_spec_error(err, obj) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "TrainJobSpec":
+        import yaml  # only the YAML edge needs it
+
+        p = Path(path)
+        if not p.exists():
+            raise SpecError("job", str(path), "no such file", "pass the path of a job YAML (see examples/jobs)")
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as err:
+            raise SpecError("job", str(path), f"is not valid YAML ({err})", "fix the YAML syntax") from None
+        if not isinstance(data, dict):
+            raise SpecError("job", str(path), "must be a YAML mapping of job fields", "see examples/jobs/*.yaml")
+        return cls.model_validate(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, YAML/JSON-ready form (``plan`` is "auto" when searched)."""
+        return self.model_dump(mode="json")
+
+    # -- field checks -----------------------------------------------------------------------
+    @field_validator("plan", mode="before")
+    @classmethod
+    def _auto(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            if v.strip().lower() != "auto":
+                raise SpecError("plan", v, "is neither 'auto' nor a mapping of parallel degrees",
+                                "write `plan: auto` or e.g. `plan: {dp: 2, ep: 2}`")
+            return None
+        return v
+
+    @field_serializer("plan")
+    def _plan_out(self, plan: PlanSection | None) -> Any:
+        return "auto" if plan is None else plan.model_dump(mode="json")
+
+    @field_validator("precision")
+    @classmethod
+    def _precision(cls, v: str) -> str:
+        if v not in PRECISIONS:
+            raise SpecError("precision", v, "is neither fp32, bf16 nor a known FP8 recipe",
+                            f"use one of {list(PRECISIONS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "TrainJobSpec":
+        config = self.model.to_config()
+        if self.data.seq_len > config.max_seq_len:
+            raise SpecError("data.seq_len", self.data.seq_len, f"exceeds the model's max_seq_len={config.max_seq_len}",
+                            "lower data.seq_len or raise model.config.max_seq_len")
+        if self.schedule.warmup_steps > self.steps:
+            raise SpecError("schedule.warmup_steps", self.schedule.warmup_steps, f"exceeds steps={self.steps}",
+                            "use fewer warmup steps than training steps")
+        self._check_batch()
+        self._check_workers()
+        return self
+
+    def _check_batch(self) -> None:
+        plan, gbs = self.plan, self.global_batch_size
+        if plan is None or plan.dp is None:
+            return
+        if plan.replica_microbatches is not None:
+            if len(plan.replica_microbatches) != plan.dp or min(plan.replica_microbatches) < 1:
+                raise SpecError("plan.replica_microbatches", plan.replica_microbatches,
+                                f"needs one count >= 1 per DP replica (dp={plan.dp})", "give dp positive counts")
+            mbs = plan.micro_batch_size or 1
+            if sum(plan.replica_microbatches) * mbs != gbs:
+                raise SpecError("plan.replica_microbatches", plan.replica_microbatches,
+                                f"sum x micro_batch_size={mbs} != global_batch_size={gbs}",
+                                "make the counts add up to global_batch_size / micro_batch_size")
+            return
+        if gbs % plan.dp:
+            raise SpecError("global_batch_size", gbs, f"is not divisible by plan.dp={plan.dp}",
+                            f"use a multiple of {plan.dp} sequences")
+        per_replica = gbs // plan.dp
+        if plan.micro_batch_size is not None and per_replica % plan.micro_batch_size:
+            raise SpecError("plan.micro_batch_size", plan.micro_batch_size,
+                            f"does not divide the {per_replica} sequences each DP replica gets per step",
+                            "pick a micro-batch size dividing global_batch_size / dp")
+        if self.grad_accum is not None:
+            if plan.micro_batch_size is not None and plan.micro_batch_size * self.grad_accum != per_replica:
+                raise SpecError("grad_accum", self.grad_accum,
+                                f"micro_batch_size={plan.micro_batch_size} x grad_accum != {per_replica} "
+                                f"sequences per DP replica (global_batch_size={gbs} / dp={plan.dp})",
+                                "drop one of grad_accum / micro_batch_size, or make them agree")
+            if per_replica % self.grad_accum:
+                raise SpecError("grad_accum", self.grad_accum,
+                                f"does not divide the {per_replica} sequences per DP replica",
+                                "pick grad_accum dividing global_batch_size / dp")
+
+    def _check_workers(self) -> None:
+        res, plan = self.resources, self.plan
+        if res.elastic is not None and res.num_workers is not None and not (
+                res.elastic.min_workers <= res.num_workers <= res.elastic.max_workers):
+            raise SpecError("resources.num_workers", res.num_workers,
+                            f"lies outside elastic [{res.elastic.min_workers}, {res.elastic.max_workers}]",
+                            "make num_workers fall inside the elastic range")
+        if plan is not None and plan.dp is not None and res.num_workers is not None:
+            world = plan.replica_size * plan.dp
+            if world != res.num_workers:
+                raise SpecError("resources.num_workers", res.num_workers,
+                                f"plan tp*cp*pp*dp = {world} accelerators",
+                                f"set num_workers: {world} or change the plan's degrees")
+
+
+# -- pydantic error -> SpecError -----------------------------------------------------------------
+
+def _section_class(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model class that owns the last key of ``loc`` (to list its fields)."""
+    cls: type[BaseModel] | None = root
+    for key in loc[:-1]:
+        if cls is None or not isinstance(key, str) or key not in cls.model_fields:
+            return None
+        cls = _model_in(cls.model_fields[key].annotation)
+    return cls
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            found = _model_in(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def _to_spec_error(err: ValidationError, data: Any) -> SpecError:
+    first = err.errors()[0]
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, SpecError):
+        return cause
+    loc = tuple(first["loc"])
+    field = ".".join(str(p) for p in loc) or "job"
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        owner = _section_class(TrainJobSpec, loc)
+        allowed = sorted(owner.model_fields) if owner is not None else []
+        return SpecError(field, first.get("input"), "is not a field of this section",
+                         f"remove it (allowed here: {', '.join(allowed)})")
+    if kind == "missing":
+        return SpecError(field, None, "is required", f"add `{loc[-1]}:` (see examples/jobs/*.yaml)")
+    message = first["msg"]
+    if isinstance(cause, Exception):
+        message = str(cause)
+    return SpecError(field, first.get("input"), message, "see examples/jobs/*.yaml for valid values")

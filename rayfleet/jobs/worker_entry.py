@@ -1,0 +1,126 @@
+"""The function every Ray Train worker runs: re-rank, then the train loop, reporting each step.
+
+Design decisions:
+- Ray Train has initialized the default process group (gloo on CPU, NCCL on GPU) before this
+  runs; ``rerank_process_group`` rebuilds it so that ``dist.get_rank()`` is the layout rank.
+- Reporting per step goes three ways from rank 0: a ``RAYFLEET_METRICS`` log line (what
+  ``rayfleet train`` and ``TrainingRun.metrics()`` read), a Parquet file per run in storage,
+  and Ray metrics (Prometheus via Ray's metrics agent). Every rank also calls
+  ``ray.train.report`` so Ray Train's own view (``Result.metrics``, the dashboard) stays live.
+- On CPU each worker gets an equal share of the host's cores (workers of a local fleet share
+  one machine); on a GPU node the device is the one Ray made visible.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = ["train_loop_per_worker"]
+
+
+def _device():
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", 0)  # Ray sets CUDA_VISIBLE_DEVICES to this worker's GPU
+    return torch.device("cpu")
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    import ray
+    import ray.train
+    import torch
+    import torch.distributed as dist
+
+    from rayfleet.jobs.handle import format_metrics_line
+    from rayfleet.jobs.launcher import plan_from_dict
+    from rayfleet.jobs.loop import train_worker
+    from rayfleet.jobs.metrics import MetricsWriter, export_ray_metrics
+    from rayfleet.jobs.spec import TrainJobSpec
+    from rayfleet.jobs.worker_ranks import rerank_process_group
+    from rayfleet.platform import labels as L
+
+    device = _device()
+    if device.type == "cpu":
+        context = ray.train.get_context()
+        per_node = max(1, context.get_local_world_size())
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
+    node = ray.get_runtime_context().get_node_labels().get(L.NODE, "")
+    slots = [tuple(s) for s in config["slots"]]
+    assignment = rerank_process_group(slots, node=node, backend="nccl" if device.type == "cuda" else "gloo")
+    rank = dist.get_rank()
+    spec = TrainJobSpec.model_validate(config["spec"])
+    plan = plan_from_dict(config["plan"])
+    writer = MetricsWriter(os.path.join(config["run_dir"], "metrics")) if rank == 0 else None
+    hooks = _checkpoint_hook(spec, config, slots=slots, rank=rank)
+    announced = [False]
+
+    def report(metrics: dict[str, Any]) -> None:
+        row = dict(metrics)
+        if rank == 0:
+            row.setdefault("rail_matches", assignment.rail_matches)
+            queue = config.get("metrics_queue")
+            if queue is not None:
+                event = {}
+                restored = getattr(hooks, "restored", None)
+                if restored is not None and restored.step is not None and not announced[0]:
+                    announced[0] = True  # the driver logs where this worker group resumed from
+                    event = {"restored_step": restored.step, "restored_from": restored.source,
+                             "restore_reason": restored.reason}
+                queue.put({**{k: v for k, v in row.items() if not hasattr(v, "shape")}, **event})
+            else:
+                print(format_metrics_line(row), flush=True)
+            writer.write(row)
+            export_ray_metrics(row, job=spec.name)
+        ray.train.report({k: v for k, v in row.items() if isinstance(v, (int, float))})
+
+    try:
+        stop_signal = config.get("stop_signal")  # elastic jobs: the driver asks all ranks to stop to re-form
+        should_stop = (lambda: ray.get(stop_signal.should_stop.remote())) if stop_signal is not None else None
+        train_worker(spec, plan, report=report, hooks=hooks, should_stop=should_stop)
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+def _checkpoint_hook(spec: Any, config: dict[str, Any], *, slots: list, rank: int):
+    """Flash checkpoints + health policies for a job with a ``checkpoint`` section, else None.
+
+    Snapshots go to the node's shared memory (owned by its snapshot actor, so they outlive this
+    process); every ``persist_every``-th goes to ``checkpoint.uri`` (default: the run directory).
+    On a worker-group restart (same run), each rank restores from its snapshot, else storage.
+    Rank 0 records each health decision with the fleet controller and cordons a slow rank's node.
+    """
+    if spec.checkpoint is None:
+        return None
+    from rayfleet.jobs.flash_checkpoint import FlashCheckpointHook
+    from rayfleet.jobs.health_policy import LossAnomalyPolicy, SlowRankPolicy
+
+    ck = spec.checkpoint
+    run_name = os.path.basename(config["run_dir"].rstrip("/"))
+    uri = ck.uri or os.path.join(config["run_dir"], "checkpoints")
+    on_decision = _decision_recorder(run_name, slots) if rank == 0 else None
+    return FlashCheckpointHook(job=run_name, snapshot_every=ck.every_n_steps, persist_every=ck.persist_every,
+                               checkpoint_uri=uri, keep=ck.keep, use_node_actor=True,
+                               loss_policy=LossAnomalyPolicy(), slow_rank_policy=SlowRankPolicy(),
+                               on_decision=on_decision)
+
+
+def _decision_recorder(run_name: str, slots: list):
+    def record(decision: Any) -> None:
+        from dataclasses import asdict
+
+        try:
+            from rayfleet.platform.controller import get_controller
+
+            controller = get_controller()
+            detail = {k: v for k, v in asdict(decision).items() if isinstance(v, (int, float, str, tuple))}
+            controller.record_job_event.remote(run_name, decision.action, decision.cause, detail)
+            if decision.action == "cordon_and_reform":
+                node = slots[decision.rank][0]
+                controller.cordon.remote(node, f"slow training rank {decision.rank} of {run_name}: {decision.cause}")
+        except Exception as exc:  # noqa: BLE001 - no controller (plain Ray cluster): log and go on
+            print(f"rayfleet: could not record {decision.action}: {exc}", flush=True)
+        print(f"rayfleet health: {decision.action}: {decision.cause}", flush=True)
+    return record

@@ -1,0 +1,520 @@
+"""The shared autoscaler's policy: lend accelerators from elastic training to Serve and back.
+
+``AutoscalerPolicy.decide(state, observation) -> PolicyResult(state, decisions)`` is pure (no
+Ray, clock or I/O): the fleet controller's loop and the simulator (:mod:`rayfleet.platform.sim`)
+call the same object. The state it threads through is small and frozen (hysteresis timers,
+what was lent, cooldowns), so a restarted controller can rebuild it from its store.
+
+Design decisions:
+- Inference first. A deployment needs more replicas when Serve's own autoscaler wants more
+  (``desired > running + pending``) or when it is *at risk* (TTFT p95 near its SLO, a deep
+  queue per replica, or nearly full KV cache) even if Serve has not asked yet.
+- Capacity comes from, in order: free accelerators (best fit: the fullest node that still holds
+  a whole replica), then shrinking training, then Ray's autoscaler (``RequestNodes``).
+- Shrinking is topology-aware and cheapest-first: a Serve replica must sit on one node, so the
+  policy picks, node by node, the cheapest set of training DP replicas on that node which —
+  together with the node's free accelerators — make room for a whole Serve replica. Cost is
+  ``(job priority, class rank, lost accelerator-seconds)``: low priority first, elastic shrinks
+  before opportunistic preemptions (which lose the work since their last snapshot and must
+  requeue), then the least work at risk (most recent snapshot, fewest workers restarted).
+  Guaranteed jobs are never touched; elastic jobs never go below their minimum (gang size) and
+  always shrink by whole DP replicas after a flash snapshot (``snapshot_first``).
+- Hysteresis against flapping: a deployment scales down only after its load has stayed low
+  (``desired < running`` and TTFT well inside the SLO) for ``scale_down_after_s`` without a
+  break; a grown-back job is not resized again within ``job_resize_cooldown_s``; training only
+  grows when no deployment is short or at risk.
+- Giving back: accelerators lent by a job are returned to it first (before queued jobs, which
+  the queues admit); growth of a job above what it was admitted at happens only when no
+  training job waits (``pending_training_accelerators == 0``).
+- Every decision carries a human-readable ``reason``; the controller records it as an event.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Mapping, Union
+
+from rayfleet.platform.queues import JobClass
+
+__all__ = [
+    "ServeObservation", "TrainingObservation", "FleetObservation", "AutoscalerConfig", "AutoscalerState",
+    "ShrinkTraining", "GrowTraining", "ScaleServe", "RequestNodes", "Decision", "PolicyResult",
+    "AutoscalerPolicy", "AutoscalerLoop", "decision_detail",
+]
+
+
+@dataclass(frozen=True)
+class ServeObservation:
+    deployment: str
+    accelerator_type: str
+    accelerators_per_replica: int
+    running_replicas: int
+    desired_replicas: int  # what Serve's own autoscaler asks for at its target load
+    pending_replicas: int = 0  # decided, not yet running (model loading)
+    replica_nodes: tuple[str, ...] = ()  # node of each running/pending replica
+    min_replicas: int = 1
+    max_replicas: int = 1 << 30
+    queue_depth: float = 0.0  # requests waiting, all replicas
+    ttft_p95_s: float = 0.0
+    ttft_slo_s: float = 1.0
+    kv_usage: float = 0.0  # 0..1, max over replicas
+    # Nodes of decided replicas that do not hold their accelerators yet (a shell starts a replica
+    # once the freed accelerator is really free). Their room is kept: nothing else grows into it.
+    unplaced_nodes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TrainingObservation:
+    job_id: str
+    queue: str
+    accelerator_type: str
+    job_class: JobClass
+    size: int
+    min_size: int
+    max_size: int
+    replica_size: int  # accelerators per DP replica
+    replica_nodes: tuple[tuple[str, ...], ...]  # nodes of each DP replica (split evenly)
+    priority: int = 0
+    admitted_size: int = 0  # size it was started at (growth beyond needs an empty queue)
+    last_snapshot_step: int = 0
+    last_snapshot_at_s: float = 0.0
+    # Stopping or re-forming: its accelerators look free for a while but are spoken for, and
+    # it has no replicas to lend. The policy neither shrinks nor grows it until it runs again.
+    resizing: bool = False
+
+
+@dataclass(frozen=True)
+class FleetObservation:
+    now_s: float
+    free_by_node: Mapping[str, int]
+    node_type: Mapping[str, str]  # node -> accelerator type
+    serve: tuple[ServeObservation, ...] = ()
+    training: tuple[TrainingObservation, ...] = ()
+    pending_training_accelerators: Mapping[str, int] = field(default_factory=dict)  # gang minimums waiting
+
+
+@dataclass(frozen=True)
+class ShrinkTraining:
+    job_id: str
+    new_size: int  # 0: preempted whole (opportunistic)
+    replicas: tuple[int, ...]  # indices into replica_nodes that go away
+    freed_by_node: Mapping[str, int]
+    reason: str
+    snapshot_first: bool = True
+
+    @property
+    def preempted(self) -> bool:
+        return self.new_size == 0
+
+
+@dataclass(frozen=True)
+class GrowTraining:
+    job_id: str
+    new_size: int
+    nodes: tuple[str, ...]  # one node per added DP replica
+    reason: str
+
+
+@dataclass(frozen=True)
+class ScaleServe:
+    deployment: str
+    target_replicas: int
+    add_on_nodes: tuple[str, ...]  # one node per added replica
+    remove_from_nodes: tuple[str, ...]  # one node per removed replica
+    reason: str
+
+
+@dataclass(frozen=True)
+class RequestNodes:
+    accelerator_type: str
+    num_accelerators: int
+    bundle_size: int  # accelerators per bundle (one Serve replica or one DP replica)
+    reason: str
+
+
+Decision = Union[ShrinkTraining, GrowTraining, ScaleServe, RequestNodes]
+
+
+@dataclass(frozen=True)
+class AutoscalerConfig:
+    ttft_risk_ratio: float = 0.8  # p95 TTFT above this share of the SLO = at risk
+    queue_per_replica_risk: float = 8.0
+    kv_usage_risk: float = 0.92
+    low_ttft_ratio: float = 0.5  # load counts as low only while TTFT p95 is below this share
+    scale_down_after_s: float = 900.0  # hysteresis window
+    job_resize_cooldown_s: float = 600.0  # a resized job is not grown again sooner
+    request_nodes_cooldown_s: float = 600.0
+    restart_cost_s: float = 20.0  # modeled stop/restart of a resized job (for cost ranking)
+    grow_training: bool = True
+    lend: bool = True  # False: never shrink training for Serve (static split)
+    # When shrinking elastic jobs to their minimum and preempting opportunistic ones is not
+    # enough, preempt an elastic job at its minimum whole (after a flash snapshot) and requeue it.
+    preempt_elastic_last_resort: bool = True
+    # Jobs admitted below their requested size grow to it before queued jobs are admitted.
+    grow_to_requested: bool = False
+
+
+@dataclass(frozen=True)
+class AutoscalerState:
+    low_since: Mapping[str, float] = field(default_factory=dict)
+    last_resize_at: Mapping[str, float] = field(default_factory=dict)
+    lent: Mapping[str, int] = field(default_factory=dict)  # job -> accelerators lent to Serve
+    last_request_at: float = -math.inf
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    state: AutoscalerState
+    decisions: tuple[Decision, ...]
+
+
+_CLASS_RANK = {JobClass.ELASTIC: 0, JobClass.OPPORTUNISTIC: 1}  # 2: elastic preempted whole
+
+
+class _Work:
+    """Mutable scratch copy of the fleet for one ``decide`` call (never escapes it)."""
+
+    def __init__(self, obs: FleetObservation) -> None:
+        self.free = dict(obs.free_by_node)
+        for serve in obs.serve:
+            for node in serve.unplaced_nodes:
+                self.free[node] = max(0, self.free.get(node, 0) - serve.accelerators_per_replica)
+        self.node_type = obs.node_type
+        self.reasons: dict[str, str] = {}
+        self.jobs = {t.job_id: t for t in obs.training}
+        self.size = {t.job_id: t.size for t in obs.training}
+        self.removed: dict[str, list[int]] = defaultdict(list)
+        self.freed: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self._by_node: dict[str, list[tuple[str, int]]] | None = None
+
+    @property
+    def by_node(self) -> dict[str, list[tuple[str, int]]]:
+        """node -> lendable (job, replica index); built only when lending is needed."""
+        if self._by_node is None:
+            self._by_node = defaultdict(list)
+            for t in self.jobs.values():
+                if t.job_class is JobClass.GUARANTEED:
+                    continue
+                for index, nodes in enumerate(t.replica_nodes):
+                    for node in nodes:
+                        self._by_node[node].append((t.job_id, index))
+        return self._by_node
+
+
+class AutoscalerPolicy:
+    """Pure policy; one instance is shared by the controller loop and the simulator."""
+
+    def __init__(self, config: AutoscalerConfig | None = None) -> None:
+        self.config = config or AutoscalerConfig()
+
+    # -- entry point -----------------------------------------------------------------------
+    def decide(self, state: AutoscalerState, obs: FleetObservation) -> PolicyResult:
+        cfg, now = self.config, obs.now_s
+        work = _Work(obs)
+        low_since = dict(state.low_since)
+        last_resize = dict(state.last_resize_at)
+        lent = dict(state.lent)
+        decisions: list[Decision] = []
+        unmet: dict[str, int] = defaultdict(int)
+        busy = False  # some deployment is short or at risk: do not grow training this tick
+        for serve in sorted(obs.serve, key=lambda s: -s.ttft_p95_s / max(s.ttft_slo_s, 1e-9)):
+            at_risk, why = self._at_risk(serve)
+            have = serve.running_replicas + serve.pending_replicas
+            want = max(serve.desired_replicas, serve.min_replicas)
+            # At risk with no replica on its way: add one. One already loading is the help on its
+            # way; adding another every tick until it runs would over-lend (ticks are shorter
+            # than a model load).
+            if at_risk and want <= have and serve.pending_replicas == 0:
+                want = have + 1
+            want = min(want, serve.max_replicas)
+            if want > have:
+                busy = True
+                low_since.pop(serve.deployment, None)
+                trigger = why or f"Serve wants {serve.desired_replicas} replicas, has {have}"
+                nodes = self._place_on_free(work, serve, want - have)
+                if len(nodes) < want - have and cfg.lend:
+                    nodes += self._lend(work, serve, want - have - len(nodes), now, trigger, last_resize, lent)
+                if len(nodes) < want - have:
+                    unmet[serve.accelerator_type] += (want - have - len(nodes)) * serve.accelerators_per_replica
+                if nodes:
+                    decisions.append(ScaleServe(serve.deployment, have + len(nodes), tuple(nodes), (),
+                                                f"{trigger}: +{len(nodes)} replica(s)"))
+                continue
+            if at_risk:
+                busy = True
+            low = (want < have and not at_risk and serve.ttft_p95_s <= cfg.low_ttft_ratio * serve.ttft_slo_s)
+            if not low:
+                low_since.pop(serve.deployment, None)
+                continue
+            since = low_since.setdefault(serve.deployment, now)
+            if now - since < cfg.scale_down_after_s:
+                continue
+            remove = tuple(serve.replica_nodes[-(have - want):]) if serve.replica_nodes else ()
+            decisions.append(ScaleServe(serve.deployment, want, (), remove,
+                                        f"load low for {now - since:.0f}s >= {cfg.scale_down_after_s:.0f}s "
+                                        f"(Serve wants {serve.desired_replicas}, has {have}): -{have - want} replica(s)"))
+            low_since[serve.deployment] = now  # the next step down needs another full window
+        decisions.extend(self._shrink_decisions(work, now))
+        # While a job re-forms, free capacity includes accelerators it is about to take back:
+        # growing anything onto them would make that formation wait.
+        if cfg.grow_training and not busy and not any(t.resizing for t in obs.training):
+            decisions.extend(self._grow(work, obs, now, last_resize, lent))
+        for kind, count in sorted(obs.pending_training_accelerators.items()):
+            if not unmet.get(kind):
+                continue
+            free_kind = sum(n for node, n in work.free.items() if obs.node_type.get(node) == kind)
+            if count > free_kind:
+                unmet[kind] += count - free_kind
+        last_request = state.last_request_at
+        for kind, count in sorted(unmet.items()):
+            if count > 0 and now - last_request >= cfg.request_nodes_cooldown_s:
+                bundle = max((s.accelerators_per_replica for s in obs.serve if s.accelerator_type == kind), default=1)
+                decisions.append(RequestNodes(kind, count, bundle,
+                                              f"Serve and training both starved for {kind}: {count} accelerator(s) short "
+                                              "after free capacity and lendable training were used"))
+                last_request = now
+        new_state = AutoscalerState(low_since=low_since, last_resize_at=last_resize,
+                                    lent={k: v for k, v in lent.items() if v > 0 and k in work.jobs},
+                                    last_request_at=last_request)
+        return PolicyResult(new_state, tuple(decisions))
+
+    # -- inference side ---------------------------------------------------------------------
+    def _at_risk(self, s: ServeObservation) -> tuple[bool, str]:
+        cfg = self.config
+        if s.ttft_p95_s > cfg.ttft_risk_ratio * s.ttft_slo_s:
+            return True, f"TTFT p95 {s.ttft_p95_s:.2f}s > {cfg.ttft_risk_ratio:.0%} of SLO {s.ttft_slo_s:.2f}s"
+        if s.queue_depth > cfg.queue_per_replica_risk * max(1, s.running_replicas):
+            return True, f"queue depth {s.queue_depth:.0f} over {cfg.queue_per_replica_risk:.0f}/replica"
+        if s.kv_usage > cfg.kv_usage_risk:
+            return True, f"KV usage {s.kv_usage:.0%} > {cfg.kv_usage_risk:.0%}"
+        return False, ""
+
+    @staticmethod
+    def _place_on_free(work: _Work, serve: ServeObservation, count: int) -> list[str]:
+        per = serve.accelerators_per_replica
+        nodes: list[str] = []
+        # Best fit: fill the fullest node that still takes a whole replica, keep empty nodes whole.
+        fits = sorted((n for n, f in work.free.items() if f >= per and _type_ok(work, n, serve)),
+                      key=lambda n: (work.free[n], n))
+        for node in fits:
+            while len(nodes) < count and work.free[node] >= per:
+                work.free[node] -= per
+                nodes.append(node)
+            if len(nodes) == count:
+                break
+        return nodes
+
+    # -- lending: shrink training --------------------------------------------------------------
+    def _job_cost(self, t: TrainingObservation, now: float, whole: bool) -> tuple:
+        age = max(0.0, now - t.last_snapshot_at_s)
+        if whole and t.job_class is JobClass.ELASTIC:  # last resort: snapshot, stop, requeue
+            return (t.priority, 2, t.size * self.config.restart_cost_s)
+        if whole:  # preempted: the work since the last snapshot is lost, then a restart
+            lost = t.size * (age + self.config.restart_cost_s)
+        else:  # flash snapshot first: only the survivors' restart is lost (plus exposure to a stale snapshot)
+            lost = (t.size - t.replica_size) * self.config.restart_cost_s + 0.01 * age * t.size
+        return (t.priority, _CLASS_RANK[t.job_class], lost)
+
+    def _node_plan(self, work: _Work, node: str, deficit: int, now: float) -> tuple[tuple, list[tuple[str, int]]] | None:
+        """Cheapest units on ``node`` freeing >= ``deficit`` there, with the plan's cost.
+
+        A unit is one DP replica of an elastic job (kept >= its minimum) or a whole
+        opportunistic job (index -1). Cost = (worst priority/class taken, total lost work).
+        """
+        units, seen = [], set()
+        for job_id, index in work.by_node.get(node, ()):
+            if index in work.removed[job_id]:
+                continue
+            t = work.jobs[job_id]
+            whole = t.job_class is JobClass.OPPORTUNISTIC or (
+                self.config.preempt_elastic_last_resort and work.size[job_id] - t.replica_size < t.min_size)
+            if whole:
+                if job_id in seen:
+                    continue
+                seen.add(job_id)
+                here = sum(t.replica_size // len(n) for i, n in enumerate(t.replica_nodes)
+                           if node in n and i not in work.removed[job_id])
+                units.append((self._job_cost(t, now, True), job_id, -1, here))
+            else:
+                units.append((self._job_cost(t, now, False), job_id, index, t.replica_size // len(t.replica_nodes[index])))
+        units.sort()
+        got, taken, sizes, worst, total = 0, [], {}, (-math.inf,), 0.0
+        for cost, job_id, index, here in units:
+            if got >= deficit:
+                break
+            t = work.jobs[job_id]
+            if index >= 0:
+                left = sizes.get(job_id, work.size[job_id])
+                if left - t.replica_size < t.min_size:
+                    continue
+                sizes[job_id] = left - t.replica_size
+            taken.append((job_id, index))
+            got += here
+            worst = max(worst, cost[:2])
+            total += cost[2]
+        if got < deficit:
+            return None
+        return (worst + (total,), taken)
+
+    def _lend(self, work: _Work, serve: ServeObservation, count: int, now: float, trigger: str,
+              last_resize: dict, lent: dict) -> list[str]:
+        per = serve.accelerators_per_replica
+        placed: list[str] = []
+        heap = []
+        for node, holders in work.by_node.items():
+            if holders and _type_ok(work, node, serve) and per > work.free.get(node, 0):
+                plan = self._node_plan(work, node, per - work.free.get(node, 0), now)
+                if plan:
+                    heap.append((plan[0], node))
+        heapq.heapify(heap)
+        while len(placed) < count and heap:
+            # Lazy re-evaluation: a plan may have gone stale when an earlier pick shrank the same job.
+            cost, node = heapq.heappop(heap)
+            deficit = per - work.free.get(node, 0)
+            plan = self._node_plan(work, node, deficit, now) if deficit > 0 else ((), [])
+            if plan is None:
+                continue
+            if plan[0] != cost and heap and plan[0] > heap[0][0]:
+                heapq.heappush(heap, (plan[0], node))
+                continue
+            taken = plan[1]
+            touched: set[str] = set()
+            for job_id, index in taken:
+                t = work.jobs[job_id]
+                indices = range(len(t.replica_nodes)) if index < 0 else [index]
+                for i in indices:
+                    if i in work.removed[job_id]:
+                        continue
+                    work.removed[job_id].append(i)
+                    for n in t.replica_nodes[i]:
+                        share = t.replica_size // len(t.replica_nodes[i])
+                        work.free[n] = work.free.get(n, 0) + share
+                        work.freed[job_id][n] += share
+                        if n != node and work.free[n] >= per and _type_ok(work, n, serve):
+                            heapq.heappush(heap, ((), n))  # a whole preemption freed room elsewhere
+                    work.size[job_id] -= t.replica_size
+                last_resize[job_id] = now
+                lent[job_id] = lent.get(job_id, 0) + (t.size if index < 0 else t.replica_size)
+                touched.update(n for r in t.replica_nodes for n in r)
+                work.reasons[job_id] = f"lend to {serve.deployment} ({trigger}) on {node}"
+            assert work.free[node] >= per
+            work.free[node] -= per
+            placed.append(node)
+            # The shrunk jobs' other nodes now offer different plans (e.g. a job at its minimum
+            # can only go whole): re-price them, and this node for a further replica.
+            for n in touched | {node}:
+                deficit = per - work.free.get(n, 0)
+                again = self._node_plan(work, n, deficit, now) if deficit > 0 else ((), [])
+                if again is not None and _type_ok(work, n, serve):
+                    heapq.heappush(heap, (again[0], n))
+        return placed
+
+    def _shrink_decisions(self, work: _Work, now: float) -> list[ShrinkTraining]:
+        out = []
+        reasons = work.reasons
+        for job_id, indices in work.removed.items():
+            if not indices:
+                continue
+            t = work.jobs[job_id]
+            freed = dict(work.freed[job_id])
+            new_size = max(0, work.size[job_id])
+            verb = (f"preempted whole ({t.job_class.value}"
+                    + (", last resort: at its minimum, snapshot first)" if t.job_class is JobClass.ELASTIC else ")")
+                    if new_size == 0 else
+                    f"shrunk {t.size}->{new_size} by {len(indices)} DP replica(s) after a flash snapshot")
+            out.append(ShrinkTraining(job_id, new_size, tuple(sorted(indices)), freed,
+                                      f"{verb}: {reasons.get(job_id, 'lend to Serve')}",
+                                      snapshot_first=t.job_class is JobClass.ELASTIC))
+        return out
+
+    # -- giving back: grow training ---------------------------------------------------------------
+    def _grow(self, work: _Work, obs: FleetObservation, now: float, last_resize: dict, lent: dict) -> list[GrowTraining]:
+        out = []
+        cfg = self.config
+        candidates = [t for t in obs.training if t.job_class is JobClass.ELASTIC and not work.removed.get(t.job_id)
+                      and not t.resizing and t.size < t.max_size and now - last_resize.get(t.job_id, -math.inf) >= cfg.job_resize_cooldown_s]
+        # Jobs that lent come first (their accelerators come back), then higher priority.
+        candidates.sort(key=lambda t: (-lent.get(t.job_id, 0), -t.priority, t.job_id))
+        smallest = min((t.replica_size for t in candidates), default=0)
+        open_nodes = [n for n, f in work.free.items() if smallest and f >= smallest]
+        for t in candidates:
+            if not open_nodes:
+                break
+            owed = lent.get(t.job_id, 0)
+            waiting = obs.pending_training_accelerators.get(t.accelerator_type, 0)
+            # With jobs waiting, a job grows back to what it was lent from, or to the size it asked
+            # for (it was admitted smaller only because room was short; finishing running jobs
+            # first shortens mean completion time), but never beyond, which would starve the queue.
+            requested = max(t.admitted_size, t.max_size if self.config.grow_to_requested else t.admitted_size)
+            limit = t.max_size if waiting == 0 else min(t.max_size, max(t.size + owed, requested))
+            nodes: list[str] = []
+            size = t.size
+            if size + t.replica_size > limit:
+                continue
+            # Prefer nodes the job already uses (fewer cross-node hops), then the fullest node that fits.
+            mine = {n for r in t.replica_nodes for n in r}
+            for node in sorted((n for n in open_nodes if work.free[n] >= t.replica_size
+                                and obs.node_type.get(n) == t.accelerator_type),
+                               key=lambda n: (n not in mine, work.free[n], n)):
+                while size + t.replica_size <= limit and work.free[node] >= t.replica_size:
+                    work.free[node] -= t.replica_size
+                    size += t.replica_size
+                    nodes.append(node)
+                if size + t.replica_size > limit:
+                    break
+            open_nodes = [n for n in open_nodes if work.free[n] >= smallest]
+            if not nodes:
+                continue
+            returned = min(owed, size - t.size)
+            lent[t.job_id] = owed - returned
+            last_resize[t.job_id] = now
+            why = (f"give back {returned} lent accelerator(s)" if returned else "idle accelerators, no job waiting")
+            out.append(GrowTraining(t.job_id, size, tuple(nodes), f"grown {t.size}->{size}: {why}"))
+        return out
+
+
+def _type_ok(work: _Work, node: str, serve: ServeObservation) -> bool:
+    return work.node_type.get(node, serve.accelerator_type) == serve.accelerator_type
+
+
+class AutoscalerLoop:
+    """One control-loop step around the policy, with every side effect passed in.
+
+    The fleet controller builds it with functions that read Ray/Serve/Train state and carry out
+    decisions; tests and notebooks pass plain functions. ``step(now)`` gathers an observation,
+    calls the policy, hands each decision to ``act`` and records it with its reason through
+    ``record(subject, kind, reason, detail)``. A failing ``act`` is recorded, not raised, so one
+    bad actuator does not stop the loop (the policy sees the unchanged fleet next step).
+    """
+
+    def __init__(self, policy: AutoscalerPolicy, *, gather, act, record, state: AutoscalerState | None = None) -> None:
+        self.policy, self.gather, self.act, self.record = policy, gather, act, record
+        self.state = state or AutoscalerState()
+
+    def step(self, now: float) -> tuple[Decision, ...]:
+        observation = self.gather(now)
+        result = self.policy.decide(self.state, observation)
+        self.state = result.state
+        for decision in result.decisions:
+            subject = getattr(decision, "job_id", None) or getattr(decision, "deployment", None) or decision.accelerator_type
+            kind = "autoscaler_" + type(decision).__name__
+            try:
+                self.act(decision)
+            except Exception as exc:  # noqa: BLE001 - recorded with the decision, loop goes on
+                self.record(subject, kind + "_failed", f"{decision.reason}; carrying it out failed: {exc!r}",
+                            decision_detail(decision))
+                continue
+            self.record(subject, kind, decision.reason, decision_detail(decision))
+        return result.decisions
+
+
+def decision_detail(decision: Decision) -> dict:
+    """JSON-able fields of a decision (for the event log and the actuators' inbox)."""
+    out = {"type": type(decision).__name__}
+    for name in decision.__dataclass_fields__:
+        value = getattr(decision, name)
+        out[name] = dict(value) if isinstance(value, Mapping) else list(value) if isinstance(value, tuple) else value
+    return out

@@ -1,0 +1,126 @@
+"""``rayfleet queue ...``: create, list, show and delete the fleet's hierarchical queues.
+
+    rayfleet queue create research --parent training --quota H100=64 --borrow-limit H100=32 --priority 1
+    rayfleet queue list
+    rayfleet queue show research
+    rayfleet queue delete research
+
+Arguments become a :class:`~rayfleet.platform.queues.QueueSpec` here (pure, unit-tested without
+Ray); the controller re-validates the whole tree (parents exist, children's guarantees backed
+by the parent) before storing it. Quota and preemption rules: docs/queues.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rayfleet.errors import SpecError
+from rayfleet.platform.queues import Queue, parse_queue_spec
+
+__all__ = ["register", "parse_counts", "queue_spec_from_args", "render_queues"]
+
+
+def parse_counts(flag: str, text: str | None) -> dict[str, int] | None:
+    """``'H100=64,P800=8'`` -> ``{'H100': 64, 'P800': 8}``; ``None`` stays ``None``."""
+    if text is None:
+        return None
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        kind, sep, count = part.partition("=")
+        if not sep or not count.strip().lstrip("-").isdigit():
+            raise SpecError(flag, text, f"{part!r} is not TYPE=COUNT", f"write e.g. {flag} H100=64,P800=8")
+        out[kind.strip()] = int(count)
+    return out
+
+
+def queue_spec_from_args(args: argparse.Namespace) -> Queue:
+    """Validate ``queue create`` arguments into a queue (SpecError names the flag and the fix)."""
+    spec = {"name": args.name, "parent": args.parent, "quota": parse_counts("--quota", args.quota) or {},
+            "borrow_limit": parse_counts("--borrow-limit", args.borrow_limit), "priority": args.priority}
+    return parse_queue_spec(spec)
+
+
+def render_queues(queues: list[dict]) -> str:
+    from rayfleet.platform.status_table import format_table
+
+    def counts(value: dict | None, none: str) -> str:
+        return none if value is None else (", ".join(f"{k}={v}" for k, v in sorted(value.items())) or "-")
+
+    children: dict[str | None, list[dict]] = {}
+    for q in queues:
+        children.setdefault(q["parent"], []).append(q)
+    rows: list[tuple] = []
+
+    def walk(parent: str | None, depth: int) -> None:
+        for q in sorted(children.get(parent, []), key=lambda q: q["name"]):
+            rows.append(("  " * depth + q["name"], counts(q["quota"], "-"), counts(q["borrow_limit"], "unlimited"),
+                         q["priority"]))
+            walk(q["name"], depth + 1)
+
+    walk(None, 0)
+    return format_table(("queue", "guaranteed quota", "borrow limit", "priority"), rows) if rows else "no queues"
+
+
+def _fleet(args: argparse.Namespace):
+    from rayfleet.sdk import connect
+
+    return connect(args.address)
+
+
+def _cmd_create(args: argparse.Namespace) -> int:
+    queue = queue_spec_from_args(args)  # fail before connecting
+    _fleet(args).create_queue(queue.name, parent=queue.parent, quota=dict(queue.quota),
+                              borrow_limit=None if queue.borrow_limit is None else dict(queue.borrow_limit),
+                              priority=queue.priority)
+    print(f"queue {queue.name} created")
+    return 0
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    queues = [q.to_json() for q in _fleet(args).queues()]
+    print(json.dumps(queues, indent=2) if args.json else render_queues(queues))
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    fleet = _fleet(args)
+    match = [q for q in fleet.queues() if q.name == args.name]
+    if not match:
+        raise SpecError("queue", args.name, "no such queue", "see `rayfleet queue list`")
+    print(json.dumps(match[0].to_json(), indent=2))
+    for event in fleet.events(limit=10, node=args.name):
+        print(f"  {event.kind}: {event.cause}")
+    return 0
+
+
+def _cmd_delete(args: argparse.Namespace) -> int:
+    _fleet(args).delete_queue(args.name)
+    print(f"queue {args.name} deleted")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``rayfleet queue {create,list,show,delete}``."""
+    queue = subparsers.add_parser("queue", help="hierarchical queues: quota, borrow limit, priority",
+                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = queue.add_subparsers(dest="queue_command", required=True)
+    create = sub.add_parser("create", help="create or replace a queue")
+    create.add_argument("name")
+    create.add_argument("--parent", default=None, help="parent queue (omit for a root)")
+    create.add_argument("--quota", default=None, help="guaranteed accelerators, e.g. H100=64,P800=8")
+    create.add_argument("--borrow-limit", default=None,
+                        help="extra accelerators it may borrow from idle quota, e.g. H100=16 (default: unlimited)")
+    create.add_argument("--priority", type=int, default=0, help="larger is admitted first")
+    create.set_defaults(func=_cmd_create)
+    listing = sub.add_parser("list", help="the queue tree")
+    listing.add_argument("--json", action="store_true")
+    listing.set_defaults(func=_cmd_list)
+    show = sub.add_parser("show", help="one queue and its recent events")
+    show.add_argument("name")
+    show.set_defaults(func=_cmd_show)
+    delete = sub.add_parser("delete", help="delete a queue without children")
+    delete.add_argument("name")
+    delete.set_defaults(func=_cmd_delete)
+    for p in (create, listing, show, delete):
+        p.add_argument("--address", default=None, help="host:port of the cluster (default: the local fleet)")

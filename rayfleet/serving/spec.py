@@ -1,0 +1,261 @@
+"""``ServeSpec``: what ``rayfleet serve serve.yaml`` and ``fleet.serve(spec)`` deploy.
+
+Design decisions:
+- One pydantic model validated once at the edge (YAML, SDK); everything below it receives
+  frozen dataclasses or plain fields (``engine_config()``, ``replica_names()``), never the spec.
+- The model is either a preset plus a seed (tests, demos) or a checkpoint URI written by
+  training (``rayfleet.storage.model_registry``); exactly one of the two.
+- Pools are explicit: ``colocated`` for ``mode: colocated``; ``prefill`` and ``decode`` for
+  ``mode: disaggregated``. Each engine replica is its own one-replica Serve deployment
+  (``prefill-0``, ``decode-1``, ...): the router must address a *specific* replica (the one
+  holding a prefix, the one with free KV), which a Serve handle to a multi-replica deployment
+  cannot do without a custom request router. Scaling a pool means adding deployments.
+- Pydantic errors become ``SpecError`` naming the dotted field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rayfleet.errors import SpecError
+from rayfleet.serving.engine import EngineConfig
+
+if TYPE_CHECKING:
+    from rayfleet.serving.long_context import LongPrefillPolicy
+
+__all__ = ["ModelSource", "PoolSpec", "EngineSpec", "RouterSpec", "KVTransferSpec", "KVCacheSpec", "DiskTierSpec", "LongContextSpec",
+           "ExpertBalancingSpec", "HttpSpec",
+           "ServeSpec", "load_serve_spec"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSource(_Strict):
+    """``preset`` + ``seed``, or ``checkpoint`` (a servable URI); ``name`` is what clients send
+    as ``model`` (default: the preset name or the checkpoint's last path part)."""
+
+    preset: str | None = "tiny"
+    seed: int = 0
+    checkpoint: str | None = None
+    name: str | None = None
+    dtype: Literal["float32", "float64", "bfloat16"] = "float32"
+    overrides: dict[str, Any] = Field(default_factory=dict)  # MoEConfig fields for a preset
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSource":
+        if self.checkpoint and self.preset and "preset" in self.model_fields_set:
+            raise ValueError("give either model.preset or model.checkpoint, not both")
+        return self
+
+    @property
+    def served_name(self) -> str:
+        if self.name:
+            return self.name
+        if self.checkpoint:
+            return self.checkpoint.rstrip("/").rsplit("/", 1)[-1]
+        return str(self.preset)
+
+
+class PoolSpec(_Strict):
+    """Engine replicas of one role and what each reserves on the fleet."""
+
+    replicas: int = Field(1, ge=1, le=64)
+    accelerators_per_replica: int = Field(1, ge=0)  # Ray ``num_gpus``; 0 runs on CPU resources only
+    accelerator_type: str | None = None  # node label ray.io/accelerator-type, e.g. H100
+    num_cpus: float = Field(0.0, ge=0)  # CPU resource per replica (fake-GPU fleets declare few)
+
+
+class EngineSpec(_Strict):
+    """KV cache size and scheduling limits of each engine replica (``EngineConfig``)."""
+
+    block_size: int = Field(16, ge=1)
+    num_blocks: int = Field(256, ge=1)
+    max_num_seqs: int = Field(16, ge=1)
+    max_num_batched_tokens: int = Field(256, ge=1)
+    max_model_len: int | None = Field(None, ge=2)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+
+
+class RouterSpec(_Strict):
+    policy: Literal["prefix_aware", "round_robin"] = "prefix_aware"
+    load_weight: float = Field(0.5, ge=0)
+    poll_interval_s: float = Field(0.1, gt=0)
+
+
+class KVTransferSpec(_Strict):
+    transport: Literal["ray_object_store", "local"] = "ray_object_store"
+    lease_s: float = Field(30.0, gt=0)
+
+
+class LongContextSpec(_Strict):
+    """Split prefill of long prompts over several first-role replicas (``long_context``)."""
+
+    split_threshold_tokens: int | None = Field(None, ge=2)  # None: never split
+    max_split_replicas: int = Field(4, ge=2)
+    min_span_tokens: int = Field(256, ge=1)
+    key_cost: float | None = Field(None, ge=0)  # None: from the preset's shape (0 for a checkpoint)
+
+
+class ExpertBalancingSpec(_Strict):
+    """Redundant expert replicas in every engine replica (``expert_balancing``); off by default."""
+
+    enabled: bool = False
+    num_devices: int = Field(1, ge=1)  # expert-parallel devices one replica's slots stand for
+    num_redundant_experts: int = Field(0, ge=0)  # extra slots per MoE layer
+    num_nodes: int = Field(1, ge=1)
+    num_groups: int = Field(1, ge=1)
+    policy: Literal["auto", "hierarchical", "global"] = "auto"
+    window_steps: int = Field(16, ge=1)
+    history_windows: int = Field(8, ge=1)
+    percentile: float = Field(90.0, ge=0, le=100)
+    rebalance_every_windows: int = Field(4, ge=0)
+
+    def config(self):
+        """The engine-side ``ExpertBalancingConfig``, or ``None`` when disabled."""
+        from rayfleet.serving.expert_balancing import ExpertBalancingConfig
+
+        if not self.enabled:
+            return None
+        return ExpertBalancingConfig(**self.model_dump(exclude={"enabled"}))
+
+
+class DiskTierSpec(_Strict):
+    """The KV disk tier of each node: ``uri`` is a local path or any fsspec URI; ``{node}`` in it
+    is replaced by the node id (without it, each node writes under ``<uri>/<node id>``)."""
+
+    uri: str = Field(min_length=1)
+    blocks: int = Field(ge=1)
+
+
+class KVCacheSpec(_Strict):
+    """KV tiers below each engine's pool (``kv_tiers``): ``host_blocks`` of host memory shared by
+    the replicas of a node, then ``disk``. Sized in blocks of ``engine.block_size`` tokens; about
+    1:4:16 (engine:host:disk) is a good start. All zero/absent: engine pool only."""
+
+    host_blocks: int = Field(0, ge=0)
+    disk: DiskTierSpec | None = None
+    prefetch_window: int = Field(8, ge=0)
+
+    @model_validator(mode="after")
+    def _sizes(self) -> "KVCacheSpec":
+        import fsspec
+
+        if self.disk is None:
+            return self
+        protocol = self.disk.uri.split("://", 1)[0] if "://" in self.disk.uri else "file"
+        if protocol not in fsspec.available_protocols():
+            raise SpecError("kv_cache.disk.uri", self.disk.uri, f"fsspec knows no protocol {protocol!r}",
+                            "use a local path or a URI such as file:///var/kv, s3://bucket/kv, memory://kv")
+        if self.host_blocks and self.disk.blocks < self.host_blocks:
+            raise SpecError("kv_cache.disk.blocks", self.disk.blocks,
+                            f"is smaller than host_blocks={self.host_blocks}, so the disk tier (inclusive of "
+                            "host memory) could hold nothing host memory does not",
+                            f"raise disk.blocks to at least {self.host_blocks} (about 4x host_blocks)")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_blocks > 0 or self.disk is not None
+
+
+class HttpSpec(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    route_prefix: str = Field("/", pattern=r"^/([A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*)?$")  # several apps share a port
+
+
+class ServeSpec(_Strict):
+    """A served model. See ``examples/serve/*.yaml``."""
+
+    name: str = Field("rayfleet-llm", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    model: ModelSource = Field(default_factory=ModelSource)
+    mode: Literal["colocated", "disaggregated"] = "colocated"
+    colocated: PoolSpec = Field(default_factory=PoolSpec)
+    prefill: PoolSpec = Field(default_factory=PoolSpec)
+    decode: PoolSpec = Field(default_factory=PoolSpec)
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
+    long_context: LongContextSpec = Field(default_factory=LongContextSpec)
+    expert_balancing: ExpertBalancingSpec = Field(default_factory=ExpertBalancingSpec)
+    kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec)
+    http: HttpSpec = Field(default_factory=HttpSpec)
+    max_resumes: int = Field(2, ge=0)  # decode replica lost mid-stream: resume this many times
+    max_prefill_retries: int = Field(2, ge=0)  # prefill replica lost: try this many others
+    request_timeout_s: float = Field(120.0, gt=0)
+
+    @classmethod
+    def parse(cls, data: dict[str, Any] | "ServeSpec") -> "ServeSpec":
+        """Validate a dict (from YAML or the SDK); raises ``SpecError`` for the first bad field."""
+        if isinstance(data, ServeSpec):
+            return data
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            if isinstance(err.get("ctx", {}).get("error"), SpecError):  # a validator's own message
+                raise err["ctx"]["error"] from None
+            field_name = ".".join(str(p) for p in err["loc"]) or "spec"
+            raise SpecError(field_name, err.get("input"), err["msg"],
+                            "see examples/serve/*.yaml for the fields and their ranges") from None
+
+    def engine_config(self, *, model_id: str | None = None) -> EngineConfig:
+        """The frozen engine config every replica of this spec runs (sampling is limited to the
+        byte tokenizer's ids; see ``sampling``)."""
+        from rayfleet.models import ByteTokenizer
+
+        e = self.engine
+        return EngineConfig(block_size=e.block_size, num_blocks=e.num_blocks, max_num_seqs=e.max_num_seqs,
+                            max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
+                            enable_prefix_caching=e.enable_prefix_caching,
+                            enable_chunked_prefill=e.enable_chunked_prefill, enable_kv_events=True,
+                            model_id=model_id or self.model.served_name,
+                            vocab_limit=ByteTokenizer().vocab_size)
+
+    def long_prefill_policy(self) -> "LongPrefillPolicy | None":
+        """The router's ``LongPrefillPolicy``, or ``None`` when long prompts are not split."""
+        from rayfleet.serving.long_context import LongPrefillPolicy, key_cost_for
+
+        lc = self.long_context
+        if lc.split_threshold_tokens is None:
+            return None
+        key_cost = lc.key_cost
+        if key_cost is None:
+            key_cost = 0.0
+            if not self.model.checkpoint:
+                from rayfleet.models import preset
+
+                key_cost = key_cost_for(preset(self.model.preset or "tiny", **self.model.overrides))
+        return LongPrefillPolicy(threshold_tokens=lc.split_threshold_tokens, max_replicas=lc.max_split_replicas,
+                                 min_span_tokens=lc.min_span_tokens, key_cost=key_cost)
+
+    def pools(self) -> dict[str, PoolSpec]:
+        """Role -> pool for this mode (``colocated`` or ``prefill`` + ``decode``)."""
+        if self.mode == "colocated":
+            return {"colocated": self.colocated}
+        return {"prefill": self.prefill, "decode": self.decode}
+
+    def replica_names(self) -> dict[str, list[str]]:
+        """Role -> Serve deployment names of its replicas, e.g. ``{"prefill": ["prefill-0"]}``."""
+        return {role: [f"{role}-{i}" for i in range(pool.replicas)] for role, pool in self.pools().items()}
+
+
+def load_serve_spec(path: str | Path) -> ServeSpec:
+    """Read a serve YAML file. Raises ``SpecError`` for a missing file, bad YAML or bad fields."""
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError("spec", str(path), "no such file", "pass the path of a serve YAML (examples/serve/)")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise SpecError("spec", str(path), f"is not valid YAML ({exc})", "fix the YAML syntax") from None
+    if not isinstance(data, dict):
+        raise SpecError("spec", str(path), "must be a mapping of fields", "see examples/serve/*.yaml")
+    return ServeSpec.parse(data)

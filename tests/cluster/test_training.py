@@ -1,0 +1,192 @@
+"""Training jobs on the shared local fleet: `ray job submit`, the SDK, and bad specs.
+
+The tiny MoE trains for a few steps on a small token dataset (the standard library's text,
+tokenized by the byte tokenizer). Bad specs must fail in the driver, before any worker starts.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rayfleet.errors import SpecError
+
+pytestmark = pytest.mark.cluster
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    from rayfleet.storage.tokens import prepare_token_dataset
+
+    src = os.path.join(os.path.dirname(os.__file__), "json")
+    out = str(tmp_path_factory.mktemp("tokens") / "stdlib-json")
+    prepare_token_dataset([src], out, shard_tokens=1 << 15, seq_len=128)
+    return out
+
+
+def _spec(dataset: str, **overrides) -> dict:
+    spec = {"name": "tiny-cluster", "model": {"preset": "tiny", "seed": 0},
+            "data": {"uri": dataset, "seq_len": 64}, "plan": {"dp": 2, "ep": 2},
+            "precision": "fp32", "steps": STEPS, "global_batch_size": 4,
+            "optimizer": {"lr": 1e-3}, "schedule": {"warmup_steps": 1},
+            "resources": {"accelerator": "H100", "num_workers": 2}}
+    spec.update(overrides)
+    return spec
+
+
+def test_ray_job_submit_runs_a_training_job(local_fleet, dataset, tmp_path):
+    import yaml
+
+    from rayfleet.jobs.handle import parse_metrics_lines
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(_spec(dataset, name="tiny-submit")))
+    env = dict(os.environ, RAY_AUTH_MODE="token")
+    out = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "ray"), "job", "submit", "--address", local_fleet.dashboard_url,
+         "--", "python", "-m", "rayfleet.jobs.train", str(job)],
+        capture_output=True, text=True, timeout=400, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = parse_metrics_lines(out.stdout)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), out.stdout[-3000:]
+    assert all(r["loss"] == r["loss"] and r["tokens_per_s"] > 0 for r in rows)
+    assert "finished" in out.stdout
+
+
+def test_sdk_train_returns_a_handle_with_metrics(local_fleet, dataset, tmp_path):
+    out_uri = str(tmp_path / "servable")
+    run = local_fleet.sdk.train(_spec(dataset, name="tiny-sdk", output={"uri": out_uri}))
+    assert run.wait(timeout_s=400) == "SUCCEEDED"
+    table = run.metrics()
+    assert len(table) == STEPS
+    assert table["loss"][-1] < table["loss"][0]
+    assert {"tokens_per_s", "mfu", "step_time_s"} <= set(table.columns)
+    from rayfleet.storage.model_registry import load_servable
+
+    servable = load_servable(out_uri)
+    assert servable.config.num_layers == 3 and servable.metadata
+
+
+@pytest.mark.parametrize("override, field", [
+    ({"model": {"preset": "no-such-model"}}, "model.preset"),
+    ({"data": {"uri": "/nonexistent/tokens", "seq_len": 64}}, "data.uri"),
+    ({"model": {"preset": "deepseek-v3"}, "plan": {"dp": 2}, "data": None}, "plan"),
+])
+def test_bad_spec_fails_before_any_worker_starts(local_fleet, dataset, override, field):
+    spec = _spec(dataset, **override)
+    if spec.get("data") is None:
+        spec["data"] = {"uri": dataset, "seq_len": 64}
+    before = _num_train_workers()
+    with pytest.raises(SpecError) as err:
+        local_fleet.sdk.train(spec)
+    assert field in str(err.value) and "Fix:" in str(err.value)
+    assert _num_train_workers() == before
+
+
+def _num_train_workers() -> int:
+    from ray.util.state import list_actors
+
+    return sum(1 for a in list_actors(filters=[("state", "=", "ALIVE")]) if "RayTrainWorker" in (a.class_name or ""))
+
+
+def _losses(run) -> dict[int, float]:
+    return {int(r["step"]): r["loss"] for r in run.metrics().rows}
+
+
+def test_killed_worker_resumes_from_its_shared_memory_snapshot(local_fleet, dataset, tmp_path):
+    """Kill a training worker mid-run: the group restarts, every rank restores its node's
+    shared-memory snapshot, and each step's loss equals the uninterrupted run's (fp32, same data)."""
+    import signal
+    import time
+
+    import ray
+    from ray.util.state import list_actors
+
+    steps = 10
+    spec = _spec(dataset, name="tiny-flash", steps=steps, plan={"dp": 2},
+                 checkpoint={"every_n_steps": 2, "persist_every": 2, "uri": str(tmp_path / "ckpt"), "max_failures": 2})
+    clean = local_fleet.sdk.train(spec)
+    assert clean.wait(timeout_s=400) == "SUCCEEDED"
+    reference = _losses(clean)
+    assert sorted(reference) == list(range(1, steps + 1))
+
+    run = local_fleet.sdk.train({**spec, "checkpoint": {**spec["checkpoint"], "uri": str(tmp_path / "ckpt2")}})
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and max(_losses(run) or {0: 0}) < 5:
+        assert run.status() not in ("FAILED", "STOPPED"), run.logs()[-3000:]
+        time.sleep(0.5)
+    workers = list_actors(address=local_fleet.dashboard_url,
+                          filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+    assert workers, "no live Ray Train worker to kill"
+    victim = workers[0]
+    os.kill(victim.pid, signal.SIGKILL)  # same machine: the local fleet's nodes are processes here
+    assert run.wait(timeout_s=400) == "SUCCEEDED", run.logs()[-3000:]
+    logs = run.logs()
+    assert "rayfleet checkpoint: restored step" in logs and "from shm" in logs, logs[-3000:]
+    resumed = _losses(run)
+    assert sorted(resumed) == list(range(1, steps + 1))
+    for step in range(1, steps + 1):
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-6, abs=0), (step, resumed, reference)
+    # the consumed samples: none skipped or repeated across the kill
+    hashes = {int(r["step"]): r["sample_ids_hash"] for r in run.metrics().rows}
+    assert hashes == {int(r["step"]): r["sample_ids_hash"] for r in clean.metrics().rows}
+    assert ray.is_initialized()
+
+
+def test_elastic_job_shrinks_on_node_loss_and_grows_back(local_fleet, dataset, tmp_path):
+    """4 workers on two 2-accelerator nodes; one node dies -> the job re-plans to 2 workers and
+    resumes from its checkpoint (resharded); the node returns -> it grows back to 4 and finishes.
+    Every step is reported once with its final value, and the losses track an uninterrupted run."""
+    from rayfleet.platform.topology import NodeTopology
+
+    from .conftest import wait_until
+
+    extra = [NodeTopology(name=f"n{9 - i:04d}", accelerator_type="H100", num_accelerators=2, rack="r09",
+                          block="b9", nvlink_domain=f"nvl-n{9 - i:04d}") for i in range(2)]
+    cordoned = [n.name for n in local_fleet.topology.nodes]
+    steps = 24
+    spec = _spec(dataset, name="tiny-elastic", steps=steps, plan={"ep": 2}, global_batch_size=8,
+                 resources={"accelerator": "H100", "elastic": {"min_workers": 2, "max_workers": 4}},
+                 checkpoint={"every_n_steps": 2, "persist_every": 1, "uri": str(tmp_path / "ckpt")})
+    for node in extra:
+        local_fleet.fleet.add_node(node)
+    try:
+        for name in cordoned:  # the job may only use the two small nodes
+            local_fleet.sdk.cordon(name, "test: elastic job on the small nodes only")
+        run = local_fleet.sdk.train(spec)
+        wait_until(lambda: max(_losses(run) or {0: 0}) >= 3 or run.status() in ("FAILED", "STOPPED"),
+                   timeout_s=300, interval_s=0.5, what="the first formation's steps")
+        assert "on 4 workers" in run.logs(), run.logs()[-3000:]
+        local_fleet.fleet.kill_node(extra[1].name)
+        wait_until(lambda: "formation 1 with 2 workers" in run.logs() or run.status() in ("FAILED", "STOPPED"),
+                   timeout_s=300, interval_s=0.5, what="the job to re-form at 2 workers")
+        shrink_log = run.logs()
+        restored_at = max(_losses(run) or {0: 0})
+        wait_until(lambda: max(_losses(run) or {0: 0}) > restored_at or run.status() in ("FAILED", "STOPPED"),
+                   timeout_s=300, interval_s=0.5, what="a step at 2 workers")
+        local_fleet.fleet.add_node(extra[1])
+        assert run.wait(timeout_s=600) == "SUCCEEDED", run.logs()[-4000:]
+        logs = run.logs()
+        assert "formation 1 with 2 workers" in shrink_log and "from storage" in logs, logs[-4000:]
+        assert "formation 2 with 4 workers" in logs, logs[-4000:]  # grew back when the node returned
+        resumed = _losses(run)
+        assert sorted(resumed) == list(range(1, steps + 1))
+    finally:
+        for node in extra:
+            try:
+                local_fleet.fleet.kill_node(node.name)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        for name in cordoned:
+            local_fleet.sdk.uncordon(name)
+    clean = local_fleet.sdk.train({**spec, "name": "tiny-elastic-ref", "checkpoint": None,  # not the same checkpoint!
+                                   "resources": {"accelerator": "H100", "num_workers": 2}})
+    assert clean.wait(timeout_s=400) == "SUCCEEDED"
+    reference = _losses(clean)
+    for step in range(1, steps + 1):  # DP4 vs DP2 differ only in summation order
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-4), (step, resumed, reference)

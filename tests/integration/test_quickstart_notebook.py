@@ -1,0 +1,51 @@
+"""examples/quickstart.ipynb runs top to bottom in a fresh kernel (nbclient + ipykernel).
+
+The notebook starts its own small local fleet (and stops it in its last cell), so this runs in
+the integration session, after the shared cluster fleet is gone. A failing cell fails the test
+with that cell's traceback; the outputs are then checked for what the walkthrough promises.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+NOTEBOOK = Path(__file__).resolve().parents[2] / "examples" / "quickstart.ipynb"
+
+
+def _text(cell) -> str:
+    parts = []
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "stream":
+            parts.append(out.get("text", ""))
+        elif "data" in out:
+            parts.append(out["data"].get("text/plain", ""))
+    return "".join(parts)
+
+
+@pytest.mark.skipif(os.environ.get("RAYFLEET_RUN_NOTEBOOK") != "1",
+                    reason="not yet verified end to end (its autoscaler section shares the cluster test's slow "
+                           "handover); run with RAYFLEET_RUN_NOTEBOOK=1")
+def test_quickstart_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    # The kernel is this interpreter (the project's venv), whatever kernels the machine has.
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent) + ":" + os.environ.get("PATH", ""))
+    client = nbclient.NotebookClient(notebook, timeout=420, kernel_name="python3",
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    text = "\n".join(_text(c) for c in notebook.cells if c.cell_type == "code")
+    assert "healthy" in text
+    assert "TP" in text and "MFU" in text  # the plan table
+    assert "restored step" in text and "from shm" in text  # the fault recovered from shared memory
+    assert "SUCCEEDED" in text
+    assert "0 failed" in text and "lent replica" in text and "serving" in text
+    assert "ShrinkTraining" in text and "GrowTraining" in text  # rayfleet status shows the decisions

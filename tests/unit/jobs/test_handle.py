@@ -1,0 +1,54 @@
+"""Job-handle helpers: metrics lines, table, progress, spec transport, overrides (no Ray)."""
+
+import pytest
+
+from rayfleet.errors import SpecError
+from rayfleet.jobs.handle import (MetricsTable, decode_spec, encode_spec, format_metrics_line,
+                                  parse_metrics_lines, render_progress, summarize)
+from rayfleet.jobs.train import apply_overrides
+
+
+def test_metrics_lines_round_trip_through_ray_log_prefixes():
+    log = "\n".join([
+        "some startup noise",
+        "(RayTrainWorker pid=123) " + format_metrics_line({"step": 1, "loss": 5.0, "tokens_per_s": 10.0}),
+        "(RayTrainWorker pid=123) " + format_metrics_line({"step": 2, "loss": 4.0, "tokens_per_s": 12.0}),
+        "RAYFLEET_METRICS {broken json",
+    ])
+    rows = parse_metrics_lines(log)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[1]["loss"] == 4.0
+
+
+def test_restarted_steps_keep_the_newest_row():
+    log = "\n".join(format_metrics_line({"step": s, "loss": l}) for s, l in [(1, 5.0), (2, 4.0), (2, 3.9), (3, 3.5)])
+    assert [r["loss"] for r in parse_metrics_lines(log)] == [5.0, 3.9, 3.5]
+
+
+def test_metrics_table_columns_and_errors():
+    table = MetricsTable(({"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}))
+    assert table["loss"] == [2.0, 1.5] and table.last()["step"] == 2 and len(table) == 2
+    with pytest.raises(KeyError, match="columns"):
+        table["nope"]
+    assert "MetricsTable(2 rows)" in repr(table)
+    assert summarize(table.rows)["final_loss"] == 1.5
+
+
+def test_progress_line_shows_step_loss_and_eta():
+    import time
+
+    line = render_progress({"step": 5, "loss": 3.25, "tokens_per_s": 1234.0}, total_steps=10,
+                           started_s=time.monotonic() - 10)
+    assert "step 5/10" in line and "loss 3.2500" in line and "1,234 tok/s" in line and "ETA 0:1" in line
+
+
+def test_spec_transport_is_lossless():
+    spec = {"name": "x", "plan": {"dp": 2}, "text": "quotes ' \" and spaces"}
+    assert decode_spec(encode_spec(spec)) == spec
+
+
+def test_overrides_parse_yaml_values_and_reject_bad_items():
+    out = apply_overrides({"steps": 1, "plan": {"dp": 2}}, ["steps=20", "plan.ep=2", "data.uri=/x"])
+    assert out == {"steps": 20, "plan": {"dp": 2, "ep": 2}, "data": {"uri": "/x"}}
+    with pytest.raises(SpecError, match="--set"):
+        apply_overrides({}, ["no-equals-sign"])

@@ -1,0 +1,242 @@
+"""The OpenAI app over in-process replicas (``build_local``; no Ray): exact greedy tokens in
+every mode, HTTP errors for bad input, cancellation and replica failures, no leaked blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from starlette.testclient import TestClient
+
+from rayfleet.serving.engine_loop import load_engine
+from rayfleet.serving.local import build_local
+from rayfleet.serving.openai_app import encode_chat, encode_completion_prompt
+from rayfleet.serving.sampling import SamplingParams
+from rayfleet.serving.spec import ServeSpec
+
+MODEL = {"preset": "tiny", "seed": 2, "dtype": "float64", "overrides": {"max_seq_len": 256, "init_std": 0.1}}
+ENGINE = {"block_size": 4, "num_blocks": 96, "max_num_batched_tokens": 64}
+PROMPTS = ["shared system prompt: be brief. Q1", "shared system prompt: be brief. Q2", "x"]
+
+
+def spec(mode: str, *, caching: bool = True, replicas: int = 1, **extra) -> dict:
+    pool = {"replicas": replicas}
+    return {"model": MODEL, "mode": mode, "engine": {**ENGINE, "enable_prefix_caching": caching},
+            "colocated": pool, "prefill": pool, "decode": pool, "kv_transfer": {"transport": "local"},
+            "router": {"poll_interval_s": 0.02}, "request_timeout_s": 20, **extra}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    s = ServeSpec.parse(spec("colocated"))
+    engine = load_engine(preset_name="tiny", seed=2, checkpoint=None, dtype="float64", overrides=MODEL["overrides"],
+                         config=s.engine_config())
+    cache = {}
+
+    def run(prompt_ids: list[int], max_tokens: int = 8) -> list[int]:
+        key = (tuple(prompt_ids), max_tokens)
+        if key not in cache:
+            (r,) = engine.generate([prompt_ids], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+            cache[key] = list(r.output_token_ids)
+        return cache[key]
+    return run
+
+
+def complete(client, prompt, *, stream: bool, chat: bool = False, max_tokens: int = 8):
+    body = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "stream": stream}
+    body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    if not stream:
+        resp = client.post(path, json=body)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["choices"][0]["token_ids"], resp.json()
+    tokens, events = [], []
+    with client.stream("POST", path, json=body) as resp:
+        for line in resp.iter_lines():
+            if line and line != "data: [DONE]":
+                events.append(json.loads(line.removeprefix("data: ")))
+                tokens += events[-1]["choices"][0].get("token_ids", []) if events[-1].get("choices") else []
+    return tokens, events
+
+
+def assert_no_leaks(local) -> None:
+    async def usage():
+        return {n: await e.block_usage() for n, e in local.engines.items()}
+    for name, u in asyncio.run(usage()).items():
+        assert u.num_free_blocks == u.num_blocks and u.num_requests == 0 and u.num_reserved == 0, (name, u)
+        assert u.num_leases == 0, (name, u)
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+@pytest.mark.parametrize("caching", [True, False])
+def test_greedy_tokens_equal_single_engine(reference, mode, caching):
+    local = build_local(spec(mode, caching=caching))
+    with TestClient(local.app()) as client:
+        for prompt in PROMPTS:
+            ids = encode_completion_prompt(prompt)
+            plain, data = complete(client, prompt, stream=False)
+            streamed, _ = complete(client, prompt, stream=True)
+            assert plain == streamed == reference(ids), (mode, caching, prompt)
+        chat, data = complete(client, "hello", stream=False, chat=True)
+        assert chat == reference(encode_chat([{"role": "user", "content": "hello"}]))
+        assert data["choices"][0]["message"]["role"] == "assistant"
+        _, again = complete(client, PROMPTS[0], stream=False)
+        assert (again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0) == caching
+        assert_no_leaks(local)
+    local.shutdown()
+
+
+def test_bad_input_statuses():
+    local = build_local(spec("disaggregated"))
+    with TestClient(local.app()) as client:
+        r = client.post("/v1/completions", content=b"{oops", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": "y" * 300})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        for bad in (0, -1):
+            r = client.post("/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        r = client.post("/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "a"}]})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert client.post("/v1/completions", json={"model": "tiny", "prompt": [999]}).status_code == 400
+        assert client.post("/v1/chat/completions", json={"model": "tiny", "messages": []}).status_code == 400
+        assert client.post("/v1/completions", json={"prompt": "a", "n": 2}).status_code == 400
+        models = client.get("/v1/models").json()
+        assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 256
+        assert client.get("/health").status_code == 200
+        complete(client, "warm up", stream=True)
+        import time
+        time.sleep(0.1)  # one router poll
+        text = client.get("/metrics").text
+        for name in ("rayfleet:time_to_first_token_seconds_count", "rayfleet:inter_token_latency_seconds_count",
+                     "rayfleet:e2e_request_latency_seconds_count", "rayfleet:request_queue_time_seconds_count",
+                     'rayfleet:prefix_cache_queries_total{model_name="tiny",replica="prefill-0"}',
+                     "rayfleet:prefix_cache_hits_total", "rayfleet:kv_cache_usage_perc"):
+            assert name in text, name
+        assert_no_leaks(local)
+    local.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_closing_a_stream_mid_way_aborts_and_frees_blocks(mode):
+    local = build_local(spec(mode))
+
+    async def scenario():
+        stream = local.service.stream(encode_completion_prompt("cancel me"),
+                                      SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        got = []
+        async for delta in stream:
+            got += delta.token_ids
+            if len(got) >= 3:
+                break
+        await stream.aclose()  # what a client disconnect does to the response generator
+        for _ in range(50):
+            await asyncio.sleep(0.02)
+            usage = {n: await e.block_usage() for n, e in local.engines.items()}
+            if all(u.num_free_blocks == u.num_blocks and not u.num_requests and not u.num_leases
+                   for u in usage.values()):
+                return got, usage
+        return got, usage
+
+    got, usage = asyncio.run(scenario())
+    assert len(got) >= 3
+    assert all(u.num_free_blocks == u.num_blocks and not u.num_requests for u in usage.values()), usage
+    local.shutdown()
+
+
+def _collect(local, prompt_ids, max_tokens, *, during=None):
+    async def scenario():
+        tokens, fired = [], False
+        async for delta in local.service.stream(prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                           ignore_eos=True)):
+            tokens += delta.token_ids
+            if during and not fired and len(tokens) >= 4:
+                during(local)
+                fired = True
+        return tokens
+    return asyncio.run(scenario())
+
+
+def test_decode_replica_dying_mid_stream_resumes_with_identical_tokens(reference):
+    local = build_local(spec("disaggregated", replicas=2))
+    prompt = encode_completion_prompt("resume me please")
+
+    def kill_busy_decode(local):
+        busy = [n for n, e in local.engines.items() if n.startswith("decode") and e.engine.scheduler.requests]
+        assert len(busy) == 1
+        local.clients[busy[0]].stop()
+
+    tokens = _collect(local, prompt, 40, during=kill_busy_decode)
+    assert tokens == reference(prompt, 40)
+    assert local.service.metrics.resumes._value.get() == 1
+    local.shutdown()
+
+
+def test_prefill_replica_dead_before_the_router_notices_is_retried_elsewhere(reference):
+    local = build_local(spec("disaggregated", replicas=2))
+    local.clients["prefill-0"].stop()  # equal snapshots before the first poll: prefill-0 ranks first
+    prompt = encode_completion_prompt("retry my prefill")
+    assert _collect(local, prompt, 6) == reference(prompt, 6)
+    assert local.service.metrics.prefill_retries._value.get() == 1
+    local.shutdown()
+
+
+def test_no_decode_replica_left_ends_the_stream_with_an_error_event():
+    local = build_local(spec("disaggregated", replicas=1, max_resumes=1))
+
+    def kill_decode(local):
+        local.clients["decode-0"].stop()
+
+    with TestClient(local.app()) as client:
+        body = {"model": "tiny", "prompt": "doomed", "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        events = []
+        with client.stream("POST", "/v1/completions", json=body) as resp:
+            for line in resp.iter_lines():
+                if line and line != "data: [DONE]":
+                    events.append(json.loads(line.removeprefix("data: ")))
+                    if len(events) == 2:
+                        kill_decode(local)
+        assert "error" in events[-1] and events[-1]["error"]["type"] == "ServiceUnavailableError"
+    local.shutdown()
+
+
+def test_a_training_servable_serves_the_same_tokens_as_its_source_model(tmp_path, reference):
+    import torch
+
+    from rayfleet.models import build_model, preset
+    from rayfleet.storage.model_registry import save_servable
+
+    source = build_model(preset("tiny", **MODEL["overrides"]), seed=2, dtype=torch.float64)
+    uri = save_servable(f"file://{tmp_path}/servable", config=source.config, state_dict=source.state_dict())
+    local = build_local({**spec("disaggregated"), "model": {"checkpoint": uri, "name": "tiny", "dtype": "float64"}})
+    prompt = encode_completion_prompt(PROMPTS[0])
+    assert _collect(local, prompt, 8) == reference(prompt)
+    local.shutdown()
+
+
+def test_client_gone_right_after_the_first_token_releases_the_kv_lease_at_once():
+    """Regression: a disaggregated stream closed between prefill and decode (the client took its
+    first token and left) kept the prefill replica's KV lease until it expired (30 s)."""
+    local = build_local(spec("disaggregated"))
+
+    async def scenario():
+        stream = local.service.stream(encode_completion_prompt("leave after one token"),
+                                      SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+        async for delta in stream:
+            assert len(delta.token_ids) == 1  # the prefill replica's first token
+            break
+        await stream.aclose()
+        for _ in range(50):
+            usage = {n: await e.block_usage() for n, e in local.engines.items()}
+            if not any(u.num_leases or u.num_requests or u.num_reserved for u in usage.values()):
+                break
+            await asyncio.sleep(0.02)
+        return usage
+
+    usage = asyncio.run(scenario())
+    assert all(u.num_leases == 0 and u.num_free_blocks == u.num_blocks and not u.num_requests
+               for u in usage.values()), usage
+    local.shutdown()
