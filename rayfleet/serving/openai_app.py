@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -41,6 +42,15 @@ from rayfleet.serving.service import Delta, InferenceService, ServiceUnavailable
 __all__ = ["build_openai_app", "encode_completion_prompt", "encode_chat", "APIError"]
 
 _TOKENIZER = ByteTokenizer()
+
+log = logging.getLogger(__name__)
+
+
+def _internal_error(rid: str, exc: BaseException) -> "APIError":
+    """An unexpected failure as an OpenAI-style 500 that names it (logged with its traceback),
+    instead of Starlette's bare ``Internal Server Error`` text."""
+    log.error("request %s failed unexpectedly", rid, exc_info=exc)
+    return APIError(500, f"request {rid} failed: {type(exc).__name__}: {exc}", type_="internal_server_error")
 
 
 class APIError(Exception):
@@ -174,6 +184,10 @@ def build_openai_app(service: InferenceService, *, model_name: str):
                 last = d
         except ServiceUnavailableError as exc:
             raise APIError(503, str(exc), type_="ServiceUnavailableError") from None
+        except APIError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported to the client, logged with the traceback
+            raise _internal_error(rid, exc) from None
         finally:
             await stream.aclose()
         text = decoder.decode(bytes(t for t in tokens if t < 256), final=True)
@@ -203,6 +217,8 @@ def build_openai_app(service: InferenceService, *, model_name: str):
         except (ServiceUnavailableError, RayfleetError) as exc:
             err = APIError(503, str(exc), type_="ServiceUnavailableError")
             yield f"data: {json.dumps(err.body())}\n\n".encode()
+        except Exception as exc:  # noqa: BLE001 - the stream ends with an error event, never a hang
+            yield f"data: {json.dumps(_internal_error(rid, exc).body())}\n\n".encode()
         finally:
             await stream.aclose()
         yield b"data: [DONE]\n\n"

@@ -134,16 +134,30 @@ class LocalReplicaClient:
 
 
 def _is_replica_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` (raised by a Serve handle call) means the replica is gone or unreachable.
+
+    Serve surfaces a dead replica in several shapes: Ray's actor errors (also wrapped in a
+    ``RayTaskError`` or chained as the cause of a ``RayServeException``), its own
+    ``ReplicaUnavailableError`` when a chosen replica left the set before dispatch, and
+    ``DeploymentUnavailableError`` when the deployment has no running replica."""
     import ray
 
     failures: tuple[type[BaseException], ...] = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
     try:
         from ray.serve.exceptions import DeploymentUnavailableError
+        from ray.serve.exceptions import ReplicaUnavailableError as ServeReplicaUnavailableError
 
-        failures += (DeploymentUnavailableError,)
+        failures += (DeploymentUnavailableError, ServeReplicaUnavailableError)
     except ImportError:  # older Serve
         pass
-    return isinstance(exc, failures)
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, failures):
+            return True
+        cause = getattr(exc, "cause", None) if isinstance(exc, ray.exceptions.RayTaskError) else None
+        exc = cause if isinstance(cause, BaseException) else exc.__cause__
+    return False
 
 
 class ServeReplicaClient:

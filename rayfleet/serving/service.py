@@ -213,12 +213,24 @@ class InferenceService:
                 reply = await asyncio.wait_for(self.clients[name].prefill(rid, prompt, params, salt),
                                                timeout=self.request_timeout_s)
                 return reply, name
-            except ReplicaUnavailableError as exc:
+            except (ReplicaUnavailableError, asyncio.TimeoutError) as exc:
+                # A replica silent past the request deadline (for example one Serve is still
+                # restarting after a crash, which queues our call) counts as gone: abort what it
+                # may hold and try the next ranked replica.
+                if isinstance(exc, asyncio.TimeoutError):
+                    exc = ReplicaUnavailableError(name, f"no prefill reply in {self.request_timeout_s:g} s")
+                    await self._abort_quietly(name, rid)
                 errors.append(str(exc))
                 await self.router.report_failure(name)
                 if self.metrics is not None:
                     self.metrics.prefill_retries.inc()
         raise ServiceUnavailableError(f"prefill failed on {len(errors)} replica(s): {'; '.join(errors)}")
+
+    async def _abort_quietly(self, name: str, rid: str) -> None:
+        try:
+            await asyncio.wait_for(self.clients[name].abort(rid), timeout=5.0)
+        except Exception:  # noqa: BLE001 - best effort: a dead replica holds nothing
+            pass
 
     async def _split_prefill(self, rid: str, prompt: list[int], params: SamplingParams, plan: RoutePlan):
         """``split_prefill`` over ``plan.spans``; the reply's KV is owned by the last span's replica."""

@@ -240,3 +240,38 @@ def test_client_gone_right_after_the_first_token_releases_the_kv_lease_at_once()
     assert all(u.num_leases == 0 and u.num_free_blocks == u.num_blocks and not u.num_requests
                for u in usage.values()), usage
     local.shutdown()
+
+
+def test_prefill_replica_that_never_answers_is_abandoned_at_the_deadline_and_retried_elsewhere(reference):
+    """Regression (CI, Serve): a killed prefill replica that Serve was still restarting queued the
+    call; the prefill deadline's ``TimeoutError`` escaped the retry loop and became a bare 500."""
+    local = build_local(spec("disaggregated", replicas=2, request_timeout_s=2))
+    hung = asyncio.Event()
+
+    async def never_answers(request_id, prompt, params, cache_salt):
+        hung.set()
+        await asyncio.Event().wait()
+
+    local.clients["prefill-0"].prefill = never_answers  # prefill-0 ranks first (equal snapshots)
+    prompt = encode_completion_prompt("a silent prefill replica")
+    assert _collect(local, prompt, 6) == reference(prompt, 6)
+    assert hung.is_set() and local.service.metrics.prefill_retries._value.get() == 1
+    assert_no_leaks(local)
+    local.shutdown()
+
+
+def test_an_unexpected_failure_is_a_json_500_that_names_it_not_a_bare_one():
+    local = build_local(spec("colocated"))
+
+    async def broken_route(*args, **kwargs):
+        raise KeyError("router state lost")
+
+    local.service.router.route = broken_route
+    with TestClient(local.app()) as client:
+        resp = client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+        assert resp.status_code == 500
+        error = resp.json()["error"]
+        assert error["type"] == "internal_server_error" and "KeyError" in error["message"], error
+        _, events = complete(client, "x", stream=True, max_tokens=2)
+        assert events and "KeyError" in events[-1]["error"]["message"], events
+    local.shutdown()
