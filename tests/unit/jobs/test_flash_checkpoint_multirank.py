@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -109,7 +110,7 @@ def test_two_rank_snapshot_persist_and_restore_from_shm_and_from_storage_at_one_
         assert (storage["source"], storage["step"]) == ("storage", 4)
         assert [storage["losses"][str(s)] for s in range(5, 9)] == pytest.approx(reference[4:8], rel=1e-5)
     finally:
-        subprocess.run(["rm", "-rf", work_dir], check=False)
+        shutil.rmtree(work_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
