@@ -107,12 +107,12 @@ class RouterDeployment:
 
     def __init__(self, handles: dict[str, Any], *, roles: dict[str, list[str]], mode: str, load_weight: float,
                  block_size: int, model_id: str, num_blocks: int, poll_interval_s: float,
-                 long_prefill: LongPrefillPolicy | None = None) -> None:
+                 idle_poll_interval_s: float = 1.0, long_prefill: LongPrefillPolicy | None = None) -> None:
         clients = {name: ServeReplicaClient(name, h) for name, h in handles.items()}
         core = RouterCore(roles=roles, policy=RouterPolicy(load_weight=load_weight), mode=mode,
                           block_size=block_size, model_id=model_id, num_blocks_hint=num_blocks,
                           long_prefill=long_prefill)
-        self.router = Router(clients, core, poll_interval_s=poll_interval_s)
+        self.router = Router(clients, core, poll_interval_s=poll_interval_s, idle_poll_interval_s=idle_poll_interval_s)
 
     async def route(self, prompt: list[int], max_tokens: int, cache_salt: str | None = None,
                     exclude: tuple[str, ...] = ()) -> RoutePlan:
@@ -268,7 +268,8 @@ def build_app(spec: ServeSpec):
         health_check_period_s=2).bind(
         handles, roles=spec.replica_names(), mode=spec.router.policy, load_weight=spec.router.load_weight,
         block_size=config.block_size, model_id=config.model_id, num_blocks=config.num_blocks,
-        poll_interval_s=spec.router.poll_interval_s, long_prefill=spec.long_prefill_policy())
+        poll_interval_s=spec.router.poll_interval_s, idle_poll_interval_s=spec.router.idle_poll_interval_s,
+        long_prefill=spec.long_prefill_policy())
     ingress = serve.deployment(OpenAIIngress).options(
         name="ingress", num_replicas=1, ray_actor_options=small, max_ongoing_requests=10000).bind(
         router, handles, model_name=spec.model.served_name, mode=spec.mode, max_resumes=spec.max_resumes,

@@ -67,7 +67,8 @@ def build_local(spec: ServeSpec | dict) -> LocalServing:
     core = RouterCore(roles=spec.replica_names(), policy=RouterPolicy(load_weight=spec.router.load_weight),
                       mode=spec.router.policy, block_size=config.block_size, model_id=config.model_id,
                       num_blocks_hint=config.num_blocks, long_prefill=spec.long_prefill_policy())
-    router = Router(clients, core, poll_interval_s=spec.router.poll_interval_s)
+    router = Router(clients, core, poll_interval_s=spec.router.poll_interval_s,
+                    idle_poll_interval_s=spec.router.idle_poll_interval_s)
     service = InferenceService(router=router, clients=clients, mode=spec.mode, max_resumes=spec.max_resumes,
                                max_prefill_retries=spec.max_prefill_retries,
                                request_timeout_s=spec.request_timeout_s,

@@ -17,7 +17,11 @@ Design decisions:
 - A replica reported failed (by the ingress) is unhealthy and leaves the index until a poll
   succeeds again (Serve restarts dead replicas).
 - ``Router`` polls all replicas concurrently through ``ReplicaClient``s; one router per app,
-  because KV events are consumed by whoever polls.
+  because KV events are consumed by whoever polls. It polls every ``poll_interval_s`` while
+  there is work (a request routed since the last poll, or any replica running or queueing
+  one) and every ``idle_poll_interval_s`` otherwise, woken at once by the next route: an idle
+  app with ten polls a second per replica kept a core of a small machine a third busy, and an
+  idle replica has nothing new to say (a dead one is still found within the idle interval).
 """
 
 from __future__ import annotations
@@ -164,12 +168,16 @@ class Router:
     ``router``; in-process callers construct it with ``LocalReplicaClient``s."""
 
     def __init__(self, clients: Mapping[str, ReplicaClient], core: RouterCore, *,
-                 poll_interval_s: float = 0.1) -> None:
+                 poll_interval_s: float = 0.1, idle_poll_interval_s: float = 1.0) -> None:
         self.clients = dict(clients)
         self.core = core
         self.poll_interval_s = poll_interval_s
+        self.idle_poll_interval_s = max(idle_poll_interval_s, poll_interval_s)
         self.states: dict[str, ReplicaState] = {}
+        self.num_polls = 0  # poll rounds so far (tests, debugging)
         self._task: asyncio.Task | None = None
+        self._routed_since_poll = False
+        self._wake: asyncio.Event | None = None
 
     def _ensure_polling(self) -> None:
         if self._task is None or self._task.done():
@@ -187,16 +195,32 @@ class Router:
         self.core.observe(name, state.snapshot, state.events)
 
     async def poll_once(self) -> None:
+        self.num_polls += 1
         await asyncio.gather(*(self._poll_one(n, c) for n, c in self.clients.items()))
 
+    def _busy(self) -> bool:
+        return any(s.snapshot.num_running_requests or s.snapshot.num_queued_blocks for s in self.states.values())
+
     async def _poll_forever(self) -> None:
+        self._wake = asyncio.Event()
         while True:
+            routed, self._routed_since_poll = self._routed_since_poll, False
+            self._wake.clear()
             await self.poll_once()
-            await asyncio.sleep(self.poll_interval_s)
+            if routed or self._routed_since_poll or self._busy():
+                await asyncio.sleep(self.poll_interval_s)
+                continue
+            try:  # idle: sleep long, but the next route wakes the loop at once
+                await asyncio.wait_for(self._wake.wait(), timeout=self.idle_poll_interval_s)
+            except asyncio.TimeoutError:
+                pass
 
     async def route(self, prompt_token_ids: list[int], max_tokens: int, cache_salt: str | None = None,
                     exclude: tuple[str, ...] = ()) -> RoutePlan:
         self._ensure_polling()
+        self._routed_since_poll = True
+        if self._wake is not None:
+            self._wake.set()
         return self.core.route(prompt_token_ids, max_tokens=max_tokens, cache_salt=cache_salt, exclude=exclude)
 
     async def report_failure(self, replica: str) -> None:

@@ -86,7 +86,8 @@ class EngineSpec(_Strict):
 class RouterSpec(_Strict):
     policy: Literal["prefix_aware", "round_robin"] = "prefix_aware"
     load_weight: float = Field(0.5, ge=0)
-    poll_interval_s: float = Field(0.1, gt=0)
+    poll_interval_s: float = Field(0.1, gt=0)  # replica polls while there is work
+    idle_poll_interval_s: float = Field(1.0, gt=0)  # ... and while there is none (a route wakes it)
 
 
 class KVTransferSpec(_Strict):

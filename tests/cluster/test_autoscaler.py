@@ -97,9 +97,6 @@ class Burst:
             n += 1
 
 
-@pytest.mark.skip(reason="not passing yet: on the loaded 2-core machine the lent Serve replica took ~110 s from "
-                         "`serve.run` to 'Started initializing replica' (shrink, re-formation and the base replica all "
-                         "compete for the cores), past the 120 s handover wait; also over the 3-minute budget")
 def test_burst_lends_an_accelerator_from_training_to_serve_and_back(local_fleet, dataset, tmp_path):
     from ray import serve
 
@@ -130,15 +127,17 @@ def test_burst_lends_an_accelerator_from_training_to_serve_and_back(local_fleet,
                                     window_s=3.0, interval_s=1.0)
         run = sdk.train(spec)
         steps = lambda: [int(r["step"]) for r in run.metrics().rows]  # noqa: E731
-        wait_until(lambda: len(steps()) >= 2 or run.status() in ("FAILED", "STOPPED"), timeout_s=180,
+        wait_until(lambda: len(steps()) >= 2 or run.status() in ("FAILED", "STOPPED"), timeout_s=300,
                    interval_s=0.5, what="the job's first steps at 4 workers")
         assert "on 4 workers" in run.logs(), run.logs()[-3000:]
 
         burst = Burst(served.openai_base_url, clients=6).start()
         try:
             try:
+                # A deadline, not the goal: on 2 loaded cores the replica's process start competes
+                # with the job's re-formation (66 s measured on the dev machine; CI runs slower).
                 wait_until(lambda: any(h["running_at"] for h in shell.history()) or run.status() in ("FAILED", "STOPPED"),
-                           timeout_s=120, interval_s=0.5, what="a lent Serve replica running")
+                           timeout_s=300, interval_s=0.5, what="a lent Serve replica running")
             except AssertionError as err:
                 raise AssertionError(f"{err}\nshell saw {shell.observation()}\nhistory {shell.history()}\n"
                                      f"events {[(e.kind, e.cause) for e in sdk.events(limit=30)]}\n"
@@ -148,7 +147,7 @@ def test_burst_lends_an_accelerator_from_training_to_serve_and_back(local_fleet,
         finally:
             burst.join()
         served_by_two = sum(1 for r in burst.results if r["end"] > lent_at)
-        wait_until(lambda: all(h["removed_at"] for h in shell.history()), timeout_s=90, interval_s=0.5,
+        wait_until(lambda: all(h["removed_at"] for h in shell.history()), timeout_s=180, interval_s=0.5,
                    what="the lent replica drained and removed after the burst")
         assert run.wait(timeout_s=300) == "SUCCEEDED", run.logs()[-4000:]
         logs = run.logs()

@@ -275,3 +275,25 @@ def test_an_unexpected_failure_is_a_json_500_that_names_it_not_a_bare_one():
         _, events = complete(client, "x", stream=True, max_tokens=2)
         assert events and "KeyError" in events[-1]["error"]["message"], events
     local.shutdown()
+
+
+def test_router_polls_slowly_while_idle_and_at_once_when_a_request_arrives(reference):
+    local = build_local(spec("colocated", router={"poll_interval_s": 0.02, "idle_poll_interval_s": 0.5}))
+    router = local.router
+
+    async def scenario():
+        router._ensure_polling()
+        await asyncio.sleep(1.2)  # idle: a poll every 0.5 s, not every 0.02 s
+        idle_polls = router.num_polls
+        prompt = encode_completion_prompt("wake the router")
+        tokens = []
+        async for delta in local.service.stream(prompt, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)):
+            tokens += delta.token_ids
+        busy_polls = router.num_polls - idle_polls
+        return idle_polls, busy_polls, tokens, prompt
+
+    idle_polls, busy_polls, tokens, prompt = asyncio.run(scenario())
+    assert 2 <= idle_polls <= 4, idle_polls
+    assert busy_polls >= 2, busy_polls  # woken by the route, then fast while the request runs
+    assert tokens == reference(prompt, 30)
+    local.shutdown()
