@@ -233,14 +233,14 @@ def step_autoscaler(local: LocalFleet, fleet, workdir: str, model_uri: str) -> N
         threads = _stream_burst(served.openai_base_url, "demo-tiny-fp8", clients=6, stop=stop, results=results)
         try:
             _wait(lambda: any(h["running_at"] for h in shell.history()) or run.status() in ("FAILED", "STOPPED"),
-                  120, "a lent replica serving")
+                  300, "a lent replica serving")  # a deadline; 66 s measured on 2 loaded cores
             time.sleep(5)
         finally:
             stop.set()
             for t in threads:
                 t.join(timeout=120)
         print(f"burst over after {len(results)} requests; waiting for the autoscaler to give the accelerator back")
-        _wait(lambda: all(h["removed_at"] for h in shell.history()), 90, "the lent replica to be drained")
+        _wait(lambda: all(h["removed_at"] for h in shell.history()), 180, "the lent replica to be drained")
         status = run.wait(timeout_s=300)
         ttfts = [t for t, e in results if t is not None]
         failed = sum(1 for t, e in results if e is not None)
@@ -283,9 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accelerator", default="H100:2,P800:2", help="fleet mix (default: 2 H100 + 2 P800 servers)")
     parser.add_argument("--racks", type=int, default=2)
     parser.add_argument("--train-steps", type=int, default=30)
-    # Off by default until it is verified on the 2-core machine (see tests/cluster/test_autoscaler.py).
-    parser.add_argument("--autoscaler", action="store_true",
-                        help="end with a burst that makes the autoscaler lend an accelerator and give it back")
+    parser.add_argument("--autoscaler", action=argparse.BooleanOptionalAction, default=True,
+                        help="end with a burst that makes the autoscaler lend an accelerator and give it back "
+                             "(--no-autoscaler skips it)")
     args = parser.parse_args(argv)
 
     from rayfleet.sdk import connect

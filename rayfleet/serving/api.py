@@ -5,7 +5,10 @@ Design decisions:
   ``fleet.serve(spec)``): it never calls ``ray.init`` when Ray is initialized. Otherwise it
   connects to ``address`` (or the local fleet) the way the SDK does, with token auth.
 - Serve's HTTP proxy is started on ``spec.http`` (host, port), on the head node only, if Serve
-  is not running yet (a running Serve keeps its own HTTP options); an
+  is not running yet. A running Serve keeps its own HTTP options (one proxy serves every app),
+  so the returned URL uses the port that proxy really listens on, with a warning when it is
+  not ``spec.http.port`` (a URL built from the spec once pointed at nothing and the deploy
+  waited for a health check that could never answer); an
   app is named ``spec.name`` and routed at ``spec.http.route_prefix`` (``/`` by default, so
   OpenAI clients need no path prefix; several apps on one proxy use distinct prefixes). Deploying a spec with the same name replaces that app.
 - ``deploy`` waits until the app is RUNNING and the ingress answers ``/health`` (the engines
@@ -15,6 +18,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +28,8 @@ from rayfleet.errors import RayfleetError
 from rayfleet.serving.spec import ServeSpec, load_serve_spec
 
 __all__ = ["ServeDeployment", "ServeDeployError", "deploy"]
+
+log = logging.getLogger(__name__)
 
 
 class ServeDeployError(RayfleetError):
@@ -103,6 +109,19 @@ def _wait_healthy(url: str, deadline: float) -> None:
                            "`serve status` and the replica logs; raise the timeout for large models")
 
 
+def _proxy_host_port(spec: ServeSpec) -> tuple[str, int]:
+    """Where the running Serve's HTTP proxy listens (see module doc)."""
+    import ray
+    from ray.serve.context import _get_global_client
+
+    config = ray.get(_get_global_client()._controller.get_http_config.remote())
+    if (config.host, config.port) != (spec.http.host, spec.http.port):
+        log.warning("serve %r: Serve already runs its HTTP proxy on %s:%s, so http.host/http.port=%s:%s is not "
+                    "used; the app is served there (to move the proxy, stop Serve first: `serve shutdown`)",
+                    spec.name, config.host, config.port, spec.http.host, spec.http.port)
+    return config.host, config.port
+
+
 def deploy(spec: ServeSpec | dict[str, Any] | str | Path, *, address: str | None = None,
            timeout_s: float = 300.0) -> ServeDeployment:
     """Deploy ``spec`` (a ``ServeSpec``, its dict, or a serve YAML path) and wait until it
@@ -121,7 +140,8 @@ def deploy(spec: ServeSpec | dict[str, Any] | str | Path, *, address: str | None
         serve.run(build_app(spec), name=spec.name, route_prefix=spec.http.route_prefix, blocking=False)
     except RuntimeError as exc:  # Serve raises RuntimeError when a deployment fails to start
         raise ServeDeployError(f"serving {spec.name!r} failed: {exc}") from None
-    host = "127.0.0.1" if spec.http.host in ("0.0.0.0", "::") else spec.http.host
-    url = f"http://{host}:{spec.http.port}{spec.http.route_prefix.rstrip('/')}"
+    host, port = _proxy_host_port(spec)
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    url = f"http://{host}:{port}{spec.http.route_prefix.rstrip('/')}"
     _wait_healthy(url, deadline)
     return ServeDeployment(spec=spec, url=url)

@@ -47,9 +47,18 @@ class ModelSource(_Strict):
     dtype: Literal["float32", "float64", "bfloat16"] = "float32"
     overrides: dict[str, Any] = Field(default_factory=dict)  # MoEConfig fields for a preset
 
+    @model_validator(mode="before")
+    @classmethod
+    def _checkpoint_means_no_preset(cls, data: Any) -> Any:
+        # The default preset must not outlive a checkpoint source: a dumped spec would carry
+        # both, and re-parsing it (the autoscaler's Serve shell does) failed the check below.
+        if isinstance(data, dict) and data.get("checkpoint") and "preset" not in data:
+            return {**data, "preset": None}
+        return data
+
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSource":
-        if self.checkpoint and self.preset and "preset" in self.model_fields_set:
+        if self.checkpoint and self.preset:
             raise ValueError("give either model.preset or model.checkpoint, not both")
         return self
 

@@ -49,9 +49,12 @@ def apps(local_fleet):
                      "prefill": {**pool, "replicas": 2}, "decode": {**pool, "replicas": 2},
                      "kv_transfer": {"lease_s": 20}, "http": {"port": port, "route_prefix": "/pd"}})
     no_cache = {**common, "engine": {**ENGINE, "enable_prefix_caching": False}}
-    # Through the SDK entry point (``fleet.serve`` is ``deploy`` on the connected fleet).
+    # Through the SDK entry point (``fleet.serve`` is ``deploy`` on the connected fleet), asking
+    # for another port: Serve's one proxy keeps its port, and the URL must say so (regression:
+    # the URL was built from the spec, and the deploy waited on a port nobody listened on).
     colocated_nc = local_fleet.sdk.serve({**no_cache, "name": "test-colo-nocache", "mode": "colocated",
-                                          "colocated": pool, "http": {"port": port, "route_prefix": "/colo-nc"}})
+                                          "colocated": pool, "http": {"port": _free_port(), "route_prefix": "/colo-nc"}})
+    assert colocated_nc.url == f"http://127.0.0.1:{port}/colo-nc", colocated_nc.url
     disagg_nc = deploy({**no_cache, "name": "test-pd-nocache", "mode": "disaggregated", "prefill": pool,
                         "decode": pool, "http": {"port": port, "route_prefix": "/pd-nc"}})
     served = {"colocated": colocated, "disaggregated": disagg,

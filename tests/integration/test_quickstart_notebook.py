@@ -41,7 +41,18 @@ def test_quickstart_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(Path(sys.executable).parent) + ":" + os.environ.get("PATH", ""))
     client = nbclient.NotebookClient(notebook, timeout=420, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})
-    client.execute()
+    with client.setup_kernel():
+        try:
+            for index, cell in enumerate(notebook.cells):
+                client.execute_cell(cell, index)
+        finally:
+            # A failed cell must not leave the notebook's local fleet running: its nodes are
+            # process groups of their own, outside the kernel (the last cell stops it too).
+            cleanup = nbformat.v4.new_code_cell("if 'local' in globals():\n    local.down()")
+            try:
+                client.execute_cell(cleanup, len(notebook.cells))
+            except Exception:  # noqa: BLE001 - the cell's own failure is the one to report
+                pass
     text = "\n".join(_text(c) for c in notebook.cells if c.cell_type == "code")
     assert "healthy" in text
     assert "TP" in text and "MFU" in text  # the plan table

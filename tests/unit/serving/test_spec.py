@@ -57,3 +57,14 @@ def test_cli_registers_serve_and_reports_spec_errors(tmp_path, capsys):
     bad.write_text("mode: sideways\n")
     assert main(["serve", str(bad)]) == 2  # a user error: one line, exit 2, nothing deployed
     assert "mode='sideways'" in capsys.readouterr().err
+
+
+def test_a_checkpoint_spec_round_trips_through_its_dump():
+    """Regression: the default preset survived next to ``model.checkpoint`` in a dumped spec,
+    so re-parsing it (the autoscaler's Serve shell does) failed with "preset or checkpoint"."""
+    spec = ServeSpec.parse({"model": {"checkpoint": "/models/tiny-fp8", "name": "tiny-fp8"}})
+    again = ServeSpec.parse(spec.model_dump(mode="json"))
+    assert again == spec and again.model.preset is None and again.model.served_name == "tiny-fp8"
+    with pytest.raises(SpecError) as err:
+        ServeSpec.parse({"model": {"checkpoint": "/models/tiny-fp8", "preset": "tiny"}})
+    assert "model" in str(err.value) and "not both" in str(err.value)
