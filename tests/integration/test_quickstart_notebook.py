@@ -28,9 +28,6 @@ def _text(cell) -> str:
     return "".join(parts)
 
 
-@pytest.mark.skipif(os.environ.get("RAYFLEET_RUN_NOTEBOOK") != "1",
-                    reason="not yet verified end to end (its autoscaler section shares the cluster test's slow "
-                           "handover); run with RAYFLEET_RUN_NOTEBOOK=1")
 def test_quickstart_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
