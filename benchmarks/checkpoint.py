@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from common import cpu_name  # benchmarks/common.py (this script's directory is on sys.path)
 from rayfleet.jobs.flash_checkpoint import CheckpointState, FlashCheckpointer
 from rayfleet.platform.snapshot import SnapshotStore
 
