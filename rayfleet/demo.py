@@ -225,8 +225,10 @@ def step_autoscaler(local: LocalFleet, fleet, workdir: str, model_uri: str) -> N
                            "precision": "fp32", "steps": 40, "global_batch_size": 4, "schedule": {"warmup_steps": 1},
                            "resources": {"accelerator": "H100", "elastic": {"min_workers": 1, "max_workers": 2}},
                            "checkpoint": {"every_n_steps": 1, "persist_every": 1}})
-        _wait(lambda: "on 2 workers" in run.logs() and "step=2 " in run.logs() or run.status() in ("FAILED", "STOPPED"),
-              180, "the elastic job's first steps")
+        _wait(lambda: len(run.metrics()) >= 2 or run.status() in ("FAILED", "STOPPED"), 300,
+              "the elastic job's first steps")
+        if run.status() in ("FAILED", "STOPPED") or "on 2 workers" not in run.logs():
+            raise RuntimeError(f"demo: the elastic job should train on 2 workers first:\n{run.logs()[-3000:]}")
         print(f"elastic job {run.job_id} trains on 2 workers on {small.name}; Serve has 1 replica; "
               f"6 clients now stream requests")
         stop, results = threading.Event(), []
