@@ -20,8 +20,10 @@ Design decisions:
   Guaranteed jobs are never touched; elastic jobs never go below their minimum (gang size) and
   always shrink by whole DP replicas after a flash snapshot (``snapshot_first``).
 - Hysteresis against flapping: a deployment scales down only after its load has stayed low
-  (``desired < running`` and TTFT well inside the SLO) for ``scale_down_after_s`` without a
-  break; a grown-back job is not resized again within ``job_resize_cooldown_s``; training only
+  (``desired < running + pending`` and TTFT well inside the SLO) for ``scale_down_after_s``
+  without a break, and only running replicas are removed: a replica still on its way is not
+  recalled (its lend is already paid, and the shell could only cancel it half-started); it goes
+  in a later window once it runs; a grown-back job is not resized again within ``job_resize_cooldown_s``; training only
   grows when no deployment is short or at risk.
 - Giving back: accelerators lent by a job are returned to it first (before queued jobs, which
   the queues admit); growth of a job above what it was admitted at happens only when no
@@ -54,7 +56,7 @@ class ServeObservation:
     running_replicas: int
     desired_replicas: int  # what Serve's own autoscaler asks for at its target load
     pending_replicas: int = 0  # decided, not yet running (model loading)
-    replica_nodes: tuple[str, ...] = ()  # node of each running/pending replica
+    replica_nodes: tuple[str, ...] = ()  # node of each replica: running ones first, then pending
     min_replicas: int = 1
     max_replicas: int = 1 << 30
     queue_depth: float = 0.0  # requests waiting, all replicas
@@ -250,12 +252,15 @@ class AutoscalerPolicy:
                 low_since.pop(serve.deployment, None)
                 continue
             since = low_since.setdefault(serve.deployment, now)
-            if now - since < cfg.scale_down_after_s:
+            # Only running replicas above the minimum can go (see the module doc on hysteresis).
+            drop = min(have - want, serve.running_replicas - serve.min_replicas)
+            if now - since < cfg.scale_down_after_s or drop <= 0:
                 continue
-            remove = tuple(serve.replica_nodes[-(have - want):]) if serve.replica_nodes else ()
-            decisions.append(ScaleServe(serve.deployment, want, (), remove,
+            running_nodes = serve.replica_nodes[:serve.running_replicas]
+            remove = tuple(running_nodes[-drop:]) if running_nodes else ()
+            decisions.append(ScaleServe(serve.deployment, have - drop, (), remove,
                                         f"load low for {now - since:.0f}s >= {cfg.scale_down_after_s:.0f}s "
-                                        f"(Serve wants {serve.desired_replicas}, has {have}): -{have - want} replica(s)"))
+                                        f"(Serve wants {serve.desired_replicas}, has {have}): -{drop} replica(s)"))
             low_since[serve.deployment] = now  # the next step down needs another full window
         decisions.extend(self._shrink_decisions(work, now))
         # While a job re-forms, free capacity includes accelerators it is about to take back:

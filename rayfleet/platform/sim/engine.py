@@ -182,7 +182,8 @@ class Simulation:
         serve = ServeObservation(
             deployment="chat", accelerator_type=c.accelerator_type, accelerators_per_replica=c.serve_replica_accelerators,
             running_replicas=running, pending_replicas=len(self.serve) - running,
-            desired_replicas=static if static else desired, replica_nodes=tuple(n for n, _ in self.serve),
+            desired_replicas=static if static else desired,
+            replica_nodes=tuple(n for n, ready in self.serve if ready <= now) + tuple(n for n, ready in self.serve if ready > now),
             min_replicas=static or 1, max_replicas=static or (1 << 30), ttft_p95_s=ttft, ttft_slo_s=c.costs.ttft_slo_s)
         as_class = JobClass.OPPORTUNISTIC if self.whole_job_preemption else None
         training = tuple(j.observation(as_class=as_class if j.arrival.job_class is not JobClass.GUARANTEED else None)
@@ -259,7 +260,8 @@ class Simulation:
             self.serve.append((node, now + handover))
             self.metrics.handover(handover, lent=lent)
         for node in d.remove_from_nodes:
-            index = max(i for i, (n, _) in enumerate(self.serve) if n == node)
+            here = [i for i, (n, _) in enumerate(self.serve) if n == node]
+            index = max([i for i in here if self.serve[i][1] <= now] or here)  # a running one (policy doc)
             self.serve.pop(index)
             self.fleet.give(node, per)
 

@@ -166,3 +166,23 @@ def test_a_resizing_job_is_neither_grown_nor_lets_others_grow():
     still = TrainingObservation("a", "q", "H100", JobClass.ELASTIC, 2, 1, 4, 1, (("n0",), ("n0",)))
     r = policy.decide(AutoscalerState(), obs(0, {"n0": 4, "n1": 4, "n2": 0, "n3": 0}, [], [still, other]))
     assert {d.job_id for d in kinds(r, GrowTraining)} == {"a", "b"}
+
+
+def test_a_replica_still_loading_is_not_scaled_away():
+    """Regression (demo): load dipped while the lent replica was still starting; the policy
+    decided to remove it, the shell could not (it only removes running replicas), and the
+    logged decision never happened. Only running replicas above the minimum may go."""
+    policy = AutoscalerPolicy(AutoscalerConfig(scale_down_after_s=3))
+    free = {n: 0 for n in NODES}
+    loading = ServeObservation("chat", "H100", 4, running_replicas=1, desired_replicas=1, pending_replicas=1,
+                               replica_nodes=("n3", "n1"), ttft_p95_s=0.1, ttft_slo_s=1.0)
+    state = AutoscalerState()
+    for t in (0, 2, 4, 6, 10):
+        r = policy.decide(state, obs(t, free, [loading], []))
+        state = r.state
+        assert not kinds(r, ScaleServe), (t, r.decisions)
+    # once it runs, the low load (timed since t=0) removes it, and only it
+    running = ServeObservation("chat", "H100", 4, running_replicas=2, desired_replicas=1,
+                               replica_nodes=("n3", "n1"), ttft_p95_s=0.1, ttft_slo_s=1.0)
+    (down,) = kinds(policy.decide(state, obs(12, free, [running], [])), ScaleServe)
+    assert down.remove_from_nodes == ("n1",) and down.target_replicas == 1
