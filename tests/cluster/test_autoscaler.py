@@ -162,6 +162,7 @@ def test_burst_lends_an_accelerator_from_training_to_serve_and_back(local_fleet,
         for app in list(serve.status().applications):
             if app.startswith("burst--"):
                 serve.delete(app)
+        serve.shutdown()  # leave the fleet as we found it: the next module starts Serve on its own port
         for name in big:
             sdk.uncordon(name)
         for node in small:

@@ -54,7 +54,7 @@ def apps(local_fleet):
     # the URL was built from the spec, and the deploy waited on a port nobody listened on).
     colocated_nc = local_fleet.sdk.serve({**no_cache, "name": "test-colo-nocache", "mode": "colocated",
                                           "colocated": pool, "http": {"port": _free_port(), "route_prefix": "/colo-nc"}})
-    assert colocated_nc.url == f"http://127.0.0.1:{port}/colo-nc", colocated_nc.url
+    assert colocated_nc.url == colocated.url.removesuffix("/colo") + "/colo-nc", (colocated.url, colocated_nc.url)
     disagg_nc = deploy({**no_cache, "name": "test-pd-nocache", "mode": "disaggregated", "prefill": pool,
                         "decode": pool, "http": {"port": port, "route_prefix": "/pd-nc"}})
     served = {"colocated": colocated, "disaggregated": disagg,
