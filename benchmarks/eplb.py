@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rayfleet.models import ByteTokenizer, build_model, preset  # noqa: E402
-from rayfleet.serving.eplb import (balance_ratio, contiguous_placement, device_load,  # noqa: E402
+from rayfleet.serving.experts.eplb import (balance_ratio, contiguous_placement, device_load,  # noqa: E402
                                    expert_demand, rebalance_experts)
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -59,15 +59,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rayfleet.models import PagedKVCache, build_model, preset  # noqa: E402
-from rayfleet.serving.block_hash import root_block_hash  # noqa: E402
-from rayfleet.serving.block_pool import BlockPool  # noqa: E402
-from rayfleet.serving.engine import EngineConfig, LLMEngine  # noqa: E402
-from rayfleet.serving.kv_cache_manager import KVCacheManager  # noqa: E402
-from rayfleet.serving.kv_connector import KVTierConnector  # noqa: E402
-from rayfleet.serving.kv_tiers import NodeKVTiers  # noqa: E402
-from rayfleet.serving.request import Request, RequestId  # noqa: E402
-from rayfleet.serving.sampling import SamplingParams  # noqa: E402
-from rayfleet.serving.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from rayfleet.serving.engine.block_hash import root_block_hash  # noqa: E402
+from rayfleet.serving.engine.block_pool import BlockPool  # noqa: E402
+from rayfleet.serving.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from rayfleet.serving.engine.kv_cache_manager import KVCacheManager  # noqa: E402
+from rayfleet.serving.kv.tier_connector import KVTierConnector  # noqa: E402
+from rayfleet.serving.kv.tiers import NodeKVTiers  # noqa: E402
+from rayfleet.serving.engine.request import Request, RequestId  # noqa: E402
+from rayfleet.serving.engine.sampling import SamplingParams  # noqa: E402
+from rayfleet.serving.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_synthetic.jsonl"
 RESULTS = ROOT / "benchmarks" / "results"

@@ -49,10 +49,10 @@ def _replica_class():
         def __init__(self, name: str, preset_name: str, max_len: int) -> None:
             import torch
 
-            from rayfleet.serving.engine import EngineConfig, LLMEngine
-            from rayfleet.serving.engine_loop import AsyncEngine
-            from rayfleet.serving.kv_transfer import ObjectStoreTransport
-            from rayfleet.serving.split_prefill import SpanPrefillWorker
+            from rayfleet.serving.engine.llm_engine import EngineConfig, LLMEngine
+            from rayfleet.serving.engine.async_engine import AsyncEngine
+            from rayfleet.serving.kv.transfer import ObjectStoreTransport
+            from rayfleet.serving.routing.split_prefill import SpanPrefillWorker
 
             torch.set_num_threads(1)
             config = EngineConfig(block_size=16, num_blocks=max_len // 16 + 8, max_num_seqs=4,
@@ -99,11 +99,11 @@ async def measure(actors, *, lengths, repeats, preset_name) -> list[dict]:
     import torch
 
     from rayfleet.models import preset
-    from rayfleet.serving.long_context import LongPrefillPolicy, key_cost_for
-    from rayfleet.serving.prefix_index import ReplicaId
-    from rayfleet.serving.router_policy import ReplicaSnapshot
-    from rayfleet.serving.sampling import SamplingParams
-    from rayfleet.serving.split_prefill import split_prefill
+    from rayfleet.serving.routing.long_prefill import LongPrefillPolicy, key_cost_for
+    from rayfleet.serving.routing.prefix_index import ReplicaId
+    from rayfleet.serving.routing.policy import ReplicaSnapshot
+    from rayfleet.serving.engine.sampling import SamplingParams
+    from rayfleet.serving.routing.split_prefill import split_prefill
 
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     names = [f"prefill-{i}" for i in range(len(actors))]

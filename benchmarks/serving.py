@@ -4,7 +4,7 @@
     python benchmarks/serving.py --quick    # fewer requests, ~1.5 min
 
 Starts its own local Ray cluster (``ray.init(address="local")`` with 8 fake GPUs; never an
-existing one), deploys each configuration with ``rayfleet.serving.api.deploy``, and drives it
+existing one), deploys each configuration with ``rayfleet.serving.deploy.deployer.deploy``, and drives it
 with streamed ``/v1/completions`` requests (aiohttp).
 
 Part 1 (router decision time, pure, in-process): ``RouterPolicy.choose_prefill`` over 64 replica
@@ -81,10 +81,10 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 # -- part 1: router decision time ---------------------------------------------------------------
 
 def router_decision_time(*, num_replicas: int = 64, num_blocks: int = 100_000, trials: int = 2000) -> dict:
-    from rayfleet.serving.block_hash import hash_full_blocks, root_block_hash
-    from rayfleet.serving.prefix_index import PrefixIndex, ReplicaId
-    from rayfleet.serving.router import RouterCore
-    from rayfleet.serving.router_policy import ReplicaSnapshot, RouterPolicy
+    from rayfleet.serving.engine.block_hash import hash_full_blocks, root_block_hash
+    from rayfleet.serving.routing.prefix_index import PrefixIndex, ReplicaId
+    from rayfleet.serving.routing.router import RouterCore
+    from rayfleet.serving.routing.policy import ReplicaSnapshot, RouterPolicy
 
     rng = random.Random(0)
     root = root_block_hash(model_id="bench")
@@ -277,7 +277,7 @@ def main() -> None:
 
     import ray
 
-    from rayfleet.serving.api import deploy
+    from rayfleet.serving.deploy.deployer import deploy
 
     ray.init(address="local", num_cpus=4, num_gpus=8, include_dashboard=False, log_to_driver=False)
     port = _free_port()

@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def handle_serve(args: argparse.Namespace) -> int:
-    from rayfleet.serving.api import deploy
+    from rayfleet.serving.deploy.deployer import deploy
     from rayfleet.serving.spec import ServeSpec, load_serve_spec
 
     spec = load_serve_spec(args.spec)
@@ -40,7 +40,7 @@ def handle_serve(args: argparse.Namespace) -> int:
     if args.serve_config:
         import yaml
 
-        from rayfleet.serving.deployments import serve_config
+        from rayfleet.serving.deploy.deployments import serve_config
 
         print(yaml.safe_dump(serve_config(spec), sort_keys=False), end="")
         return 0

@@ -22,10 +22,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rayfleet.errors import SpecError
-from rayfleet.serving.engine import EngineConfig
+from rayfleet.serving.engine.llm_engine import EngineConfig
 
 if TYPE_CHECKING:
-    from rayfleet.serving.long_context import LongPrefillPolicy
+    from rayfleet.serving.routing.long_prefill import LongPrefillPolicy
 
 __all__ = ["ModelSource", "PoolSpec", "EngineSpec", "RouterSpec", "KVTransferSpec", "KVCacheSpec", "DiskTierSpec", "LongContextSpec",
            "ExpertBalancingSpec", "HttpSpec",
@@ -129,7 +129,7 @@ class ExpertBalancingSpec(_Strict):
 
     def config(self):
         """The engine-side ``ExpertBalancingConfig``, or ``None`` when disabled."""
-        from rayfleet.serving.expert_balancing import ExpertBalancingConfig
+        from rayfleet.serving.experts.balancer import ExpertBalancingConfig
 
         if not self.enabled:
             return None
@@ -231,7 +231,7 @@ class ServeSpec(_Strict):
 
     def long_prefill_policy(self) -> "LongPrefillPolicy | None":
         """The router's ``LongPrefillPolicy``, or ``None`` when long prompts are not split."""
-        from rayfleet.serving.long_context import LongPrefillPolicy, key_cost_for
+        from rayfleet.serving.routing.long_prefill import LongPrefillPolicy, key_cost_for
 
         lc = self.long_context
         if lc.split_threshold_tokens is None:

@@ -19,7 +19,7 @@ Design decisions:
   deletes files. The disk tier is the last one, so evicted blocks are dropped, not moved.
 - Keys are opaque ``bytes`` (serving's 16-byte block hashes) and payloads opaque ``bytes``:
   ``storage`` knows nothing of tensors or serving (the serving layer encodes blocks).
-- Not thread-safe by itself; the owner (``rayfleet.serving.kv_tiers.NodeKVTiers``) serialises
+- Not thread-safe by itself; the owner (``rayfleet.serving.kv.tiers.NodeKVTiers``) serialises
   calls under its lock.
 """
 

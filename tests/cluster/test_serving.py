@@ -38,7 +38,7 @@ def _free_port() -> int:
 def apps(local_fleet):
     from ray import serve
 
-    from rayfleet.serving.api import deploy
+    from rayfleet.serving.deploy.deployer import deploy
 
     port = _free_port()
     common = {"model": MODEL, "engine": ENGINE, "http": {"port": port}, "request_timeout_s": 30}
@@ -70,9 +70,9 @@ def apps(local_fleet):
 @pytest.fixture(scope="module")
 def reference():
     """Greedy tokens from one in-process engine with the same spec (the ground truth)."""
-    from rayfleet.serving.engine_loop import load_engine
-    from rayfleet.serving.openai_app import encode_completion_prompt
-    from rayfleet.serving.sampling import SamplingParams
+    from rayfleet.serving.engine.async_engine import load_engine
+    from rayfleet.serving.openai_api.app import encode_completion_prompt
+    from rayfleet.serving.engine.sampling import SamplingParams
     from rayfleet.serving.spec import ServeSpec
 
     spec = ServeSpec.parse({"model": MODEL, "engine": ENGINE})

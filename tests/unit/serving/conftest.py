@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from rayfleet.models import build_model, preset
-from rayfleet.serving.block_hash import root_block_hash
-from rayfleet.serving.block_pool import BlockPool
-from rayfleet.serving.kv_cache_manager import KVCacheManager
-from rayfleet.serving.request import Request, RequestId
-from rayfleet.serving.sampling import SamplingParams
-from rayfleet.serving.scheduler import Scheduler, SchedulerConfig
+from rayfleet.serving.engine.block_hash import root_block_hash
+from rayfleet.serving.engine.block_pool import BlockPool
+from rayfleet.serving.engine.kv_cache_manager import KVCacheManager
+from rayfleet.serving.engine.request import Request, RequestId
+from rayfleet.serving.engine.sampling import SamplingParams
+from rayfleet.serving.engine.scheduler import Scheduler, SchedulerConfig
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rayfleet.errors import SpecError
-from rayfleet.serving.block_hash import hash_block, hash_full_blocks, root_block_hash
+from rayfleet.serving.engine.block_hash import hash_block, hash_full_blocks, root_block_hash
 
 ROOT = root_block_hash(model_id="tiny")
 

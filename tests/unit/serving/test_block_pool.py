@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from rayfleet.errors import SpecError
-from rayfleet.serving.block_hash import BlockHash
-from rayfleet.serving.block_pool import BlockPool, NoFreeBlocksError
+from rayfleet.serving.engine.block_hash import BlockHash
+from rayfleet.serving.engine.block_pool import BlockPool, NoFreeBlocksError
 
 
 def h(i: int) -> BlockHash:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import random
 
-from rayfleet.serving.block_hash import hash_full_blocks, root_block_hash
-from rayfleet.serving.long_context import LongPrefillPolicy
-from rayfleet.serving.prefix_index import ReplicaId
-from rayfleet.serving.router import RouterCore
-from rayfleet.serving.router_policy import ReplicaSnapshot
+from rayfleet.serving.engine.block_hash import hash_full_blocks, root_block_hash
+from rayfleet.serving.routing.long_prefill import LongPrefillPolicy
+from rayfleet.serving.routing.prefix_index import ReplicaId
+from rayfleet.serving.routing.router import RouterCore
+from rayfleet.serving.routing.policy import ReplicaSnapshot
 
 BS = 16
 NAMES = ["colocated-0", "colocated-1", "colocated-2"]

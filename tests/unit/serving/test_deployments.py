@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 from ray import serve
 
-from rayfleet.serving.deployments import (EngineReplica, RouterDeployment, _RouterClient, build_app,
+from rayfleet.serving.deploy.deployments import (EngineReplica, RouterDeployment, _RouterClient, build_app,
                                           replica_options)
-from rayfleet.serving.engine_loop import load_engine
-from rayfleet.serving.replica_client import ServeReplicaClient
-from rayfleet.serving.sampling import SamplingParams
-from rayfleet.serving.service import InferenceService
+from rayfleet.serving.engine.async_engine import load_engine
+from rayfleet.serving.deploy.replica_client import ServeReplicaClient
+from rayfleet.serving.engine.sampling import SamplingParams
+from rayfleet.serving.deploy.inference_service import InferenceService
 from rayfleet.serving.spec import PoolSpec, ServeSpec
 
 MODEL = {"preset": "tiny", "seed": 4, "dtype": "float64", "overrides": {"max_seq_len": 128, "init_std": 0.1}}
@@ -83,7 +83,7 @@ def test_generated_serve_config_validates_and_its_builder_builds(capsys):
     from ray.serve.schema import ServeDeploySchema
 
     from rayfleet.cli import main
-    from rayfleet.serving.deployments import app_builder, serve_config
+    from rayfleet.serving.deploy.deployments import app_builder, serve_config
 
     spec = ServeSpec.parse({"model": MODEL, "mode": "disaggregated", "http": {"port": 8123}})
     config = serve_config(spec)
@@ -92,4 +92,4 @@ def test_generated_serve_config_validates_and_its_builder_builds(capsys):
     assert config["http_options"]["port"] == 8123
     assert app_builder(config["applications"][0]["args"]) is not None
     assert main(["serve", "examples/serve/colocated.yaml", "--serve-config"]) == 0
-    assert "rayfleet.serving.deployments:app_builder" in capsys.readouterr().out
+    assert "rayfleet.serving.deploy.deployments:app_builder" in capsys.readouterr().out

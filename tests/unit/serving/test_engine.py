@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from rayfleet.errors import SpecError
-from rayfleet.serving.engine import EngineConfig, LLMEngine
-from rayfleet.serving.request import FinishReason
-from rayfleet.serving.sampling import SamplingParams
+from rayfleet.serving.engine.llm_engine import EngineConfig, LLMEngine
+from rayfleet.serving.engine.request import FinishReason
+from rayfleet.serving.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 SHARED = [11, 22, 33, 44, 55, 66, 77, 88, 99]

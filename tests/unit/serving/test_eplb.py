@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import rayfleet.serving.eplb
+import rayfleet.serving.experts.eplb
 from rayfleet.errors import SpecError
-from rayfleet.serving.eplb import (ExpertPlacement, _pack_evenly, _replicate, balance_ratio,
+from rayfleet.serving.experts.eplb import (ExpertPlacement, _pack_evenly, _replicate, balance_ratio,
                                    contiguous_placement, device_load, expert_demand,
                                    rebalance_experts, route_to_replicas)
 
@@ -263,7 +263,7 @@ def test_bad_loads_raise_spec_errors():
 
 def test_eplb_is_a_pure_module():
     """No Ray, clock, I/O or other rayfleet layers: the same code runs in actors and simulators."""
-    tree = ast.parse(Path(rayfleet.serving.eplb.__file__).read_text())
+    tree = ast.parse(Path(rayfleet.serving.experts.eplb.__file__).read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert imported <= {"__future__", "typing", "torch", "rayfleet.errors"}, imported

@@ -12,12 +12,12 @@ import torch
 
 from rayfleet.errors import SpecError
 from rayfleet.models import build_model, preset
-from rayfleet.serving.engine import EngineConfig, LLMEngine
-from rayfleet.serving.engine_loop import AsyncEngine
-from rayfleet.serving.eplb import ExpertPlacement, rebalance_experts
-from rayfleet.serving.expert_balancing import (ExpertBalancingConfig, ExpertLoadBalancer, ReplicatedExpertDispatcher,
+from rayfleet.serving.engine.llm_engine import EngineConfig, LLMEngine
+from rayfleet.serving.engine.async_engine import AsyncEngine
+from rayfleet.serving.experts.eplb import ExpertPlacement, rebalance_experts
+from rayfleet.serving.experts.balancer import (ExpertBalancingConfig, ExpertLoadBalancer, ReplicatedExpertDispatcher,
                                                check_placement)
-from rayfleet.serving.sampling import SamplingParams
+from rayfleet.serving.engine.sampling import SamplingParams
 
 CONFIG = preset("tiny", max_seq_len=256, num_experts=8, init_std=0.1)  # 2 MoE layers, 8 experts, top-2
 ENGINE = EngineConfig(block_size=8, num_blocks=96, max_num_seqs=8, max_num_batched_tokens=48)
@@ -179,7 +179,7 @@ def test_inconsistent_placements_are_refused():
 
 
 def test_serve_spec_turns_expert_balancing_on_in_local_replicas():
-    from rayfleet.serving.local import build_local
+    from rayfleet.serving.deploy.in_process import build_local
     from rayfleet.serving.spec import ServeSpec
 
     assert ServeSpec.parse({}).expert_balancing.config() is None

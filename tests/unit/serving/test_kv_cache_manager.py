@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from rayfleet.serving.block_pool import BlockPool
-from rayfleet.serving.kv_cache_manager import KVCacheManager
+from rayfleet.serving.engine.block_pool import BlockPool
+from rayfleet.serving.engine.kv_cache_manager import KVCacheManager
 
 
 def manager(num_blocks: int = 8, caching: bool = True) -> KVCacheManager:

@@ -13,14 +13,14 @@ import torch
 
 from rayfleet.errors import SpecError
 from rayfleet.models import build_model, preset
-from rayfleet.serving.block_hash import BlockHash
-from rayfleet.serving.engine import EngineConfig, LLMEngine
-from rayfleet.serving.kv_connector import KVTierConnector
-from rayfleet.serving.kv_host_pool import HostKVPool
-from rayfleet.serving.kv_index import GlobalKVIndex, KVLocation
-from rayfleet.serving.kv_tier_policy import KVTierPolicy, LoadRun
-from rayfleet.serving.kv_tiers import KVBlockData, NodeKVTiers, Tier
-from rayfleet.serving.sampling import SamplingParams
+from rayfleet.serving.engine.block_hash import BlockHash
+from rayfleet.serving.engine.llm_engine import EngineConfig, LLMEngine
+from rayfleet.serving.kv.tier_connector import KVTierConnector
+from rayfleet.serving.kv.host_pool import HostKVPool
+from rayfleet.serving.kv.global_index import GlobalKVIndex, KVLocation
+from rayfleet.serving.kv.tier_policy import KVTierPolicy, LoadRun
+from rayfleet.serving.kv.tiers import KVBlockData, NodeKVTiers, Tier
+from rayfleet.serving.engine.sampling import SamplingParams
 from rayfleet.storage.kv_disk import _HEADER, DiskKVStore
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

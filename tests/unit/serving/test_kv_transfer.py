@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from rayfleet.errors import SpecError
-from rayfleet.serving.engine import EngineConfig, LLMEngine
-from rayfleet.serving.engine_loop import AsyncEngine
-from rayfleet.serving.kv_transfer import (HandoffId, KVPayload, KVTransferError, LeaseTable, LocalTransport,
+from rayfleet.serving.engine.llm_engine import EngineConfig, LLMEngine
+from rayfleet.serving.engine.async_engine import AsyncEngine
+from rayfleet.serving.kv.transfer import (HandoffId, KVPayload, KVTransferError, LeaseTable, LocalTransport,
                                           make_transport)
-from rayfleet.serving.request import FinishReason
-from rayfleet.serving.sampling import SamplingParams
+from rayfleet.serving.engine.request import FinishReason
+from rayfleet.serving.engine.sampling import SamplingParams
 
 PROMPTS = [[11, 22, 33, 44, 55, 66, 77, 88, 99, 1], [5, 6, 7], [200, 201, 202, 203, 204, 205, 206, 207]]
 GREEDY = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from rayfleet.models import build_model, preset
-from rayfleet.serving.engine import EngineConfig, LLMEngine
-from rayfleet.serving.long_context import (LongPrefillPolicy, SpanPrefill, key_cost_for, span_costs,
+from rayfleet.serving.engine.llm_engine import EngineConfig, LLMEngine
+from rayfleet.serving.routing.long_prefill import (LongPrefillPolicy, SpanPrefill, key_cost_for, span_costs,
                                            split_prefill_in_process)
-from rayfleet.serving.local import build_local
-from rayfleet.serving.prefix_index import ReplicaId
-from rayfleet.serving.router_policy import ReplicaSnapshot
-from rayfleet.serving.sampling import SamplingParams
+from rayfleet.serving.deploy.in_process import build_local
+from rayfleet.serving.routing.prefix_index import ReplicaId
+from rayfleet.serving.routing.policy import ReplicaSnapshot
+from rayfleet.serving.engine.sampling import SamplingParams
 
 BS = 16
 MODEL = {"preset": "tiny", "seed": 5, "dtype": "float64", "overrides": {"max_seq_len": 512, "init_std": 0.1}}
@@ -149,9 +149,9 @@ class _SplitProbe:
     """Test-side ingress: an InferenceService over Serve handles (``_local_testing_mode``)."""
 
     def __init__(self, router, handles) -> None:
-        from rayfleet.serving.deployments import _RouterClient
-        from rayfleet.serving.replica_client import ServeReplicaClient
-        from rayfleet.serving.service import InferenceService
+        from rayfleet.serving.deploy.deployments import _RouterClient
+        from rayfleet.serving.deploy.replica_client import ServeReplicaClient
+        from rayfleet.serving.deploy.inference_service import InferenceService
 
         self.service = InferenceService(router=_RouterClient(router), mode="disaggregated",
                                         clients={n: ServeReplicaClient(n, h) for n, h in handles.items()})
@@ -169,7 +169,7 @@ class _SplitProbe:
 def test_split_prefill_through_serve_handles_matches_single_engine():
     from ray import serve
 
-    from rayfleet.serving.deployments import EngineReplica, RouterDeployment
+    from rayfleet.serving.deploy.deployments import EngineReplica, RouterDeployment
     from rayfleet.serving.spec import ServeSpec
 
     spec = ServeSpec.parse(_spec("disaggregated"))

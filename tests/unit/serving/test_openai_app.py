@@ -9,10 +9,10 @@ import json
 import pytest
 from starlette.testclient import TestClient
 
-from rayfleet.serving.engine_loop import load_engine
-from rayfleet.serving.local import build_local
-from rayfleet.serving.openai_app import encode_chat, encode_completion_prompt
-from rayfleet.serving.sampling import SamplingParams
+from rayfleet.serving.engine.async_engine import load_engine
+from rayfleet.serving.deploy.in_process import build_local
+from rayfleet.serving.openai_api.app import encode_chat, encode_completion_prompt
+from rayfleet.serving.engine.sampling import SamplingParams
 from rayfleet.serving.spec import ServeSpec
 
 MODEL = {"preset": "tiny", "seed": 2, "dtype": "float64", "overrides": {"max_seq_len": 256, "init_std": 0.1}}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rayfleet.errors import SpecError
-from rayfleet.serving.replica_client import ReplicaUnavailableError, ServeReplicaClient
+from rayfleet.serving.deploy.replica_client import ReplicaUnavailableError, ServeReplicaClient
 
 ray_exceptions = pytest.importorskip("ray.exceptions")
 serve_exceptions = pytest.importorskip("ray.serve.exceptions")

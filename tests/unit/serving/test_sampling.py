@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rayfleet.errors import SpecError
-from rayfleet.serving.sampling import SamplingParams, _filter_logits, sample_tokens
+from rayfleet.serving.engine.sampling import SamplingParams, _filter_logits, sample_tokens
 
 
 def test_greedy_is_argmax_and_leaves_the_generator_alone():

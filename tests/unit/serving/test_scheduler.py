@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from rayfleet.errors import SpecError
-from rayfleet.serving.request import FinishReason
-from rayfleet.serving.scheduler import SchedulerConfig
+from rayfleet.serving.engine.request import FinishReason
+from rayfleet.serving.engine.scheduler import SchedulerConfig
 
 
 def test_decodes_are_scheduled_before_prefill_chunks_within_the_budget(

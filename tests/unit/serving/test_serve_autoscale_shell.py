@@ -3,7 +3,7 @@
 from rayfleet.platform.autoscaler_policy import AutoscalerPolicy, AutoscalerState, FleetObservation, GrowTraining
 from rayfleet.platform.autoscaler_policy import TrainingObservation
 from rayfleet.platform.queues import JobClass
-from rayfleet.serving.autoscale import LentReplica, ServeShellConfig, desired_replicas, p95, serve_observation
+from rayfleet.serving.deploy.autoscale_shell import LentReplica, ServeShellConfig, desired_replicas, p95, serve_observation
 
 
 def test_p95_is_nearest_rank_and_zero_without_samples():

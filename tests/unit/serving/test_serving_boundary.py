@@ -7,8 +7,9 @@ from pathlib import Path
 
 import rayfleet.serving
 
-CORE = ("block_hash", "block_pool", "kv_cache_manager", "request", "sampling", "stop_checker",
-        "scheduler", "model_runner", "engine", "prefix_index", "router_policy")
+CORE = ("engine/block_hash", "engine/block_pool", "engine/kv_cache_manager", "engine/request",
+        "engine/sampling", "engine/stop_checker", "engine/scheduler", "engine/model_runner",
+        "engine/llm_engine", "routing/prefix_index", "routing/policy")
 
 
 def test_engine_core_imports_no_ray_and_no_jobs():

@@ -1,0 +1,334 @@
+"""The shared autoscaler's Serve shell: report a served model's load, carry out ``ScaleServe``.
+
+The fleet controller's policy (:mod:`rayfleet.platform.autoscaler_policy`) decides; this shell
+only gathers and acts, so it stays thin:
+- Every ``interval_s`` it builds a ``ServeObservation`` from what the app itself measures — the
+  ingress's requests in flight and waiting for a first token (queue depth) and its recent TTFTs
+  (p95 over ``window_s`` against ``ttft_slo_s``), the router's polled KV usage — and reports it.
+  Serve's own autoscaler cannot scale these pools (each engine replica is its own one-replica
+  deployment, see ``spec``), so *desired* replicas come from the same rule Serve's uses:
+  ``ceil(in flight / target_ongoing_requests)`` within ``[pool replicas, max_replicas]``
+  (``desired_replicas``, pure).
+- ``ScaleServe`` adding replicas: each one is an ``engine_application`` pinned to the node the
+  policy freed (its Ray resource request waits there until the training job has stepped off
+  the accelerator), then the ingress and the router learn of it. The time from the decision to
+  the router's first successful poll is the *handover time*, recorded as an event.
+- ``ScaleServe`` removing replicas: only the autoscaler's own replicas go (newest first on the
+  named nodes); each is drained — no new routes, wait until its requests finish — before it is
+  deleted, so a scale-down fails no request.
+The shell is a Ray actor (``num_cpus=0``, on the head node) so that it outlives a notebook
+cell but not the driver that started it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+from rayfleet.errors import SpecError
+from rayfleet.platform.autoscaler_policy import ServeObservation
+from rayfleet.serving.spec import ServeSpec
+
+__all__ = ["ServeShellConfig", "LentReplica", "desired_replicas", "p95", "serve_observation", "ServeShell",
+           "start_serve_shell", "ServeShellHandle"]
+
+
+@dataclass(frozen=True)
+class ServeShellConfig:
+    ttft_slo_s: float = 1.0  # the deployment's TTFT SLO (p95)
+    target_ongoing_requests: float = 4.0  # requests in flight per replica before another is wanted
+    max_replicas: int = 8  # of the scaled role, base replicas included
+    role: str | None = None  # pool that grows: None = colocated, or decode when disaggregated
+    interval_s: float = 1.0
+    window_s: float = 10.0  # TTFT p95 window
+    drain_timeout_s: float = 120.0
+
+
+@dataclass
+class LentReplica:
+    """One replica the autoscaler added (times are wall-clock seconds)."""
+
+    name: str
+    app_name: str
+    node: str
+    decided_at: float
+    placed_at: float | None = None  # its accelerator was free and Serve was asked to start it
+    running_at: float | None = None
+    removal_decided_at: float | None = None
+    removed_at: float | None = None
+    error: str = ""
+
+    @property
+    def handover_s(self) -> float | None:
+        return None if self.running_at is None else self.running_at - self.decided_at
+
+
+def p95(values: Sequence[float]) -> float:
+    """Nearest-rank 95th percentile; 0 for no values.
+
+    >>> p95([0.1] * 19 + [5.0])
+    0.1
+    >>> p95([0.1] * 18 + [5.0] * 2)
+    5.0
+    """
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+def desired_replicas(in_flight: int, *, target_ongoing_requests: float, min_replicas: int, max_replicas: int) -> int:
+    """Serve's autoscaling rule: ``ceil(in_flight / target)`` clamped to ``[min, max]``.
+
+    >>> desired_replicas(9, target_ongoing_requests=4, min_replicas=1, max_replicas=8)
+    3
+    >>> desired_replicas(0, target_ongoing_requests=4, min_replicas=1, max_replicas=8)
+    1
+    """
+    want = math.ceil(in_flight / max(target_ongoing_requests, 1e-9))
+    return max(min_replicas, min(max_replicas, want))
+
+
+def serve_observation(*, deployment: str, accelerator_type: str, accelerators_per_replica: int,
+                      load: dict, kv_usage_by_replica: dict[str, float], base_nodes: Sequence[str],
+                      lent: Sequence[LentReplica], config: ServeShellConfig) -> ServeObservation:
+    """What the shell reports (pure): ``load`` is the ingress's ``load(window_s)``; lent
+    replicas count as running once the router polled them, as pending before. Lent replicas
+    come last in ``replica_nodes`` so that the policy's scale-down names their nodes."""
+    base = len(base_nodes)
+    active = [r for r in lent if r.removal_decided_at is None and not r.error]
+    running = [r for r in active if r.running_at is not None]
+    pending = [r for r in active if r.running_at is None]
+    return ServeObservation(
+        deployment=deployment, accelerator_type=accelerator_type, accelerators_per_replica=accelerators_per_replica,
+        running_replicas=base + len(running), pending_replicas=len(pending),
+        desired_replicas=desired_replicas(int(load.get("in_flight", 0)), target_ongoing_requests=config.target_ongoing_requests,
+                                          min_replicas=base, max_replicas=config.max_replicas),
+        replica_nodes=tuple(base_nodes) + tuple(r.node for r in running + pending),
+        min_replicas=base, max_replicas=config.max_replicas,
+        unplaced_nodes=tuple(r.node for r in pending if r.placed_at is None),
+        queue_depth=float(load.get("waiting_first_token", 0)), ttft_p95_s=p95(load.get("ttft_s", ())),
+        ttft_slo_s=config.ttft_slo_s, kv_usage=max(kv_usage_by_replica.values(), default=0.0))
+
+
+class ServeShell:
+    """Ray actor body (see module doc). ``history()`` lists every lent replica."""
+
+    def __init__(self, spec: dict, config: dict) -> None:
+        from ray import serve
+
+        from rayfleet.platform.controller import get_controller
+
+        self.spec = ServeSpec.parse(spec)
+        self.config = ServeShellConfig(**config)
+        self.role = self.config.role or ("colocated" if self.spec.mode == "colocated" else "decode")
+        pool = self.spec.pools().get(self.role)
+        if pool is None:
+            raise SpecError("autoscale.role", self.role, f"is not a pool of this {self.spec.mode} deployment",
+                            f"use one of {sorted(self.spec.pools())}")
+        if not pool.accelerator_type:
+            raise SpecError(f"{self.role}.accelerator_type", None, "is needed to lend accelerators to this pool",
+                            "set the pool's accelerator_type (e.g. H100)")
+        self.pool = pool
+        self.controller = get_controller()
+        self.router = serve.get_deployment_handle("router", app_name=self.spec.name)
+        self.ingress = serve.get_deployment_handle("ingress", app_name=self.spec.name)
+        self.base_nodes = _replica_nodes(self.spec.name, self.spec.replica_names()[self.role])
+        self.lent: list[LentReplica] = []
+        self._lock = threading.Lock()
+        self._halt = threading.Event()
+        self.last_observation: ServeObservation | None = None
+        self._thread = threading.Thread(target=self._run, name="serve-shell", daemon=True)
+        self._thread.start()
+
+    # -- queries ---------------------------------------------------------------------------
+    def history(self) -> list[dict]:
+        with self._lock:
+            return [{**asdict(r), "handover_s": r.handover_s} for r in self.lent]
+
+    def observation(self) -> dict | None:
+        return None if self.last_observation is None else asdict(self.last_observation)
+
+    def stop(self) -> None:
+        """Stop reporting and forget the deployment in the controller (lent replicas stay)."""
+        self._halt.set()
+        self._thread.join(timeout=30)
+        import ray
+
+        ray.get(self.controller.report_serve.remote(None, self.spec.name))
+
+    # -- the loop ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        import ray
+
+        while not self._halt.wait(self.config.interval_s):
+            try:
+                for decision in ray.get(self.controller.take_decisions.remote(self.spec.name), timeout=10):
+                    if decision["type"] == "ScaleServe":
+                        self._apply(decision)
+                self._report()
+            except Exception as exc:  # noqa: BLE001 - keep reporting through hiccups
+                self._event("autoscaler_serve_shell_error", repr(exc), {})
+
+    def _report(self) -> None:
+        load = self.ingress.load.remote(self.config.window_s).result(timeout_s=10)
+        states = self.router.replica_states.remote().result(timeout_s=10)
+        kv = {name: 1.0 - s.snapshot.num_free_blocks / max(1, s.snapshot.num_total_blocks) for name, s in states.items()}
+        with self._lock:
+            lent = list(self.lent)
+        observation = serve_observation(
+            deployment=self.spec.name, accelerator_type=self.pool.accelerator_type,
+            accelerators_per_replica=max(1, self.pool.accelerators_per_replica), load=load,
+            kv_usage_by_replica=kv, base_nodes=self.base_nodes, lent=lent, config=self.config)
+        self.last_observation = observation
+        self.controller.report_serve.remote(observation)
+
+    def _apply(self, decision: dict) -> None:
+        decided_at = float(decision.get("decided_at") or time.time())
+        for node in decision["add_on_nodes"]:
+            with self._lock:
+                index = len(self.spec.replica_names()[self.role]) + len(self.lent)
+                name = f"{self.role}-{index}"
+                replica = LentReplica(name=name, app_name=f"{self.spec.name}--{name}", node=node, decided_at=decided_at)
+                self.lent.append(replica)
+            threading.Thread(target=self._add, args=(replica,), daemon=True).start()
+        for node in decision["remove_from_nodes"]:
+            with self._lock:
+                active = [r for r in self.lent if r.removal_decided_at is None and r.running_at is not None]
+                victims = [r for r in active if r.node == node] or active
+                if not victims:
+                    continue
+                victim = victims[-1]
+                victim.removal_decided_at = decided_at
+            threading.Thread(target=self._remove, args=(victim, decision["reason"]), daemon=True).start()
+
+    def _add(self, replica: LentReplica) -> None:
+        from ray import serve
+
+        from rayfleet.serving.deploy.deployments import engine_application
+
+        try:
+            # Start it only once the policy's freed accelerator is really free (the training job
+            # steps off it after its current step): a replica queued in Ray before that was seen
+            # to stay pending after the accelerator freed up.
+            self._wait_for_room(replica.node, max(1, self.pool.accelerators_per_replica))
+            replica.placed_at = time.time()
+            serve.run(engine_application(self.spec, self.role, replica.name, node=replica.node),
+                      name=replica.app_name, route_prefix=None)
+            self.ingress.add_replica.remote(replica.name, replica.app_name).result(timeout_s=60)
+            deadline = time.monotonic() + 60
+            while not self.router.add_replica.remote(self.role, replica.name, replica.app_name).result(timeout_s=60):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the router could not poll the new replica for 60 s")
+                time.sleep(0.5)
+        except Exception as exc:  # noqa: BLE001 - recorded; the policy sees no new replica
+            replica.error = repr(exc)
+            self._event("autoscaler_handover_failed", f"{replica.name} on {replica.node}: {exc!r}",
+                        {"replica": replica.name, "node": replica.node})
+            return
+        replica.running_at = time.time()
+        self._event("autoscaler_handover",
+                    f"{replica.name} serving on {replica.node} {replica.handover_s:.1f}s after the decision",
+                    {"replica": replica.name, "node": replica.node, "handover_s": round(replica.handover_s, 2)})
+
+    def _wait_for_room(self, node: str, count: int, timeout_s: float = 300.0) -> None:
+        import ray
+        from ray._private.state import available_resources_per_node
+
+        from rayfleet.platform import labels as L
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self._halt.is_set():
+            ids = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and (n.get("Labels") or {}).get(L.NODE) == node]
+            free = available_resources_per_node().get(ids[0], {}).get("GPU", 0) if ids else 0
+            if free >= count:
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"{count} accelerator(s) on {node} did not become free within {timeout_s:g}s")
+
+    def _remove(self, replica: LentReplica, reason: str) -> None:
+        from ray import serve
+
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        try:
+            while self.router.drain_replica.remote(replica.name).result(timeout_s=30) > 0:
+                if time.monotonic() > deadline:
+                    break  # delete anyway: the ingress resumes what is left on other replicas
+                time.sleep(0.2)
+            serve.delete(replica.app_name)
+            self.router.forget_replica.remote(replica.name).result(timeout_s=30)
+        except Exception as exc:  # noqa: BLE001
+            replica.error = repr(exc)
+            self._event("autoscaler_replica_remove_failed", f"{replica.name}: {exc!r}", {"replica": replica.name})
+            return
+        replica.removed_at = time.time()
+        self._event("autoscaler_replica_removed",
+                    f"{replica.name} drained and removed from {replica.node} "
+                    f"{replica.removed_at - replica.removal_decided_at:.1f}s after the decision ({reason})",
+                    {"replica": replica.name, "node": replica.node})
+
+    def _event(self, kind: str, cause: str, detail: dict) -> None:
+        try:
+            self.controller.record_event.remote(f"serve:{self.spec.name}", kind, cause, detail)
+        except Exception:  # noqa: BLE001 - events are best effort
+            pass
+
+
+def _replica_nodes(app_name: str, deployments: Sequence[str]) -> list[str]:
+    """rayfleet node of each named engine deployment's replica ('' when not found)."""
+    import ray
+    from ray.util.state import list_actors
+
+    from rayfleet.platform import labels as L
+
+    node_of = {n["NodeID"]: (n.get("Labels") or {}).get(L.NODE, "") for n in ray.nodes()}
+    alive = list_actors(filters=[("state", "=", "ALIVE")], limit=10000)
+    out = []
+    for name in deployments:
+        cls = f"ServeReplica:{app_name}:{name}"
+        out.append(next((node_of.get(a.node_id, "") for a in alive if a.class_name == cls), ""))
+    return out
+
+
+@dataclass
+class ServeShellHandle:
+    """What ``Fleet.autoscale_serve`` returns: the shell actor and the app it scales."""
+
+    actor: Any
+    deployment: str
+    config: ServeShellConfig = field(default_factory=ServeShellConfig)
+
+    def history(self) -> list[dict]:
+        """Every replica the autoscaler lent to this app: node, decision/running/removed times."""
+        import ray
+
+        return ray.get(self.actor.history.remote())
+
+    def observation(self) -> dict | None:
+        import ray
+
+        return ray.get(self.actor.observation.remote())
+
+    def stop(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.actor.stop.remote(), timeout=60)
+        finally:
+            ray.kill(self.actor)
+
+
+def start_serve_shell(spec: ServeSpec, **config: Any) -> ServeShellHandle:
+    """Start the Serve shell for a deployed ``spec`` (see ``ServeShellConfig`` for ``config``)."""
+    import ray
+
+    from rayfleet.platform import labels as L
+
+    shell_config = ServeShellConfig(**config)
+    actor = ray.remote(ServeShell).options(num_cpus=0, max_concurrency=4, label_selector={L.ROLE: "head"}).remote(
+        spec.model_dump(mode="json"), asdict(shell_config))
+    ray.get(actor.observation.remote(), timeout=60)  # constructed (raises SpecError here if misconfigured)
+    return ServeShellHandle(actor=actor, deployment=spec.name, config=shell_config)

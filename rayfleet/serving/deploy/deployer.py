@@ -1,0 +1,147 @@
+"""``deploy(spec)``: put a ``ServeSpec`` on the connected fleet; used by the CLI and the SDK.
+
+Design decisions:
+- Works from a driver already connected to the fleet (``rayfleet.connect()`` /
+  ``fleet.serve(spec)``): it never calls ``ray.init`` when Ray is initialized. Otherwise it
+  connects to ``address`` (or the local fleet) the way the SDK does, with token auth.
+- Serve's HTTP proxy is started on ``spec.http`` (host, port), on the head node only, if Serve
+  is not running yet. A running Serve keeps its own HTTP options (one proxy serves every app),
+  so the returned URL uses the port that proxy really listens on, with a warning when it is
+  not ``spec.http.port`` (a URL built from the spec once pointed at nothing and the deploy
+  waited for a health check that could never answer); an
+  app is named ``spec.name`` and routed at ``spec.http.route_prefix`` (``/`` by default, so
+  OpenAI clients need no path prefix; several apps on one proxy use distinct prefixes). Deploying a spec with the same name replaces that app.
+- ``deploy`` waits until the app is RUNNING and the ingress answers ``/health`` (the engines
+  have loaded and reported to the router), so the returned URL is usable at once; a failed
+  deployment raises ``ServeDeployError`` with Serve's message.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rayfleet.errors import RayfleetError
+from rayfleet.serving.spec import ServeSpec, load_serve_spec
+
+__all__ = ["ServeDeployment", "ServeDeployError", "deploy"]
+
+log = logging.getLogger(__name__)
+
+
+class ServeDeployError(RayfleetError):
+    """The Serve application did not come up (a replica failed to start, or a timeout)."""
+
+
+@dataclass
+class ServeDeployment:
+    """A running served model. ``url`` is the OpenAI base URL root (``url + "/v1"``)."""
+
+    spec: ServeSpec
+    url: str
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def openai_base_url(self) -> str:
+        return self.url + "/v1"
+
+    def status(self) -> dict[str, Any]:
+        """Serve's status of this app: ``{"status": ..., "deployments": {name: status}}``."""
+        from ray import serve
+
+        apps = serve.status().applications
+        app = apps.get(self.spec.name)
+        if app is None:
+            return {"status": "NOT_DEPLOYED", "deployments": {}}
+        return {"status": str(app.status.value if hasattr(app.status, "value") else app.status),
+                "message": app.message,
+                "deployments": {n: str(d.status.value if hasattr(d.status, "value") else d.status)
+                                for n, d in app.deployments.items()}}
+
+    def block_usage(self) -> dict[str, Any]:
+        """Each engine replica's KV block usage (``GET /v1/block_usage``)."""
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(self.url + "/v1/block_usage", timeout=30) as resp:
+            return json.loads(resp.read())
+
+    def shutdown(self) -> None:
+        """Delete this app (other apps and Serve itself keep running)."""
+        from ray import serve
+
+        serve.delete(self.spec.name, _blocking=True)
+
+    def __repr__(self) -> str:
+        return f"ServeDeployment(name={self.spec.name!r}, mode={self.spec.mode!r}, url={self.url!r})"
+
+
+def _ensure_connected(address: str | None) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    from rayfleet.sdk import connect
+
+    connect(address)
+
+
+def _wait_healthy(url: str, deadline: float) -> None:
+    import urllib.error
+    import urllib.request
+
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError) as exc:
+            last = str(exc)
+        time.sleep(0.25)
+    raise ServeDeployError(f"the app at {url} did not report healthy engines in time ({last}). Fix: check "
+                           "`serve status` and the replica logs; raise the timeout for large models")
+
+
+def _proxy_host_port(spec: ServeSpec) -> tuple[str, int]:
+    """Where the running Serve's HTTP proxy listens (see module doc)."""
+    import ray
+    from ray.serve.context import _get_global_client
+
+    config = ray.get(_get_global_client()._controller.get_http_config.remote())
+    if (config.host, config.port) != (spec.http.host, spec.http.port):
+        log.warning("serve %r: Serve already runs its HTTP proxy on %s:%s, so http.host/http.port=%s:%s is not "
+                    "used; the app is served there (to move the proxy, stop Serve first: `serve shutdown`)",
+                    spec.name, config.host, config.port, spec.http.host, spec.http.port)
+    return config.host, config.port
+
+
+def deploy(spec: ServeSpec | dict[str, Any] | str | Path, *, address: str | None = None,
+           timeout_s: float = 300.0) -> ServeDeployment:
+    """Deploy ``spec`` (a ``ServeSpec``, its dict, or a serve YAML path) and wait until it
+    serves. Raises ``SpecError`` for a bad spec and ``ServeDeployError`` if the app does not
+    come up within ``timeout_s``."""
+    spec = load_serve_spec(spec) if isinstance(spec, (str, Path)) else ServeSpec.parse(spec)
+    _ensure_connected(address)
+    from ray import serve
+
+    from rayfleet.serving.deploy.deployments import build_app
+
+    # HeadOnly: the local fleet's nodes share one IP, so a proxy per node would fight for the port.
+    serve.start(proxy_location="HeadOnly", http_options={"host": spec.http.host, "port": spec.http.port})
+    deadline = time.monotonic() + timeout_s
+    try:
+        serve.run(build_app(spec), name=spec.name, route_prefix=spec.http.route_prefix, blocking=False)
+    except RuntimeError as exc:  # Serve raises RuntimeError when a deployment fails to start
+        raise ServeDeployError(f"serving {spec.name!r} failed: {exc}") from None
+    host, port = _proxy_host_port(spec)
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    url = f"http://{host}:{port}{spec.http.route_prefix.rstrip('/')}"
+    _wait_healthy(url, deadline)
+    return ServeDeployment(spec=spec, url=url)

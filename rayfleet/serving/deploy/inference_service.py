@@ -1,0 +1,290 @@
+"""``InferenceService``: one request's path through router, prefill and decode replicas.
+
+Design decisions:
+- Written against ``ReplicaClient`` and a router object (``Router`` in-process, or a
+  ``RouterClient`` over Serve), so the same code runs in the Serve ingress and in unit tests.
+- Colocated: route -> ``generate`` stream. Disaggregated: route -> ``prefill`` (first token and
+  a KV handle; a dead prefill replica is reported and the next ranked replica tried, up to
+  ``max_prefill_retries``) -> ``decode`` on the chosen decode replica, which pre-allocates
+  blocks, fetches the KV and streams; when it says ``committed`` the prefill replica's lease
+  is released (else it expires).
+- Long prompts: when the route plan carries ``spans``, the prefill is split over those replicas
+  (``split_prefill``) and continues like a disaggregated request from the last span's reply
+  (colocated: decode on the last span's replica, which already holds the KV's lease).
+- Resumption: if a replica dies mid-stream (``ReplicaUnavailableError``) or the KV is lost
+  (``KVTransferError``), the request restarts on other replicas from prompt + tokens already
+  sent, asking for the remaining tokens. Under greedy decoding the continuation is the same
+  tokens (prefix caching makes the re-prefill cheap); seeded sampling restarts its generator,
+  and a stop string straddling the resume point is not seen. After ``max_resumes`` the stream
+  ends with ``ServiceUnavailableError`` (an SSE error event), never a hang: every wait has the
+  request deadline.
+- The service owns the latency metrics it can measure (TTFT, inter-token, end-to-end, queue
+  time reported by replicas); engine counters (prefix cache, KV usage) come from the router's
+  polled replica states when ``/metrics`` is scraped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from contextlib import aclosing
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from rayfleet.errors import RayfleetError
+from rayfleet.serving.engine.async_engine import ReplicaState
+from rayfleet.serving.kv.transfer import KVTransferError
+from rayfleet.serving.deploy.replica_client import ReplicaClient, ReplicaUnavailableError
+from rayfleet.serving.routing.router import RoutePlan
+from rayfleet.serving.engine.sampling import SamplingParams
+
+__all__ = ["Delta", "RouterLike", "InferenceService", "ServiceUnavailableError"]
+
+log = logging.getLogger(__name__)
+
+
+class ServiceUnavailableError(RayfleetError):
+    """No replica could serve (or finish) the request after the allowed retries."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New tokens of one request; the last one has ``finish_reason``."""
+
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class RouterLike(Protocol):
+    async def route(self, prompt_token_ids: list[int], max_tokens: int, cache_salt: str | None = None,
+                    exclude: tuple[str, ...] = ()) -> RoutePlan: ...
+
+    async def report_failure(self, replica: str) -> None: ...
+
+    async def replica_states(self) -> dict[str, ReplicaState]: ...
+
+
+_ids = itertools.count()
+
+
+class InferenceService:
+    def __init__(self, *, router: RouterLike, clients: Mapping[str, ReplicaClient], mode: str,
+                 max_resumes: int = 2, max_prefill_retries: int = 2, request_timeout_s: float = 120.0,
+                 metrics: Any = None) -> None:
+        self.router = router
+        self.clients = dict(clients)
+        self.mode = mode
+        self.max_resumes = max_resumes
+        self.max_prefill_retries = max_prefill_retries
+        self.request_timeout_s = request_timeout_s
+        self.metrics = metrics
+        self._max_model_len: int | None = None
+        # Load as the shared autoscaler's Serve shell reads it (``load``): requests in flight,
+        # those still waiting for their first token, and recent (finish time, TTFT) pairs.
+        self.num_in_flight = 0
+        self.num_waiting_first_token = 0
+        self.recent_ttft: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
+
+    async def max_model_len(self) -> int:
+        """The engines' context length (from the first replica state the router has)."""
+        deadline = time.monotonic() + 30
+        while self._max_model_len is None:
+            states = await self.router.replica_states()
+            if states:
+                self._max_model_len = min(s.max_model_len for s in states.values())
+            elif time.monotonic() > deadline:
+                raise ServiceUnavailableError("no engine replica has reported yet; retry shortly")
+            else:
+                await asyncio.sleep(0.1)
+        return self._max_model_len
+
+    async def stream(self, prompt: list[int], params: SamplingParams, *, cache_salt: str | None = None,
+                     request_id: str | None = None) -> AsyncIterator[Delta]:
+        """Token deltas of one request until it finishes. Raises ``ServiceUnavailableError``
+        when replicas keep failing; closing the iterator aborts the request on its replica."""
+        rid = request_id or f"req-{uuid.uuid4().hex[:12]}"
+        start = time.monotonic()
+        last = None
+        generated: list[int] = []
+        resumes = 0
+        exclude: list[str] = []
+        finished = False
+        self.num_in_flight += 1
+        self.num_waiting_first_token += 1
+        try:
+            while not finished:
+                attempt_prompt = prompt + generated
+                attempt_params = replace(params, max_tokens=params.max_tokens - len(generated))
+                attempt_id = f"{rid}-{next(_ids)}"
+                try:
+                    # aclosing: a closed stream (client gone) closes the attempt now, not at GC.
+                    async with aclosing(self._attempt(attempt_id, attempt_prompt, attempt_params, cache_salt,
+                                                      tuple(exclude), len(prompt))) as attempt:
+                        async for delta in attempt:
+                            now = time.monotonic()
+                            if delta.token_ids and last is None:
+                                self.num_waiting_first_token -= 1
+                                self.recent_ttft.append((now, now - start))
+                            if delta.token_ids and self.metrics is not None:
+                                if last is None:
+                                    self.metrics.observe_ttft(now - start)
+                                else:
+                                    self.metrics.observe_itl((now - last) / len(delta.token_ids), len(delta.token_ids))
+                            if delta.token_ids:
+                                last = now
+                            generated.extend(delta.token_ids)
+                            finished = delta.finish_reason is not None
+                            yield delta
+                            if finished:
+                                break
+                    if not finished:
+                        raise ReplicaUnavailableError("?", "stream ended without a finish")
+                except (ReplicaUnavailableError, KVTransferError) as exc:
+                    replica = getattr(exc, "replica", None)
+                    if replica and replica != "?":
+                        exclude.append(replica)
+                        await self.router.report_failure(replica)
+                    resumes += 1
+                    log.warning("request %s: %s; resume %d/%d", rid, exc, resumes, self.max_resumes)
+                    if resumes > self.max_resumes:
+                        raise ServiceUnavailableError(
+                            f"request {rid} failed after {resumes - 1} resumption(s): {exc}") from None
+                    if self.metrics is not None:
+                        self.metrics.resumes.inc()
+        finally:
+            self.num_in_flight -= 1
+            if last is None:
+                self.num_waiting_first_token -= 1
+            if self.metrics is not None:
+                self.metrics.observe_end(time.monotonic() - start, len(prompt), len(generated),
+                                         "finished" if finished else "aborted")
+
+    async def _attempt(self, rid: str, prompt: list[int], params: SamplingParams, salt: str | None,
+                       exclude: tuple[str, ...], original_prompt_len: int) -> AsyncIterator[Delta]:
+        plan = await self.router.route(prompt, params.max_tokens, salt, exclude)
+        if not plan.first:
+            raise ServiceUnavailableError(f"no healthy {'colocated' if self.mode == 'colocated' else 'prefill'} "
+                                          "replica (all failed or starting); retry shortly")
+        if self.mode == "colocated" and not plan.spans:
+            async with aclosing(self._timed(self.clients[plan.first[0]].generate(rid, prompt, params, salt))) as chunks:
+                async for chunk in chunks:
+                    yield self._delta(chunk, original_prompt_len)
+            return
+        if plan.spans:  # long prompt: prefill split over replicas; colocated decode on the last one
+            reply, prefill_name = await self._split_prefill(rid, prompt, params, plan)
+            decode_names = plan.decode or ((prefill_name,) if self.mode == "colocated" else ())
+        else:
+            reply, prefill_name = await self._prefill(rid, prompt, params, salt, plan)
+            decode_names = plan.decode
+        if self.metrics is not None:
+            self.metrics.queue_time.observe(reply.queue_time_s)
+        committed = False
+        try:  # from here on the prefill replica holds a KV lease: every exit releases it
+            yield Delta((reply.first_token_id,), reply.finish_reason, original_prompt_len, reply.num_cached_tokens)
+            if reply.finish_reason is not None:
+                return
+            if not decode_names:
+                raise ServiceUnavailableError("no healthy decode replica; retry shortly")
+            stream = self.clients[decode_names[0]].decode(rid, prompt, reply.first_token_id, replace(params),
+                                                         reply.handle, salt)
+            async with aclosing(self._timed(stream)) as chunks:
+                async for chunk in chunks:
+                    if chunk.get("committed"):
+                        committed = True
+                        await self._release(prefill_name, reply)
+                        continue
+                    yield self._delta(chunk, original_prompt_len)
+        finally:
+            if not committed:
+                await self._release(prefill_name, reply)
+
+    async def _prefill(self, rid: str, prompt: list[int], params: SamplingParams, salt: str | None,
+                       plan: RoutePlan):
+        errors = []
+        for name in plan.first[:self.max_prefill_retries + 1]:
+            try:
+                reply = await asyncio.wait_for(self.clients[name].prefill(rid, prompt, params, salt),
+                                               timeout=self.request_timeout_s)
+                return reply, name
+            except (ReplicaUnavailableError, asyncio.TimeoutError) as exc:
+                # A replica silent past the request deadline (for example one Serve is still
+                # restarting after a crash, which queues our call) counts as gone: abort what it
+                # may hold and try the next ranked replica.
+                if isinstance(exc, asyncio.TimeoutError):
+                    exc = ReplicaUnavailableError(name, f"no prefill reply in {self.request_timeout_s:g} s")
+                    await self._abort_quietly(name, rid)
+                errors.append(str(exc))
+                await self.router.report_failure(name)
+                if self.metrics is not None:
+                    self.metrics.prefill_retries.inc()
+        raise ServiceUnavailableError(f"prefill failed on {len(errors)} replica(s): {'; '.join(errors)}")
+
+    async def _abort_quietly(self, name: str, rid: str) -> None:
+        try:
+            await asyncio.wait_for(self.clients[name].abort(rid), timeout=5.0)
+        except Exception:  # noqa: BLE001 - best effort: a dead replica holds nothing
+            pass
+
+    async def _split_prefill(self, rid: str, prompt: list[int], params: SamplingParams, plan: RoutePlan):
+        """``split_prefill`` over ``plan.spans``; the reply's KV is owned by the last span's replica."""
+        from rayfleet.serving.routing.split_prefill import split_prefill
+
+        reply, _ = await split_prefill(self.clients, plan.spans, job_id=rid, prompt=prompt, params=params,
+                                       timeout_s=self.request_timeout_s)
+        return reply, plan.spans[-1].replica_id
+
+    async def _release(self, prefill_name: str, reply) -> None:
+        if reply.handle is None:
+            return
+        try:
+            await self.clients[prefill_name].release_kv(reply.handle.handoff_id)
+        except Exception:  # noqa: BLE001 - the lease expires anyway
+            pass
+
+    async def _timed(self, stream: AsyncIterator[dict]) -> AsyncIterator[dict]:
+        """Each chunk must arrive within the request timeout: a silent replica is a dead one."""
+        it = stream.__aiter__()
+        try:
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(it.__anext__(), timeout=self.request_timeout_s)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    raise ReplicaUnavailableError("?", f"no token for {self.request_timeout_s:g} s") from None
+                yield chunk
+        finally:
+            await it.aclose()
+
+    def _delta(self, chunk: dict[str, Any], prompt_len: int) -> Delta:
+        if self.metrics is not None and "queue_time_s" in chunk:
+            self.metrics.queue_time.observe(chunk["queue_time_s"])
+        return Delta(tuple(chunk["token_ids"]), chunk["finish_reason"] if chunk["finished"] else None,
+                     prompt_len, chunk.get("num_cached_tokens", 0))
+
+    def load(self, window_s: float) -> dict[str, Any]:
+        """Requests in flight / waiting for a first token now, and TTFTs of the last ``window_s``."""
+        since = time.monotonic() - window_s
+        return {"in_flight": self.num_in_flight, "waiting_first_token": self.num_waiting_first_token,
+                "ttft_s": [t for at, t in self.recent_ttft if at >= since]}
+
+    def add_client(self, name: str, client: ReplicaClient) -> None:
+        """A replica added while serving (the shared autoscaler's): the router may now name it."""
+        self.clients[name] = client
+
+    async def block_usage(self) -> dict[str, Any]:
+        """Every replica's ``BlockUsage`` (asked directly, not from the router's cache)."""
+        out = {}
+        for name, client in self.clients.items():
+            try:
+                out[name] = await client.block_usage()
+            except ReplicaUnavailableError:
+                out[name] = None
+        return out

@@ -1,0 +1,339 @@
+"""``AsyncEngine``: an ``LLMEngine`` driven by an asyncio loop, the body of every engine replica.
+
+Design decisions:
+- Every engine call (add, abort, reserve, commit, step, stats) runs on one dedicated thread
+  (a one-worker executor), so the engine stays single-threaded while the replica's event loop
+  keeps streaming tokens and accepting requests during a forward. Commands queue FIFO between
+  steps: no lock, no partially applied state.
+- One loop task steps while there is work and sleeps on an event otherwise; outputs go to one
+  ``asyncio.Queue`` per request. A request's async generator aborts it in ``finally`` if it did
+  not finish, so a cancelled caller (client disconnect, ingress cancellation propagated by
+  Serve) frees its blocks without any extra call.
+- Three entry points match the three replica roles: ``generate`` (colocated), ``prefill``
+  (prefill-only, returns the first token and a ``KVHandle``), ``decode`` (pre-allocate blocks,
+  fetch the KV, commit, stream). Lease expiry of handed-off KV runs on the loop, at least once
+  per second, idle or not.
+- No Ray here: Serve deployments (``deployments``) and in-process tests wrap the same class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rayfleet.serving.engine.block_pool import KVCacheEvent
+from rayfleet.serving.engine.llm_engine import EngineConfig, LLMEngine, PrefillResult
+from rayfleet.serving.engine.kv_cache_manager import KVCacheStats
+from rayfleet.serving.kv.transfer import HandoffId, KVHandle, KVPayload, KVTransport
+from rayfleet.serving.engine.request import RequestOutput
+from rayfleet.serving.routing.policy import ReplicaSnapshot
+from rayfleet.serving.engine.sampling import SamplingParams
+
+__all__ = ["AsyncEngine", "PrefillReply", "ReplicaState", "BlockUsage", "load_engine"]
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def load_engine(*, preset_name: str | None, seed: int, checkpoint: str | None, dtype: str,
+                overrides: dict[str, Any], config: EngineConfig, kv_tiers: Any = None) -> LLMEngine:
+    """Build the served model (a preset from ``seed``, or a training servable) and its engine
+    (``kv_tiers``: an optional ``KVTierConnector``)."""
+    from rayfleet.models import build_model, preset
+
+    torch_dtype = _DTYPES[dtype]
+    if checkpoint:
+        from rayfleet.storage.model_registry import load_servable
+
+        servable = load_servable(checkpoint)
+        model = build_model(servable.config, seed=seed, dtype=torch_dtype)
+        model.load_state_dict({k: v.to(torch_dtype) if v.is_floating_point() and "expert_bias" not in k else v
+                               for k, v in servable.state_dict.items()})
+    else:
+        model = build_model(preset(preset_name or "tiny", **overrides), seed=seed, dtype=torch_dtype)
+    return LLMEngine(model, config, kv_tiers=kv_tiers)
+
+
+@dataclass(frozen=True)
+class PrefillReply:
+    """A prefill replica's answer: the first token, and either a finish or a KV handle."""
+
+    request_id: str
+    first_token_id: int
+    finish_reason: str | None
+    stop_reason: str | int | None
+    handle: KVHandle | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    queue_time_s: float
+
+
+@dataclass(frozen=True)
+class BlockUsage:
+    """Leak check: after all requests end, ``num_free_blocks == num_blocks`` and the rest is 0."""
+
+    num_blocks: int
+    num_free_blocks: int
+    num_requests: int
+    num_reserved: int
+    num_leases: int
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    """What the router polls: a routing snapshot, KV events since the last poll, counters."""
+
+    snapshot: ReplicaSnapshot
+    events: tuple[KVCacheEvent, ...]
+    kv: KVCacheStats
+    usage: BlockUsage
+    max_model_len: int
+    num_waiting: int
+
+
+class AsyncEngine:
+    """One engine replica's runtime. Create inside a running event loop's process."""
+
+    def __init__(self, engine: LLMEngine, *, name: str, transport: KVTransport | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 after_step: Callable[[], None] | None = None) -> None:
+        self.engine = engine
+        # Runs on the engine thread after every step that did work (e.g. the expert balancer's
+        # window accounting and placement updates), so it never overlaps a forward.
+        self.after_step = after_step
+        self.name = name
+        self.transport = transport
+        self.clock = clock
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{name}")
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._arrival: dict[str, float] = {}
+        self._queue_time: dict[str, float] = {}
+        self._wake: asyncio.Event | None = None
+        self._stepped: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` on the engine thread, between two steps (never during a
+        forward). Split-prefill spans and expert placement updates go through here."""
+        return await self._call(fn, *args, **kwargs)
+
+    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self._ensure_loop()
+        return await asyncio.get_running_loop().run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+
+    def _ensure_loop(self) -> None:
+        if self._task is None or self._task.done():
+            self._wake, self._stepped = asyncio.Event(), asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def _step(self) -> tuple[list[RequestOutput], dict[str, PrefillResult], bool]:
+        """Runs on the engine thread: one step, queue times, prefill results popped."""
+        outputs = []
+        if self.engine.has_unfinished_requests():
+            outputs = self.engine.step()
+            if self.after_step is not None:
+                self.after_step()
+        now = self.clock()
+        for rid in self.engine.last_scheduled_ids:
+            if rid not in self._queue_time and rid in self._arrival:
+                self._queue_time[rid] = now - self._arrival[rid]
+        results = {}
+        for out in outputs:
+            if out.finished:
+                result = self.engine.pop_prefill_result(out.request_id)
+                if result is not None:
+                    results[out.request_id] = result
+        return outputs, results, self.engine.has_unfinished_requests()
+
+    async def _run(self) -> None:
+        next_expiry = 0.0
+        while True:
+            self._wake.clear()
+            outputs, results, more = await asyncio.get_running_loop().run_in_executor(self._executor, self._step)
+            for out in outputs:
+                queue = self._queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait((out, results.get(out.request_id)))
+            self._stepped.set()
+            self._stepped = asyncio.Event()
+            if self.transport is not None and self.clock() >= next_expiry:
+                self.transport.expire(now=self.clock())
+                next_expiry = self.clock() + 1.0
+            if not more:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    pass
+
+    def _open(self, request_id: str) -> asyncio.Queue:
+        if request_id in self._queues:
+            from rayfleet.errors import SpecError
+
+            raise SpecError("request_id", request_id, "is already in flight on this replica",
+                            "use a unique id per request")
+        self._queues[request_id] = asyncio.Queue()
+        self._arrival[request_id] = self.clock()
+        return self._queues[request_id]
+
+    def _close(self, request_id: str, *, finished: bool) -> None:
+        self._queues.pop(request_id, None)
+        self._arrival.pop(request_id, None)
+        self._queue_time.pop(request_id, None)
+        if not finished:  # cancelled or failed: free the blocks; do not wait (we may be cancelled)
+            try:
+                asyncio.get_running_loop().run_in_executor(self._executor, self.engine.abort, request_id)
+            except RuntimeError:  # the loop or the engine is shutting down: nothing left to free
+                return
+            self._wake.set()
+
+    def _chunk(self, request_id: str, out: RequestOutput, *, first: bool) -> dict[str, Any]:
+        chunk = {"token_ids": list(out.new_token_ids), "finished": out.finished,
+                 "finish_reason": out.finish_reason.value if out.finish_reason else None,
+                 "stop_reason": out.stop_reason, "num_prompt_tokens": out.num_prompt_tokens,
+                 "num_cached_tokens": out.num_cached_tokens, "replica": self.name}
+        if first:
+            chunk["queue_time_s"] = self._queue_time.get(request_id, 0.0)
+        return chunk
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[dict[str, Any]]:
+        finished = False
+        first = True
+        try:
+            while not finished:
+                out, _ = await queue.get()
+                finished = out.finished
+                yield self._chunk(request_id, out, first=first)
+                first = False
+        finally:
+            self._close(request_id, finished=finished)
+
+    # -- entry points ---------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                       cache_salt: str | None = None) -> AsyncIterator[dict[str, Any]]:
+        """Stream chunks ``{token_ids, finished, finish_reason, ...}`` until the request ends.
+        Raises ``SpecError`` (before the first chunk) for a bad request."""
+        queue = self._open(request_id)
+        try:
+            await self._call(self.engine.add_request, request_id, prompt_token_ids, params, cache_salt=cache_salt)
+        except BaseException:
+            self._close(request_id, finished=True)
+            raise
+        self._wake.set()
+        async for chunk in self._stream(request_id, queue):
+            yield chunk
+
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                      cache_salt: str | None = None) -> PrefillReply:
+        """Compute the prompt's KV and first token; hand the KV off under a lease (unless the
+        first token already ends the request). Cancellation aborts the prefill."""
+        if self.transport is None:
+            raise RuntimeError(f"replica {self.name} has no KV transport (not a prefill replica)")
+        queue = self._open(request_id)
+        finished = False
+        try:
+            await self._call(self.engine.add_request, request_id, prompt_token_ids, params,
+                             cache_salt=cache_salt, prefill_only=True)
+            self._wake.set()
+            while True:
+                out, result = await queue.get()
+                if out.finished:
+                    finished = True
+                    break
+            queue_time = self._queue_time.get(request_id, 0.0)
+        finally:
+            self._close(request_id, finished=finished)
+        if result is None:  # aborted
+            raise asyncio.CancelledError(f"prefill of {request_id} was aborted")
+        handle = None
+        if result.finish_reason is None:
+            payload = KVPayload.from_tensors(prompt_token_ids=result.prompt_token_ids,
+                                             first_token_id=result.first_token_id, k=result.k, v=result.v,
+                                             generator_state=result.generator_state)
+            handle = self.transport.put(payload, now=self.clock())
+        return PrefillReply(request_id=request_id, first_token_id=result.first_token_id,
+                            finish_reason=result.finish_reason.value if result.finish_reason else None,
+                            stop_reason=result.stop_reason, handle=handle,
+                            num_prompt_tokens=len(result.prompt_token_ids),
+                            num_cached_tokens=result.num_cached_tokens, queue_time_s=queue_time)
+
+    def release_kv(self, handoff_id: HandoffId) -> bool:
+        """The decode side has the KV: drop the lease now rather than at expiry."""
+        return self.transport.release(handoff_id) if self.transport is not None else False
+
+    async def decode(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
+                     params: SamplingParams, handle: KVHandle, transport: KVTransport, *,
+                     cache_salt: str | None = None) -> AsyncIterator[dict[str, Any]]:
+        """Reserve blocks, fetch the KV through ``transport``, commit, then stream like
+        ``generate``. The first chunk ``{"committed": True, "token_ids": []}`` tells the caller
+        the KV is in this pool (release the lease). Raises ``KVTransferError`` if the KV is gone."""
+        queue = self._open(request_id)
+        finished = False
+        try:
+            while True:  # pre-allocate before the transfer; wait for room if the pool is full
+                block_ids = await self._call(self.engine.reserve_prefilled, request_id, prompt_token_ids,
+                                             first_token_id, params, cache_salt=cache_salt)
+                if block_ids is not None:
+                    break
+                stepped = self._stepped
+                self._wake.set()
+                try:
+                    await asyncio.wait_for(stepped.wait(), timeout=0.05)
+                except asyncio.TimeoutError:
+                    pass
+            payload = await transport.fetch(handle)
+            k, v = payload.tensors()
+            await self._call(self.engine.commit_prefilled, request_id, k, v,
+                             generator_state=payload.generator_tensor())
+            self._wake.set()
+            yield {"token_ids": [], "finished": False, "committed": True, "replica": self.name}
+            first = True
+            while not finished:
+                out, _ = await queue.get()
+                finished = out.finished
+                yield self._chunk(request_id, out, first=first)
+                first = False
+        finally:
+            self._close(request_id, finished=finished)
+
+    async def abort(self, request_id: str) -> None:
+        await self._call(self.engine.abort, request_id)
+        self._wake.set()
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget cached prefixes (benchmarks, operators); False if requests hold blocks."""
+        return await self._call(self.engine.block_pool.reset_prefix_cache)
+
+    # -- observation ----------------------------------------------------------------------------
+
+    def _usage(self) -> BlockUsage:
+        sched = self.engine.scheduler
+        return BlockUsage(num_blocks=self.engine.block_pool.num_blocks,
+                          num_free_blocks=self.engine.block_pool.num_free_blocks,
+                          num_requests=len(sched.requests), num_reserved=len(sched.reserved),
+                          num_leases=self.transport.num_leases if self.transport is not None else 0)
+
+    async def block_usage(self) -> BlockUsage:
+        return await self._call(self._usage)
+
+    async def poll_state(self) -> ReplicaState:
+        """Snapshot + KV events since the last poll (events are consumed: one poller)."""
+        def collect() -> ReplicaState:
+            return ReplicaState(snapshot=self.engine.replica_snapshot(self.name),
+                                events=tuple(self.engine.take_kv_events()),
+                                kv=self.engine.kv_cache_manager.stats(), usage=self._usage(),
+                                max_model_len=self.engine.max_model_len,
+                                num_waiting=len(self.engine.scheduler.waiting))
+        return await self._call(collect)
+
+    def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API (``app``) and the served model's Prometheus metrics (``metrics``)."""

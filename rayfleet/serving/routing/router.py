@@ -1,0 +1,237 @@
+"""The router: ``RouterCore`` (plain class) and ``Router`` (its async shell, a Serve deployment).
+
+Design decisions:
+- ``RouterCore`` keeps the last ``ReplicaSnapshot`` of every engine replica and a
+  ``PrefixIndex`` fed by their KV events, and calls the pure ``RouterPolicy`` for each request.
+  No Ray, clock or I/O: the benchmark times it with 64 replicas and 100k indexed blocks.
+- Snapshots are polled (``poll_interval_s``), so between polls the router would send a burst
+  to the same replica. After every decision it therefore books the work it just routed:
+  the prefill replica's queued blocks grow by the blocks it must prefill, the decode replica
+  loses the blocks the request will need, and the prompt's hashes are indexed on the prefill
+  replica at once (it will cache them within a step; SGLang's router does the same). The next
+  poll overwrites the guesses with the truth.
+- ``round_robin`` is the baseline the benchmark compares with: it ignores prefixes and load.
+- Long prompts (``long_prefill``, see ``long_context``): when the uncached part of a prompt
+  reaches the policy's threshold, the plan also carries spans over several first-role replicas,
+  sized by their queued prefill work, and each span is booked on its replica.
+- A replica reported failed (by the ingress) is unhealthy and leaves the index until a poll
+  succeeds again (Serve restarts dead replicas).
+- ``Router`` polls all replicas concurrently through ``ReplicaClient``s; one router per app,
+  because KV events are consumed by whoever polls. It polls every ``poll_interval_s`` while
+  there is work (a request routed since the last poll, or any replica running or queueing
+  one) and every ``idle_poll_interval_s`` otherwise, woken at once by the next route: an idle
+  app with ten polls a second per replica kept a core of a small machine a third busy, and an
+  idle replica has nothing new to say (a dead one is still found within the idle interval).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from rayfleet.errors import SpecError
+from rayfleet.serving.engine.block_hash import hash_full_blocks, root_block_hash
+from rayfleet.serving.engine.async_engine import ReplicaState
+from rayfleet.serving.routing.long_prefill import LongPrefillPolicy, SpanAssignment
+from rayfleet.serving.routing.prefix_index import PrefixIndex, ReplicaId
+from rayfleet.serving.deploy.replica_client import ReplicaClient
+from rayfleet.serving.routing.policy import ReplicaSnapshot, RouterPolicy
+
+__all__ = ["RoutePlan", "RouterCore", "Router"]
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["prefix_aware", "round_robin"]
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """Ranked replica names for one request: ``first`` is the prefill (or colocated) pool,
+    ``decode`` is empty in colocated mode. Callers try them in order. ``spans``, when set,
+    splits the prefill over replicas (``split_prefill``); colocated decode then runs on the
+    last span's replica."""
+
+    first: tuple[str, ...]
+    decode: tuple[str, ...]
+    reason: str
+    spans: tuple[SpanAssignment, ...] = ()
+
+
+class RouterCore:
+    """Mutable routing state for one app. ``roles``: role -> replica names."""
+
+    def __init__(self, *, roles: Mapping[str, Sequence[str]], policy: RouterPolicy = RouterPolicy(),
+                 mode: Mode = "prefix_aware", block_size: int, model_id: str,
+                 num_blocks_hint: int = 1 << 30, long_prefill: LongPrefillPolicy | None = None) -> None:
+        self.long_prefill = long_prefill
+        self.roles = {role: [ReplicaId(n) for n in names] for role, names in roles.items()}
+        self.first_role = "colocated" if "colocated" in self.roles else "prefill"
+        self.policy = policy
+        self.mode = mode
+        self.block_size = block_size
+        self.model_id = model_id
+        self.index = PrefixIndex()
+        self.snapshots: dict[ReplicaId, ReplicaSnapshot] = {
+            ReplicaId(n): ReplicaSnapshot(ReplicaId(n), num_blocks_hint, num_blocks_hint, 0)
+            for names in self.roles.values() for n in names}
+        self._rr = {role: itertools.count() for role in self.roles}
+
+    # -- observations ---------------------------------------------------------------------------
+
+    def observe(self, replica: str, snapshot: ReplicaSnapshot, events: Sequence[Any] = ()) -> None:
+        """A successful poll: its snapshot replaces our guesses; its KV events update the index."""
+        rid = ReplicaId(replica)
+        was_healthy = self.snapshots.get(rid, snapshot).healthy
+        self.snapshots[rid] = replace(snapshot, healthy=True)
+        if not was_healthy:  # its cache was lost with it: start its index afresh
+            self.index.remove_replica(rid)
+        self.index.apply_events(rid, events)
+
+    def mark_unhealthy(self, replica: str) -> None:
+        rid = ReplicaId(replica)
+        if rid in self.snapshots:
+            self.snapshots[rid] = replace(self.snapshots[rid], healthy=False)
+        self.index.remove_replica(rid)
+
+    def set_mode(self, mode: Mode) -> None:
+        if mode not in ("prefix_aware", "round_robin"):
+            raise SpecError("router.policy", mode, "unknown routing policy", "use prefix_aware or round_robin")
+        self.mode = mode
+
+    # -- decisions ------------------------------------------------------------------------------
+
+    def route(self, prompt_token_ids: Sequence[int], *, max_tokens: int, cache_salt: str | None = None,
+              exclude: Sequence[str] = ()) -> RoutePlan:
+        """Rank replicas for one request and book the routed work (see module doc)."""
+        hashes = hash_full_blocks(list(prompt_token_ids), block_size=self.block_size,
+                                  root=root_block_hash(model_id=self.model_id, cache_salt=cache_salt))
+        num_prompt_blocks = -(-len(prompt_token_ids) // self.block_size)
+        excluded = set(exclude)
+        first_snaps = [s for n in self.roles[self.first_role]
+                       if (s := self.snapshots[n]).healthy and n not in excluded]
+        spans: tuple[SpanAssignment, ...] = ()
+        if self.mode == "prefix_aware" and self.long_prefill is not None:
+            hit = max(self.index.match_prefix(hashes).values(), default=0)
+            split = self.long_prefill.plan(len(prompt_token_ids), first_snaps, block_size=self.block_size,
+                                           num_uncached_tokens=len(prompt_token_ids) - hit * self.block_size)
+            spans = split.spans if split is not None else ()
+        if spans:
+            for span in spans:
+                snap = self.snapshots[ReplicaId(span.replica_id)]
+                self.snapshots[snap.replica_id] = replace(snap, num_queued_blocks=snap.num_queued_blocks + -(
+                    -(span.end - span.start) // self.block_size))
+            first = (spans[-1].replica_id,)
+            reason = f"split prefill: {split.reason}"
+        elif self.mode == "round_robin":
+            first = self._round_robin(self.first_role, first_snaps)
+            reason = "round robin"
+        else:
+            decision = self.policy.choose_prefill(first_snaps, hashes, self.index,
+                                                  num_prompt_blocks=num_prompt_blocks, max_ranked=len(first_snaps))
+            first = tuple(s.replica_id for s in decision.ranked)
+            reason = decision.reason
+        if first and not spans:
+            chosen = self.snapshots[ReplicaId(first[0])]
+            hit = self.index.match_prefix(hashes).get(chosen.replica_id, 0)
+            self.snapshots[chosen.replica_id] = replace(
+                chosen, num_queued_blocks=chosen.num_queued_blocks + num_prompt_blocks - hit)
+            self.index.add_blocks(chosen.replica_id, hashes)
+        decode: tuple[str, ...] = ()
+        if "decode" in self.roles:
+            needed = -(-(len(prompt_token_ids) + max_tokens) // self.block_size)
+            decode_snaps = [s for n in self.roles["decode"] if (s := self.snapshots[n]).healthy and n not in excluded]
+            if self.mode == "round_robin":
+                decode = self._round_robin("decode", decode_snaps)
+            else:
+                decode = tuple(s.replica_id for s in
+                               self.policy.choose_decode(decode_snaps, num_blocks_needed=needed).ranked)
+            if decode:
+                d = self.snapshots[ReplicaId(decode[0])]
+                self.snapshots[d.replica_id] = replace(
+                    d, num_free_blocks=d.num_free_blocks - needed, num_active_blocks=d.num_active_blocks + needed,
+                    num_running_requests=d.num_running_requests + 1)
+        return RoutePlan(first=tuple(first), decode=decode, reason=reason, spans=spans)
+
+    def _round_robin(self, role: str, snaps: list[ReplicaSnapshot]) -> tuple[str, ...]:
+        if not snaps:
+            return ()
+        start = next(self._rr[role]) % len(snaps)
+        return tuple(s.replica_id for s in snaps[start:] + snaps[:start])
+
+
+class Router:
+    """Async shell: polls replicas, answers ``route``/``report_failure``. Serve deploys it as
+    ``router``; in-process callers construct it with ``LocalReplicaClient``s."""
+
+    def __init__(self, clients: Mapping[str, ReplicaClient], core: RouterCore, *,
+                 poll_interval_s: float = 0.1, idle_poll_interval_s: float = 1.0) -> None:
+        self.clients = dict(clients)
+        self.core = core
+        self.poll_interval_s = poll_interval_s
+        self.idle_poll_interval_s = max(idle_poll_interval_s, poll_interval_s)
+        self.states: dict[str, ReplicaState] = {}
+        self.num_polls = 0  # poll rounds so far (tests, debugging)
+        self._task: asyncio.Task | None = None
+        self._routed_since_poll = False
+        self._wake: asyncio.Event | None = None
+
+    def _ensure_polling(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    async def _poll_one(self, name: str, client: ReplicaClient) -> None:
+        try:
+            state = await asyncio.wait_for(client.poll_state(), timeout=max(2.0, 10 * self.poll_interval_s))
+        except Exception as exc:  # noqa: BLE001 - any failure to answer makes it unhealthy
+            log.info("router: replica %s did not answer a poll (%s)", name, type(exc).__name__)
+            self.core.mark_unhealthy(name)
+            self.states.pop(name, None)
+            return
+        self.states[name] = state
+        self.core.observe(name, state.snapshot, state.events)
+
+    async def poll_once(self) -> None:
+        self.num_polls += 1
+        await asyncio.gather(*(self._poll_one(n, c) for n, c in self.clients.items()))
+
+    def _busy(self) -> bool:
+        return any(s.snapshot.num_running_requests or s.snapshot.num_queued_blocks for s in self.states.values())
+
+    async def _poll_forever(self) -> None:
+        self._wake = asyncio.Event()
+        while True:
+            routed, self._routed_since_poll = self._routed_since_poll, False
+            self._wake.clear()
+            await self.poll_once()
+            if routed or self._routed_since_poll or self._busy():
+                await asyncio.sleep(self.poll_interval_s)
+                continue
+            try:  # idle: sleep long, but the next route wakes the loop at once
+                await asyncio.wait_for(self._wake.wait(), timeout=self.idle_poll_interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def route(self, prompt_token_ids: list[int], max_tokens: int, cache_salt: str | None = None,
+                    exclude: tuple[str, ...] = ()) -> RoutePlan:
+        self._ensure_polling()
+        self._routed_since_poll = True
+        if self._wake is not None:
+            self._wake.set()
+        return self.core.route(prompt_token_ids, max_tokens=max_tokens, cache_salt=cache_salt, exclude=exclude)
+
+    async def report_failure(self, replica: str) -> None:
+        self.core.mark_unhealthy(replica)
+
+    async def replica_states(self) -> dict[str, ReplicaState]:
+        """Latest polled state per replica (for /metrics and leak checks)."""
+        self._ensure_polling()
+        return dict(self.states)
+
+    def check_health(self) -> None:
+        """Serve health check: the poll loop must be alive once started."""
+        if self._task is not None and self._task.done() and self._task.exception() is not None:
+            raise RuntimeError(f"router poll loop died: {self._task.exception()!r}")
