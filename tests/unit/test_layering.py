@@ -1,0 +1,244 @@
+"""The package's layering rules, checked on every module's imports (no Ray, nothing imported).
+
+Each ``rayfleet`` module is parsed with ``ast`` and every import in it counts, including imports
+inside functions and under ``if TYPE_CHECKING`` (a lazy import is still a dependency: it breaks
+the layering just the same, it only fails later). The rules (also in docs/architecture.md):
+
+1. ``models`` imports neither Ray nor any rayfleet package but ``errors``;
+2. ``storage`` imports nothing of rayfleet but ``errors``;
+3. ``jobs`` and ``serving`` never import each other;
+4. ``placement`` and ``platform`` import neither ``jobs`` nor ``serving``;
+5. only user-facing modules (``rayfleet/cli.py``, ``rayfleet/sdk.py``, ``rayfleet/demo.py``, an
+   area's ``cli.py`` or ``*_cli.py``) import the SDK, the CLI or the demo, and they alone may cross
+   rules 3 and 4;
+6. no import cycle between modules.
+
+A module's edge goes to the module it names (``from rayfleet.a import b`` names ``rayfleet.a.b``
+when that is a module, else ``rayfleet.a``); parent packages' ``__init__`` runs are not counted,
+since Python resolves those without a cycle. The checker is tested on a synthetic package with
+deliberately broken imports, so a checker that finds nothing would fail here.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2] / "rayfleet"
+USER_FACING_TOP = frozenset({"cli", "sdk", "demo", "__main__"})
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement's target as seen from ``importer`` (line numbers for the message)."""
+
+    importer: str
+    target: str
+    line: int
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _resolve_relative(importer: str, is_package: bool, level: int, module: str | None) -> str:
+    base = importer.split(".") if is_package else importer.split(".")[:-1]
+    base = base[: len(base) - (level - 1)] if level > 1 else base
+    return ".".join(base + ([module] if module else []))
+
+
+def collect_imports(root: Path) -> tuple[set[str], list[Import]]:
+    """Every module under ``root`` (a package directory) and every import each one makes."""
+    files = {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    imports: list[Import] = []
+    for name, path in files.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                imports += [Import(name, alias.name, node.lineno) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = (_resolve_relative(name, is_package, node.level, node.module) if node.level
+                        else node.module or "")
+                for alias in node.names:
+                    candidate = f"{base}.{alias.name}"
+                    imports.append(Import(name, candidate if candidate in files else base, node.lineno))
+    return set(files), imports
+
+
+def _area(module: str) -> str:
+    """``rayfleet.serving.engine.x`` -> ``serving``; top-level modules -> their own name."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def is_user_facing(module: str) -> bool:
+    parts = module.split(".")
+    if len(parts) == 1 or (len(parts) == 2 and parts[1] in USER_FACING_TOP):  # rayfleet.connect is the SDK's
+        return True
+    return len(parts) >= 3 and (parts[-1] == "cli" or parts[-1].endswith("_cli"))
+
+
+def _owned(target: str, modules: set[str]) -> str | None:
+    """The rayfleet module an import names (longest existing prefix), or None if outside."""
+    parts = target.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in modules:
+            return ".".join(parts[:end])
+    return None
+
+
+def rule_violations(modules: set[str], imports: list[Import], package: str = "rayfleet") -> list[str]:
+    """Broken rules 1-5 as ``importer:line -> target (rule)`` lines."""
+    out = []
+    for imp in imports:
+        src_area = _area(imp.importer)
+        top = imp.target.split(".")[0]
+        own = _owned(imp.target, modules) if top == package else None
+        dst_area = _area(own) if own else None
+        user_facing = is_user_facing(imp.importer)
+        broken = None
+        if src_area == "models" and top == "ray":
+            broken = "models never imports Ray"
+        elif src_area in ("models", "storage") and dst_area not in (None, src_area, "errors"):
+            broken = f"{src_area} imports nothing of {package} but errors"
+        elif own and dst_area in ("sdk", "cli", "demo") and not user_facing:
+            broken = "only CLI/SDK/demo modules import the SDK, CLI or demo"
+        elif user_facing:
+            pass
+        elif {src_area, dst_area} == {"jobs", "serving"}:
+            broken = "jobs and serving never import each other"
+        elif src_area in ("placement", "platform") and dst_area in ("jobs", "serving"):
+            broken = f"{src_area} imports neither jobs nor serving"
+        if broken:
+            out.append(f"{imp.importer}:{imp.line} -> {imp.target} ({broken})")
+    return sorted(set(out))
+
+
+def import_cycles(modules: set[str], imports: list[Import], package: str = "rayfleet") -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan), each as a sorted list."""
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for imp in imports:
+        own = _owned(imp.target, modules) if imp.target.split(".")[0] == package else None
+        if own and own != imp.importer:
+            graph[imp.importer].add(own)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def visit(v: str) -> None:  # recursion depth is bounded by the module count (~200)
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(groups)
+
+
+def _describe_cycle(group: list[str], imports: list[Import], modules: set[str]) -> str:
+    members = set(group)
+    edges = sorted({f"{i.importer}:{i.line} -> {_owned(i.target, modules)}" for i in imports
+                    if i.importer in members and _owned(i.target, modules) in members - {i.importer}})
+    return "cycle " + " <-> ".join(group) + ":\n    " + "\n    ".join(edges)
+
+
+# -- the rules on rayfleet itself ----------------------------------------------------------------
+def test_rayfleet_keeps_its_layering_rules():
+    modules, imports = collect_imports(ROOT)
+    assert len(modules) > 50, "the checker found too few modules: is ROOT right?"
+    broken = rule_violations(modules, imports)
+    assert not broken, "layering rules broken:\n" + "\n".join(broken)
+
+
+def test_rayfleet_has_no_import_cycles():
+    modules, imports = collect_imports(ROOT)
+    cycles = import_cycles(modules, imports)
+    assert not cycles, "\n".join(_describe_cycle(g, imports, modules) for g in cycles)
+
+
+# -- the checker itself, on a package with deliberately broken imports ---------------------------
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / "rayfleet" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root / "rayfleet"
+
+
+CLEAN = {
+    "__init__.py": "",
+    "errors.py": "",
+    "sdk.py": "from rayfleet.jobs import handle\nfrom rayfleet.serving import deployer\n",
+    "cli.py": "def main():\n    from rayfleet.sdk import connect\n",
+    "models/__init__.py": "from rayfleet.errors import SpecError\nfrom . import layers\n",
+    "models/layers.py": "import torch\n",
+    "storage/__init__.py": "",
+    "storage/tokens.py": "from rayfleet.errors import SpecError\n",
+    "platform/__init__.py": "",
+    "platform/connection.py": "import ray\n",
+    "jobs/__init__.py": "",
+    "jobs/handle.py": "from rayfleet.platform.connection import connect\nfrom rayfleet.models import layers\n",
+    "jobs/cli.py": "def run():\n    from rayfleet.sdk import connect\n    from rayfleet.serving import deployer\n",
+    "serving/__init__.py": "",
+    "serving/deployer.py": "from ..platform import connection\n",
+    "serving/engine/__init__.py": "",
+    "serving/engine/step.py": "from ...models.layers import x\n",
+}
+
+
+def test_checker_accepts_a_clean_package(tmp_path):
+    modules, imports = collect_imports(_write(tmp_path, CLEAN))
+    assert "rayfleet.serving.engine.step" in modules
+    assert Import("rayfleet.serving.engine.step", "rayfleet.models.layers", 1) in imports  # relative import
+    assert rule_violations(modules, imports) == []
+    assert import_cycles(modules, imports) == []
+
+
+@pytest.mark.parametrize("rel, text, rule", [
+    ("models/layers.py", "def f():\n    import ray\n", "models never imports Ray"),
+    ("models/layers.py", "from rayfleet.storage import tokens\n", "models imports nothing"),
+    ("storage/tokens.py", "from rayfleet.models.layers import ByteTokenizer\n", "storage imports nothing"),
+    ("jobs/handle.py", "def f():\n    from rayfleet.serving.deployer import deploy\n", "jobs and serving never"),
+    ("serving/engine/step.py", "from ...jobs import handle\n", "jobs and serving never"),
+    ("platform/connection.py", "from rayfleet.jobs.handle import x\n", "platform imports neither"),
+    ("serving/deployer.py", "def f():\n    from rayfleet.sdk import connect\n", "only CLI/SDK/demo"),
+])
+def test_checker_finds_a_broken_rule(tmp_path, rel, text, rule):
+    modules, imports = collect_imports(_write(tmp_path, {**CLEAN, rel: text}))
+    broken = rule_violations(modules, imports)
+    assert len(broken) == 1 and rule in broken[0], broken
+
+
+def test_checker_finds_a_cycle_through_a_lazy_import(tmp_path):
+    broken = {**CLEAN, "jobs/launcher.py": "from rayfleet.jobs.elastic import run\n",
+              "jobs/elastic.py": "def run():\n    from rayfleet.jobs import worker\n",
+              "jobs/worker.py": "from . import launcher\n"}
+    modules, imports = collect_imports(_write(tmp_path, broken))
+    assert import_cycles(modules, imports) == [["rayfleet.jobs.elastic", "rayfleet.jobs.launcher",
+                                                "rayfleet.jobs.worker"]]
