@@ -1,27 +1,25 @@
 """The notebook SDK: ``fleet = rayfleet.connect(); fleet.topology(); fleet.status()``.
 
-``connect`` resolves where the fleet is (an explicit address, the job's own cluster inside
-``ray job submit``, the local fleet recorded by ``rayfleet up``, or a new local fleet for
-``address="local"``), connects Ray with token authentication on, and makes sure the fleet
-controller runs. Later capabilities (``fleet.train``, ``fleet.serve``) hang off ``Fleet``.
+``connect`` joins the fleet through :mod:`rayfleet.platform.connection` (an explicit address,
+the job's own cluster inside ``ray job submit``, the local fleet recorded by ``rayfleet up``, or
+a new local fleet for ``address="local"``) and wraps it in a :class:`Fleet`, the one object a
+user holds: views, operations, training, serving, queues and the shared autoscaler hang off it.
+Code inside the packages never imports this module (see docs/architecture.md); it uses the
+connection directly.
 """
 
 from __future__ import annotations
 
-import atexit
-import os
-import socket
-import tempfile
 from pathlib import Path
 
 import ray
 
-from rayfleet.errors import FleetNotFoundError
-from rayfleet.platform.controller import ensure_controller
+from rayfleet.platform.connection import FleetConnection
+from rayfleet.platform.connection import connect as connect_fleet
 from rayfleet.platform.inventory import FleetStatus, NodeStatus
-from rayfleet.platform.launcher import LocalFleet, ensure_auth_token, rayfleet_home
+from rayfleet.platform.launcher import LocalFleet
 from rayfleet.platform.status_table import render_status
-from rayfleet.platform.topology import FleetTopology, build_topology
+from rayfleet.platform.topology import FleetTopology
 
 __all__ = ["Fleet", "connect"]
 
@@ -29,10 +27,10 @@ __all__ = ["Fleet", "connect"]
 class Fleet:
     """A connection to a rayfleet fleet."""
 
-    def __init__(self, address: str, *, local_fleet: LocalFleet | None = None) -> None:
-        self.address = address
-        self.local_fleet = local_fleet
-        self.controller = ensure_controller()
+    def __init__(self, connection: FleetConnection) -> None:
+        self.address = connection.address
+        self.controller = connection.controller
+        self.local_fleet: LocalFleet | None = connection.local_fleet
 
     # -- views ----------------------------------------------------------------------------
     def topology(self) -> FleetTopology:
@@ -168,43 +166,6 @@ class Fleet:
         return f"Fleet(address={self.address!r}, local={self.local_fleet is not None})"
 
 
-def _check_reachable(address: str, *, timeout_s: float = 3.0) -> None:
-    """Fail fast: ``ray.init`` retries an unreachable GCS for minutes before giving up."""
-    if address == "auto" or "://" in address:
-        return
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise FleetNotFoundError(
-            f"address {address!r} is not host:port. Fix: pass the head node's GCS address, e.g. '10.0.0.1:6379'")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError as exc:
-        raise FleetNotFoundError(
-            f"no Ray cluster answers at {address!r} ({exc.strerror or exc}). Fix: start a fleet with "
-            "`rayfleet up` or `ray up cluster.yaml`, pass the head's GCS address (host:port), "
-            "or use rayfleet.connect(address='local') to start a local one"
-        ) from None
-
-
-def _init(address: str) -> None:
-    ensure_auth_token()
-    if ray.is_initialized():
-        return
-    _check_reachable(address)
-    # Inside a submitted job the job's runtime env already applies (and Ray refuses a driver
-    # env that repeats one of its variables); elsewhere workers need the auth mode passed on.
-    in_job = bool(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"))
-    try:
-        ray.init(address=address, namespace="rayfleet", log_to_driver=False,
-                 runtime_env=None if in_job else {"env_vars": {"RAY_AUTH_MODE": "token"}})
-    except ConnectionError as exc:
-        raise FleetNotFoundError(
-            f"cannot connect to a Ray cluster at {address!r} ({exc}). Fix: start a fleet with "
-            "`rayfleet up` or `ray up cluster.yaml`, pass the right address (host:port of the head's GCS), "
-            "or use rayfleet.connect(address='local') to start a local one"
-        ) from None
-
-
 def connect(
     address: str | None = None,
     *,
@@ -221,25 +182,9 @@ def connect(
             the current Ray job, else the fleet started by ``rayfleet up``.
         nodes, accelerator, accelerators_per_node, racks: shape of the fleet started for
             ``address="local"``.
+
+    Raises ``FleetNotFoundError`` (within seconds) when no fleet answers; see
+    :func:`rayfleet.platform.connection.connect`, which does the joining.
     """
-    if address == "local":
-        topology = build_topology(num_nodes=nodes, accelerator=accelerator,
-                                  accelerators_per_node=accelerators_per_node, num_racks=racks)
-        home = Path(tempfile.mkdtemp(prefix="rayfleet-local-"))
-        local = LocalFleet.up(topology, home=home)
-        atexit.register(local.down)
-        _init(local.address)
-        return Fleet(local.address, local_fleet=local)
-    if address is None:
-        if os.environ.get("RAY_ADDRESS"):
-            address = os.environ["RAY_ADDRESS"]
-        else:
-            record = LocalFleet.load(missing_ok=True)
-            if record is None or not record.is_running():
-                raise FleetNotFoundError(
-                    f"no fleet is running here (no live record under {rayfleet_home()}, no RAY_ADDRESS). "
-                    "Fix: run `rayfleet up`, pass address='host:port', or use connect(address='local')"
-                )
-            address = record.address
-    _init(address)
-    return Fleet(address)
+    return Fleet(connect_fleet(address, nodes=nodes, accelerator=accelerator,
+                               accelerators_per_node=accelerators_per_node, racks=racks))

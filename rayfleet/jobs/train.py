@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = load_spec(args.job, overrides=args.set, spec_b64=args.spec_b64)
         from rayfleet.jobs.launcher import run_training
-        from rayfleet.sdk import connect
+        from rayfleet.platform.connection import connect
 
         connect()
         final = run_training(spec, storage_path=args.storage_path, max_failures=args.max_failures)

@@ -87,7 +87,7 @@ def _ensure_connected(address: str | None) -> None:
 
     if ray.is_initialized():
         return
-    from rayfleet.sdk import connect
+    from rayfleet.platform.connection import connect
 
     connect(address)
 
