@@ -1,8 +1,17 @@
 """The ``rayfleet`` command line (also ``python -m rayfleet``).
 
-Each area contributes its commands through a ``register(subparsers)`` function in its own
-module (listed in ``_COMMAND_MODULES``), so this file only wires them together. Handlers return
-an exit code; user mistakes (``RayfleetError``) print one clear line and exit 2.
+Each area contributes its command through a ``register(subparsers)`` function in its own
+module (``AREA_COMMANDS``), so this file only wires them together. Handlers return an exit
+code; user mistakes (``RayfleetError``) print one clear line and exit 2.
+
+Design decisions:
+- Fast answers: ``rayfleet --help`` and argument errors must not pay for torch or Ray (seconds
+  of imports). So this module imports nothing heavy, the built-in commands import their
+  dependencies inside their handlers, and an area's module is imported only when its command is
+  the one being run: ``rayfleet --help`` lists the area commands from ``AREA_COMMANDS``' one-line
+  help texts (a unit test keeps them equal to what the modules register).
+- The command is the first argument that is not an option (the top-level parser has no options
+  of its own but ``-h``), so it is known before the parser is built.
 """
 
 from __future__ import annotations
@@ -12,20 +21,21 @@ import importlib
 import json
 import sys
 import time
-from dataclasses import asdict
 
 from rayfleet.errors import RayfleetError
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "AREA_COMMANDS"]
 
-_COMMAND_MODULES = (
-    "rayfleet.placement.cli",
-    "rayfleet.storage.data_cli",
-    "rayfleet.platform.node_cli",
-    "rayfleet.jobs.cli",
-    "rayfleet.serving.cli",
-    "rayfleet.platform.queue_cli",
-)
+# command -> (module with its ``register``, the help line ``rayfleet --help`` shows for it)
+AREA_COMMANDS: dict[str, tuple[str, str]] = {
+    "plan": ("rayfleet.placement.cli", "rank parallel plans (TP/PP/DP/EP/CP) for a model on a fleet"),
+    "data": ("rayfleet.storage.data_cli", "prepare training data"),
+    "node": ("rayfleet.platform.node_cli", "start/stop this machine's node of a `ray up` cluster"),
+    "train": ("rayfleet.jobs.cli", "submit a training job (YAML spec) and follow its progress"),
+    "serve": ("rayfleet.serving.cli", "serve a model (OpenAI API) from a serve YAML"),
+    "queue": ("rayfleet.platform.queue_cli", "hierarchical queues: quota, borrow limit, priority"),
+}
+_ALL = "*"
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -84,6 +94,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     status = _connect(args).status()
     if args.json:
+        from dataclasses import asdict
+
         print(json.dumps(asdict(status), default=str, indent=2))
     else:
         print(render_status(status, show_events=not args.no_events))
@@ -115,7 +127,9 @@ def _cmd_self_check(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = _ALL) -> argparse.ArgumentParser:
+    """The ``rayfleet`` parser with every area command (``command="*"``, the default) or with only
+    ``command``'s area imported (others are listed by name and help line only)."""
     parser = argparse.ArgumentParser(prog="rayfleet", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -157,19 +171,22 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--address", default=None)
     check.set_defaults(func=_cmd_self_check)
 
-    for module_name in _COMMAND_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name == module_name:  # that area has no commands yet
-                continue
-            raise
-        module.register(sub)
+    for name, (module_name, help_) in AREA_COMMANDS.items():
+        if command in (_ALL, name):
+            importlib.import_module(module_name).register(sub)
+        else:  # listed in `rayfleet --help`; never parsed (its command would have been imported)
+            sub.add_parser(name, help=help_, add_help=False)
     return parser
 
 
+def _command_in(argv: list[str]) -> str | None:
+    """The command ``argv`` names (its first non-option argument), or None."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(_command_in(argv)).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except RayfleetError as exc:

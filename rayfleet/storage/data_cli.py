@@ -2,14 +2,23 @@
 
 Registered by ``rayfleet.cli`` through ``register(subparsers)``; the handler returns an exit
 code and lets ``RayfleetError`` reach the CLI, which prints it as one line.
+
+Design decisions:
+- Imports of numpy/pyarrow/the tokenizer happen in the handler, so ``rayfleet --help`` and
+  argument errors stay fast.
+- Progress is a tqdm bar (tqdm comes with the Hugging Face libraries we depend on) over tokens:
+  the total is known before writing (the byte tokenizer makes one token per byte plus BOS/EOS per
+  file) and the bar advances as shards land in the output folder, polled from a thread, because
+  the dataset writer has no progress hook. A folder that already holds shards from an earlier run
+  is overwritten in place, so its bar only jumps to the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import posixpath
+import threading
 import time
-
-from rayfleet.storage.tokens import default_text_sources, prepare_token_dataset
 
 __all__ = ["register"]
 
@@ -33,11 +42,59 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prepare.set_defaults(func=_prepare)
 
 
+class _ShardProgress:
+    """A tqdm bar of tokens written, advanced by the shards that appear under ``out`` (see above)."""
+
+    def __init__(self, out: str, *, total_tokens: int, tokens_per_shard: int, interval_s: float = 0.5) -> None:
+        import fsspec
+        from tqdm import tqdm
+
+        self._fs, root = fsspec.core.url_to_fs(out)
+        self._pattern = posixpath.join(root, "shard-*.parquet")
+        self._before = self._count()
+        self._tokens_per_shard = tokens_per_shard
+        self._interval_s = interval_s
+        self._bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="tokenizing")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="data-prepare-progress", daemon=True)
+
+    def _count(self) -> int:
+        try:
+            return len(self._fs.glob(self._pattern))
+        except (FileNotFoundError, OSError):
+            return 0
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            done = min(self._bar.total, (self._count() - self._before) * self._tokens_per_shard)
+            if done > self._bar.n:
+                self._bar.update(done - self._bar.n)
+
+    def __enter__(self) -> "_ShardProgress":
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type, *_exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        if exc_type is None:
+            self._bar.update(self._bar.total - self._bar.n)
+        self._bar.close()
+
+
 def _prepare(args: argparse.Namespace) -> int:
+    import fsspec
+
+    from rayfleet.storage.tokens import default_text_sources, find_text_files, prepare_token_dataset
+
     sources = args.sources or default_text_sources()
+    files = find_text_files(sources, glob=args.glob)
+    total_tokens = sum(fsspec.core.url_to_fs(f)[0].size(f) + 2 for f in files)  # bytes + BOS/EOS
+    rows_per_shard = max(1, args.shard_tokens // max(1, args.seq_len))
     start = time.monotonic()
-    manifest = prepare_token_dataset(sources, args.out, shard_tokens=args.shard_tokens,
-                                     seq_len=args.seq_len, glob=args.glob)
+    with _ShardProgress(args.out, total_tokens=total_tokens, tokens_per_shard=rows_per_shard * args.seq_len):
+        manifest = prepare_token_dataset(sources, args.out, shard_tokens=args.shard_tokens,
+                                         seq_len=args.seq_len, glob=args.glob)
     elapsed = time.monotonic() - start
     print(f"wrote {manifest.num_tokens:,} tokens from {manifest.num_documents:,} files into "
           f"{len(manifest.shards)} shard(s) at {args.out} in {elapsed:.1f}s "
