@@ -2,7 +2,7 @@
 inference demand envelope with request sizes from the Azure LLM trace.
 
 Design decisions:
-- Training: Microsoft Philly jobs (``../shared/traces/philly_jobs.csv``; CC BY 4.0, via
+- Training: Microsoft Philly jobs (``traces/philly_jobs.csv``; CC BY 4.0, via
   petuum/adaptdl) in arrival order from a seeded offset. Arrival times are compressed so the
   offered training work equals ``load_factor`` x the accelerators training can use; GPU counts
   are multiplied by ``size_scale`` (Philly jobs are 1-128 GPUs; an MoE fleet's jobs are larger)
@@ -20,11 +20,13 @@ from __future__ import annotations
 import csv
 import functools
 import math
+import os
 import random
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from rayfleet.errors import SpecError
 from rayfleet.platform.queues import JobClass
 
 __all__ = ["TrainingArrival", "load_philly_arrivals", "DemandModel", "load_request_costs", "default_trace_dir"]
@@ -32,9 +34,22 @@ __all__ = ["TrainingArrival", "load_philly_arrivals", "DemandModel", "load_reque
 DAY_S = 86_400.0
 
 
+TRACE_DIR_ENV = "RAYFLEET_TRACE_DIR"
+
+
 def default_trace_dir() -> Path:
-    """``<repo>/../shared/traces`` (the traces live beside the repository)."""
-    return Path(__file__).resolve().parents[4] / "shared" / "traces"
+    """Where the workload traces are: ``$RAYFLEET_TRACE_DIR`` if set, else the repository's
+    ``traces/`` folder (shipped with their sources and licences in ``traces/README.md``).
+
+    Raises ``SpecError`` naming the setting when that folder does not exist.
+    """
+    configured = os.environ.get(TRACE_DIR_ENV)
+    path = Path(configured) if configured else Path(__file__).resolve().parents[3] / "traces"
+    if not path.is_dir():
+        raise SpecError(TRACE_DIR_ENV, str(path), "is not a folder of traces",
+                        f"set {TRACE_DIR_ENV} to a folder holding philly_jobs.csv, azure2023_conv.csv and "
+                        "mooncake_synthetic.jsonl (the repository's traces/ has them)")
+    return path
 
 
 @dataclass(frozen=True)
