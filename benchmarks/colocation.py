@@ -11,7 +11,7 @@ and two baselines on the same trace and seed (see ``rayfleet/platform/sim``):
 - ``kueue``   — whole-job preemption with borrowing: training borrows Serve's idle quota and
   borrowing jobs are preempted whole when Serve reclaims it.
 
-Workload: training arrivals and sizes from the Philly trace (../shared/traces/philly_jobs.csv),
+Workload: training arrivals and sizes from the Philly trace (traces/philly_jobs.csv; RAYFLEET_TRACE_DIR),
 inference demand from a diurnal envelope (peak:trough ``--peak-to-trough``, unforecast bursts)
 with request sizes from the Azure 2023 conversation trace. Costs (snapshot, restart, model load)
 come from ``CostModel``; each is labeled calibrated-local or assumed and printed below.

@@ -1,10 +1,10 @@
 """Modeled costs of the simulator, in one place, each labeled with where its number comes from.
 
 ``calibrated-local``: measured on the local fleet of this project (a real multi-node Ray 2.60
-cluster on one 2-core CPU machine; ../shared/notes/ray-2.60.md). ``assumed``: a stated
-assumption for a production GPU fleet, to be replaced by measurements. The lead updates these
-defaults with the local fleet's measured numbers (flash snapshot, Ray Train restart, Serve
-replica start) as the other issues land; keep the labels honest when doing so.
+cluster on one 2-core CPU machine; docs/architecture.md, "Measured on the development machine").
+``assumed``: a stated assumption for a production GPU fleet, to be replaced by measurements. The
+lead updates these defaults with the local fleet's measured numbers (flash snapshot, Ray Train
+restart, Serve replica start) as the other issues land; keep the labels honest when doing so.
 """
 
 from __future__ import annotations
