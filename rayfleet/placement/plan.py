@@ -78,6 +78,11 @@ class ParallelPlan:
     replica_accelerators: tuple[str, ...] | None = None
     replica_microbatches: tuple[int, ...] | None = None
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "ParallelPlan":
+        """The plan ``dataclasses.asdict(plan)`` came from (JSON turned its tuples into lists)."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
     @property
     def world_size(self) -> int:
         return self.tp * self.cp * self.dp * self.pp
