@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from rayfleet.errors import RayfleetError
 
-__all__ = ["ReplicaUnavailableError"]
+__all__ = ["ReplicaUnavailableError", "RequestFailedError", "ReplicaOverloadedError"]
 
 
 class ReplicaUnavailableError(RayfleetError):
@@ -28,3 +28,27 @@ def _rebuild_unavailable(replica: str, message: str) -> ReplicaUnavailableError:
     RayfleetError.__init__(err, message)
     err.replica = replica
     return err
+
+
+class RequestFailedError(RayfleetError):
+    """The engine failed this one request (logged on the replica with its id and traceback);
+    the replica goes on serving. Not retried: the same request would fail again."""
+
+    def __init__(self, request_id: str, replica: str) -> None:
+        super().__init__(f"request {request_id} failed inside engine replica {replica} "
+                         "(the replica's log has the details under this request id)")
+        self.request_id, self.replica = request_id, replica
+
+    def __reduce__(self):  # crosses Ray processes
+        return (RequestFailedError, (self.request_id, self.replica))
+
+
+class ReplicaOverloadedError(RayfleetError):
+    """Too many requests queued (on a replica or the whole app): retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):  # crosses Ray processes
+        return (ReplicaOverloadedError, (str(self), self.retry_after_s))

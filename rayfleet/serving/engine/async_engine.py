@@ -14,11 +14,18 @@ Design decisions:
   fetch the KV, commit, stream). Lease expiry of handed-off KV runs on the loop, at least once
   per second, idle or not.
 - No Ray here: Serve deployments (``deployments``) and in-process tests wrap the same class.
+- Never a crash loop: the loop body catches everything. A request the engine failed alone
+  ends its stream with ``RequestFailedError``; a step failure that names no request fails
+  every request in flight (clean errors, blocks freed) and counts against the replica's
+  health. ``check_health`` (Serve calls it on engine replicas) raises when the loop task died,
+  when a step has run longer than ``max_step_s`` (wedged), or after ``max_step_failures``
+  failed steps in a row, so Serve replaces the replica instead of leaving it stuck.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +41,9 @@ from rayfleet.serving.kv.transfer import HandoffId, KVHandle, KVPayload, KVTrans
 from rayfleet.serving.engine.request import RequestOutput
 from rayfleet.serving.routing.policy import ReplicaSnapshot
 from rayfleet.serving.engine.sampling import SamplingParams
+from rayfleet.serving.errors import RequestFailedError
 
+log = logging.getLogger(__name__)
 __all__ = ["AsyncEngine", "PrefillReply", "ReplicaState", "BlockUsage", "load_engine"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -71,6 +80,7 @@ class PrefillReply:
     num_prompt_tokens: int
     num_cached_tokens: int
     queue_time_s: float
+    first_logprobs: tuple[Any, ...] = ()  # ``TokenLogprobs`` of the first token, when asked for
 
 
 @dataclass(frozen=True)
@@ -101,8 +111,14 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, *, name: str, transport: KVTransport | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 after_step: Callable[[], None] | None = None) -> None:
+                 after_step: Callable[[], None] | None = None, max_step_s: float = 120.0,
+                 max_step_failures: int = 3) -> None:
         self.engine = engine
+        self.max_step_s = max_step_s
+        self.max_step_failures = max_step_failures
+        self._step_started: float | None = None  # clock() at the start of the running step
+        self._num_step_failures = 0  # failed steps in a row
+        self._loop_error: BaseException | None = None
         # Runs on the engine thread after every step that did work (e.g. the expert balancer's
         # window accounting and placement updates), so it never overlaps a forward.
         self.after_step = after_step
@@ -137,9 +153,21 @@ class AsyncEngine:
         """Runs on the engine thread: one step, queue times, prefill results popped."""
         outputs = []
         if self.engine.has_unfinished_requests():
-            outputs = self.engine.step()
-            if self.after_step is not None:
-                self.after_step()
+            self._step_started = self.clock()
+            try:
+                outputs = self.engine.step()
+                if self.after_step is not None:
+                    self.after_step()
+                self._num_step_failures = 0
+            except Exception as exc:  # noqa: BLE001 - no request to blame: fail them all, stay up
+                self._num_step_failures += 1
+                log.error("replica %s: a step failed (%d in a row); failing its %d requests", self.name,
+                          self._num_step_failures, len(self.engine.scheduler.requests), exc_info=exc)
+                for rid in list(self.engine.scheduler.requests):
+                    self.engine.scheduler.abort_requests([rid], error="the engine step failed")
+                outputs = self.engine.scheduler.take_aborted_outputs()
+            finally:
+                self._step_started = None
         now = self.clock()
         for rid in self.engine.last_scheduled_ids:
             if rid not in self._queue_time and rid in self._arrival:
@@ -153,6 +181,28 @@ class AsyncEngine:
         return outputs, results, self.engine.has_unfinished_requests()
 
     async def _run(self) -> None:
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # check_health reports it; Serve replaces the replica
+            self._loop_error = exc
+            log.error("replica %s: the engine loop died", self.name, exc_info=exc)
+            raise
+
+    def check_health(self) -> None:
+        """Raise ``RuntimeError`` if the loop died, a step is wedged or steps keep failing
+        (see module doc). Cheap: reads fields, never waits for the engine thread."""
+        if self._loop_error is not None:
+            raise RuntimeError(f"engine replica {self.name}: the engine loop died: {self._loop_error!r}")
+        started = self._step_started
+        if started is not None and self.clock() - started > self.max_step_s:
+            raise RuntimeError(f"engine replica {self.name}: a step has run for {self.clock() - started:.0f} s "
+                               f"(limit {self.max_step_s:g} s); the engine is wedged")
+        if self._num_step_failures >= self.max_step_failures:
+            raise RuntimeError(f"engine replica {self.name}: {self._num_step_failures} steps failed in a row")
+
+    async def _loop(self) -> None:
         next_expiry = 0.0
         while True:
             self._wake.clear()
@@ -194,10 +244,14 @@ class AsyncEngine:
             self._wake.set()
 
     def _chunk(self, request_id: str, out: RequestOutput, *, first: bool) -> dict[str, Any]:
+        if out.error is not None:
+            raise RequestFailedError(request_id, self.name)
         chunk = {"token_ids": list(out.new_token_ids), "finished": out.finished,
                  "finish_reason": out.finish_reason.value if out.finish_reason else None,
                  "stop_reason": out.stop_reason, "num_prompt_tokens": out.num_prompt_tokens,
                  "num_cached_tokens": out.num_cached_tokens, "replica": self.name}
+        if out.logprobs:
+            chunk["logprobs"] = list(out.logprobs)
         if first:
             chunk["queue_time_s"] = self._queue_time.get(request_id, 0.0)
         return chunk
@@ -247,6 +301,8 @@ class AsyncEngine:
                 if out.finished:
                     finished = True
                     break
+            if out.error is not None:
+                raise RequestFailedError(request_id, self.name)
             queue_time = self._queue_time.get(request_id, 0.0)
         finally:
             self._close(request_id, finished=finished)
@@ -262,7 +318,8 @@ class AsyncEngine:
                             finish_reason=result.finish_reason.value if result.finish_reason else None,
                             stop_reason=result.stop_reason, handle=handle,
                             num_prompt_tokens=len(result.prompt_token_ids),
-                            num_cached_tokens=result.num_cached_tokens, queue_time_s=queue_time)
+                            num_cached_tokens=result.num_cached_tokens, queue_time_s=queue_time,
+                            first_logprobs=tuple(out.logprobs))
 
     def release_kv(self, handoff_id: HandoffId) -> bool:
         """The decode side has the KV: drop the lease now rather than at expiry."""

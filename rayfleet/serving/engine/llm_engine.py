@@ -23,10 +23,16 @@ Design decisions:
   evictions (write-back to host memory / disk) and, before each ``schedule()``, loads queued
   requests' blocks from the lower tiers into the pool as ordinary cached blocks
   (``kv_connector``), so the scheduler's prefix lookup finds them.
+- Failure isolation: a request that raises while being scheduled, in the forward pass or in
+  sampling fails alone: its blocks are freed and it ends with an ``abort`` output carrying an
+  error (the traceback is logged here with its request id); the batch's other requests get
+  their tokens. A failed batched forward is re-run chunk by chunk to find the culprit (the
+  step's KV writes are simply redone: cursors advance only after a step).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -42,9 +48,12 @@ from rayfleet.serving.engine.model_runner import ModelRunner
 from rayfleet.serving.routing.prefix_index import ReplicaId
 from rayfleet.serving.engine.request import FinishReason, Request, RequestId, RequestOutput
 from rayfleet.serving.routing.policy import ReplicaSnapshot
-from rayfleet.serving.engine.sampling import SamplingParams, sample_tokens
-from rayfleet.serving.engine.scheduler import Scheduler, SchedulerConfig
+from rayfleet.serving.engine.model_runner import StepLogits
+from rayfleet.serving.engine.sampling import SampledToken, SamplingParams, sample_rows
+from rayfleet.serving.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from rayfleet.serving.engine.stop_checker import check_stop
+
+log = logging.getLogger(__name__)
 
 __all__ = ["EngineConfig", "EngineStats", "GenerationResult", "LLMEngine", "PrefillResult"]
 
@@ -65,6 +74,7 @@ class EngineConfig:
     seed: int = 0  # generator for requests without their own seed
     # Never sample ids >= this (the tokenizer's size; see ``sampling``). None: the model's vocab.
     vocab_limit: int | None = None
+    max_num_waiting: int | None = None  # bound of the waiting queue (None: unbounded)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks"):
@@ -141,7 +151,8 @@ class LLMEngine:
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=max_model_len,
-                            enable_chunked_prefill=config.enable_chunked_prefill),
+                            enable_chunked_prefill=config.enable_chunked_prefill,
+                            max_num_waiting=config.max_num_waiting),
             self.kv_cache_manager, eos_token_id=self.tokenizer.eos_id, detokenize=self.tokenizer.decode)
         self.kv_tiers = kv_tiers
         if kv_tiers is not None:
@@ -260,24 +271,66 @@ class LLMEngine:
                            for r in sched.running)
             self.kv_tiers.before_schedule(sched.waiting, admit_window=self.config.max_num_seqs - len(sched.running),
                                           num_reserved_blocks=reserved)
-        output = self.scheduler.schedule()
+        try:
+            output = self.scheduler.schedule()
+        except Exception as exc:  # noqa: BLE001 - fail the request being scheduled alone
+            culprit = self.scheduler.current_request_id
+            self.scheduler.current_request_id = None
+            if culprit is None:
+                raise
+            self.scheduler.fail_request(culprit, exc)
+            self._log_failures()
+            return self.scheduler.take_aborted_outputs()
         self.last_scheduled_ids = tuple(c.request_id for c in output.chunks)
-        step_logits = self.runner.execute(output)
+        step_logits = self._execute(output)
         requests = [self.scheduler.requests[rid] for rid in step_logits.request_ids]
-        tokens = sample_tokens(step_logits.logits, [r.sampling_params for r in requests],
-                               [r.generator or self._generator for r in requests],
-                               vocab_limit=self.config.vocab_limit)
+        rows = sample_rows(step_logits.logits, [r.sampling_params for r in requests],
+                           [r.generator or self._generator for r in requests],
+                           vocab_limit=self.config.vocab_limit,
+                           output_token_ids=[r.output_token_ids for r in requests])
+        sampled: dict[RequestId, SampledToken] = {}
+        for request, row in zip(requests, rows):
+            if isinstance(row, Exception):
+                self.scheduler.fail_request(request.request_id, row)
+            else:
+                sampled[request.request_id] = row
+        requests = [r for r in requests if r.request_id in sampled]
         # Block tables of prefill-only requests sampling now: finishing frees them (contents
         # stay intact until a later step allocates them), so export right after the update.
         exporting = {r.request_id: (r, self.kv_cache_manager.get_block_ids(r.request_id))
                      for r in requests if r.request_id in self._prefill_params}
-        outputs = self.scheduler.update_from_output(output, dict(zip(step_logits.request_ids, tokens)))
+        outputs = self.scheduler.update_from_output(output, sampled)
+        self._log_failures()
         for out in outputs:
             if out.request_id in exporting and out.finished and out.finish_reason is not FinishReason.ABORT:
                 self._export_prefill(*exporting[out.request_id])
             if out.finished:
                 self._prefill_params.pop(out.request_id, None)
         return outputs
+
+    def _execute(self, output: SchedulerOutput) -> StepLogits:
+        """The step's forward; if it raises, each chunk alone, failing the chunks that raise."""
+        try:
+            return self.runner.execute(output)
+        except Exception:  # noqa: BLE001 - isolate below
+            log.warning("a batched forward of %d chunks failed; re-running them one by one", len(output.chunks))
+        ids: list[RequestId] = []
+        rows: list[torch.Tensor] = []
+        for chunk in output.chunks:
+            try:
+                one = self.runner.execute(replace(output, chunks=(chunk,), num_batched_tokens=len(chunk.token_ids)))
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                self.scheduler.fail_request(chunk.request_id, exc)
+                continue
+            ids.extend(one.request_ids)
+            rows.extend(one.logits)
+        vocab = self.model.config.vocab_size
+        return StepLogits(tuple(ids), torch.stack(rows) if rows else torch.empty(0, vocab))
+
+    def _log_failures(self) -> None:
+        failures, self.scheduler.failures = self.scheduler.failures, []
+        for request_id, exc in failures:
+            log.error("request %s failed in the engine and was ended alone", request_id, exc_info=exc)
 
     def _export_prefill(self, request: Request, block_ids: list[BlockId]) -> None:
         params = self._prefill_params[request.request_id]

@@ -20,7 +20,7 @@ from typing import NewType
 import torch
 
 from rayfleet.serving.engine.block_hash import BlockHash, hash_full_blocks
-from rayfleet.serving.engine.sampling import SamplingParams
+from rayfleet.serving.engine.sampling import SamplingParams, TokenLogprobs
 
 __all__ = ["RequestId", "RequestStatus", "FinishReason", "Request", "RequestOutput"]
 
@@ -38,7 +38,7 @@ class FinishReason(str, enum.Enum):
 
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the engine's max_model_len
-    ABORT = "abort"  # cancelled by the caller
+    ABORT = "abort"  # cancelled by the caller, or failed inside the engine (``error`` says so)
 
 
 @dataclass(eq=False)
@@ -100,7 +100,9 @@ class RequestOutput:
 
     ``new_token_ids`` are the tokens sampled this step (empty while a prompt is still being
     prefilled in chunks, or for an aborted request); ``num_cached_tokens`` is the prefix-cache
-    hit when the request was first admitted.
+    hit when the request was first admitted. ``logprobs`` has one entry per new token when
+    the request asked for them. ``error`` is set (with ``finish_reason=abort``) when the
+    engine failed this request alone (see ``LLMEngine.step``); the message names no internals.
     """
 
     request_id: RequestId
@@ -111,3 +113,5 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    error: str | None = None

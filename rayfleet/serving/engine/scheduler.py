@@ -24,21 +24,39 @@ Design decisions:
   request one token from decoding, so preemption (recompute) works unchanged.
 - A request that cannot fit in the pool even alone is rejected at ``add_request`` (the engine
   sizes ``max_model_len`` to the pool), so preemption always makes progress.
+- Failure isolation: a chunk whose update raises fails its request alone (``fail_request``:
+  blocks freed, an ``abort`` output carrying an error); ``current_request_id`` names the
+  request being scheduled, so that when ``schedule`` raises the engine fails that one. ``max_num_waiting`` bounds the queue: ``add_request`` refuses more
+  with ``EngineOverloadedError`` (the ingress answers 429) instead of an unbounded wait.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rayfleet.errors import SpecError
 from rayfleet.serving.engine.block_pool import BlockId
 from rayfleet.serving.engine.kv_cache_manager import KVCacheManager
 from rayfleet.serving.engine.request import FinishReason, Request, RequestId, RequestOutput, RequestStatus
+from rayfleet.serving.engine.sampling import SampledToken, TokenLogprobs
 from rayfleet.serving.engine.stop_checker import check_stop
+from rayfleet.serving.errors import ReplicaOverloadedError
 
-__all__ = ["SchedulerConfig", "ScheduledChunk", "SchedulerOutput", "Scheduler"]
+__all__ = ["SchedulerConfig", "ScheduledChunk", "SchedulerOutput", "Scheduler", "EngineOverloadedError"]
+
+
+class EngineOverloadedError(ReplicaOverloadedError):
+    """The replica's waiting queue is full (``max_num_waiting``); retry later or elsewhere."""
+
+    def __init__(self, num_waiting: int, limit: int) -> None:
+        super().__init__(f"the engine queue is full ({num_waiting} waiting requests, limit {limit}); "
+                         "retry after a short wait (raise engine.max_queued_requests to queue more)")
+        self.num_waiting, self.limit = num_waiting, limit
+
+    def __reduce__(self):  # crosses Ray processes
+        return (EngineOverloadedError, (self.num_waiting, self.limit))
 
 
 @dataclass(frozen=True)
@@ -49,8 +67,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 256
     max_model_len: int = 1024
     enable_chunked_prefill: bool = True
+    max_num_waiting: int | None = None  # None: unbounded queue (library use)
 
     def __post_init__(self) -> None:
+        if self.max_num_waiting is not None and self.max_num_waiting < 1:
+            raise SpecError("max_num_waiting", self.max_num_waiting, "must be positive",
+                            "pass max_num_waiting >= 1, or None for no bound")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise SpecError(name, getattr(self, name), "must be positive", f"pass {name} >= 1")
@@ -107,13 +129,19 @@ class Scheduler:
         self._finished_ids: list[RequestId] = []
         self._aborted_outputs: list[RequestOutput] = []
         self.num_preemptions = 0
+        self.current_request_id: RequestId | None = None  # see module doc (failure isolation)
+        self.failures: list[tuple[RequestId, BaseException]] = []  # taken and logged by the engine
 
     # -- requests in and out --------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ``SpecError`` for a duplicate id or a prompt that leaves no
-        room to generate within ``max_model_len``."""
+        room to generate within ``max_model_len``, and ``EngineOverloadedError`` when the
+        waiting queue is full."""
         self._validate(request)
+        limit = self.config.max_num_waiting
+        if limit is not None and len(self.waiting) >= limit:
+            raise EngineOverloadedError(len(self.waiting), limit)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -153,9 +181,10 @@ class Scheduler:
                             f"needs room for one more token within max_model_len={self.config.max_model_len}",
                             "shorten the prompt or raise max_model_len (and the KV pool)")
 
-    def abort_requests(self, request_ids: Iterable[RequestId]) -> None:
+    def abort_requests(self, request_ids: Iterable[RequestId], *, error: str | None = None) -> None:
         """Finish requests with ``FinishReason.ABORT`` and free their blocks; unknown or
-        finished ids are ignored. Each gets one final output at the next ``update_from_output``."""
+        finished ids are ignored. Each gets one final output (carrying ``error`` when the
+        engine failed it) at the next ``update_from_output``."""
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is None:
@@ -167,7 +196,7 @@ class Scheduler:
             else:
                 self.running.remove(request)
             self._finish(request, FinishReason.ABORT)
-            self._aborted_outputs.append(self._output(request, ()))
+            self._aborted_outputs.append(replace(self._output(request, ()), error=error))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self._aborted_outputs)
@@ -188,6 +217,7 @@ class Scheduler:
                     break
                 if request.request_id in scheduled or request.status is not RequestStatus.RUNNING:
                     continue
+                self.current_request_id = request.request_id
                 num_new = request.num_tokens - request.num_computed_tokens
                 if (num_new == 1) != decoding:
                     continue
@@ -208,6 +238,7 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
+            self.current_request_id = request.request_id
             prefix = self.kv.get_computed_prefix(request)
             num_new = request.num_tokens - prefix.num_computed_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -225,36 +256,62 @@ class Scheduler:
             scheduled.add(request.request_id)
             budget -= num_new
 
+        self.current_request_id = None
         finished, self._finished_ids = tuple(self._finished_ids), []
         return SchedulerOutput(chunks=tuple(chunks),
                                num_batched_tokens=self.config.max_num_batched_tokens - budget,
                                preempted_request_ids=tuple(preempted), finished_request_ids=finished)
 
     def update_from_output(self, output: SchedulerOutput,
-                           sampled_token_ids: Mapping[RequestId, int]) -> list[RequestOutput]:
+                           sampled_token_ids: Mapping[RequestId, int | SampledToken]) -> list[RequestOutput]:
         """Apply an executed step: advance cursors, cache full blocks, append sampled tokens,
         finish stopped requests (freeing their blocks). Returns outputs for requests that got
-        a token or finished (aborted ones included). Raises ``KeyError`` if a sampling chunk
-        has no sampled token."""
-        outputs, self._aborted_outputs = self._aborted_outputs, []
+        a token or finished (aborted and failed ones included). Raises ``KeyError`` if a
+        sampling chunk has no sampled token (``current_request_id`` names it)."""
+        outputs: list[RequestOutput] = []
         for chunk in output.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += len(chunk.token_ids)
-            self.kv.cache_computed_blocks(request)
-            if not chunk.sample:
-                continue
-            token_id = int(sampled_token_ids[chunk.request_id])
-            request.append_output_token(token_id)
-            stop = check_stop(output_token_ids=request.output_token_ids, num_tokens=request.num_tokens,
-                              params=request.sampling_params, eos_token_id=self.eos_token_id,
-                              max_model_len=self.config.max_model_len, detokenize=self.detokenize)
-            if stop is not None:
-                self.running.remove(request)
-                self._finish(request, stop.finish_reason, stop.stop_reason)
-            outputs.append(self._output(request, (token_id,)))
+            try:
+                outputs.extend(self._apply_chunk(request, chunk, sampled_token_ids))
+            except Exception as exc:  # noqa: BLE001 - this request fails alone (module doc)
+                self.fail_request(chunk.request_id, exc)
+        return self.take_aborted_outputs() + outputs
+
+    def fail_request(self, request_id: RequestId, exc: BaseException) -> None:
+        """Finish ``request_id`` with an error output (its blocks freed); remembered in
+        ``failures`` for the engine to log with the traceback. Unknown ids are ignored."""
+        self.failures.append((request_id, exc))
+        self.abort_requests([request_id], error="the engine failed this request")
+
+    def take_aborted_outputs(self) -> list[RequestOutput]:
+        """Final outputs of requests aborted or failed since the last update (the engine
+        reports them itself when a step could not run to ``update_from_output``)."""
+        outputs, self._aborted_outputs = self._aborted_outputs, []
         return outputs
+
+    def _apply_chunk(self, request: Request, chunk: ScheduledChunk,
+                     sampled_token_ids: Mapping[RequestId, int | SampledToken]) -> list[RequestOutput]:
+        """One chunk of ``update_from_output``: advance, cache, append and check the token."""
+        request.num_computed_tokens += len(chunk.token_ids)
+        self.kv.cache_computed_blocks(request)
+        if not chunk.sample:
+            return []
+        sampled = sampled_token_ids[chunk.request_id]
+        logprobs: tuple[TokenLogprobs, ...] = ()
+        if isinstance(sampled, SampledToken):
+            logprobs = (sampled.logprobs,) if sampled.logprobs is not None else ()
+            sampled = sampled.token_id
+        token_id = int(sampled)
+        request.append_output_token(token_id)
+        stop = check_stop(output_token_ids=request.output_token_ids, num_tokens=request.num_tokens,
+                          params=request.sampling_params, eos_token_id=self.eos_token_id,
+                          max_model_len=self.config.max_model_len, detokenize=self.detokenize)
+        if stop is not None:
+            self.running.remove(request)
+            self._finish(request, stop.finish_reason, stop.stop_reason)
+        return [replace(self._output(request, (token_id,)), logprobs=logprobs)]
 
     # -- internals ------------------------------------------------------------------------------
 
