@@ -66,6 +66,26 @@ class MoEConfig:
     # None: dropless. Otherwise each expert takes at most ceil(cf * tokens * top_k / E) tokens.
     capacity_factor: float | None = None
     init_std: float = 0.02
+    # --- Hugging Face architectures (defaults keep rayfleet's own presets unchanged) ---
+    # Rotary layout: interleaved pairs (x0,x1),(x2,x3).. (rayfleet, DeepSeek) or split halves
+    # (x_i, x_{i+D/2}) as in HF Llama/Qwen/Mixtral ("rotate_half").
+    rope_interleaved: bool = True
+    qkv_bias: bool = False  # Qwen2: biases on the q/k/v projections
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before rotary
+    # Multi-head latent attention (DeepSeek-V2/V3) when kv_lora_rank > 0: head_dim is then the
+    # no-rotary q/k width, rope_head_dim the rotary width, v_head_dim the value width.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: a full-rank query projection
+    rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # Router: renormalise the top-k weights (False: Qwen2-MoE's default); group-limited top-k
+    # (DeepSeek-V3: pick topk_groups of num_groups expert groups, scored by their top-2 sum).
+    router_norm_topk: bool = True
+    router_num_groups: int = 1
+    router_topk_groups: int = 1
+    # Shared experts: total width (0: moe_ffn_dim * num_shared_experts); sigmoid-gated (Qwen2-MoE).
+    shared_ffn_dim: int = 0
+    shared_expert_gate: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -97,14 +117,61 @@ class MoEConfig:
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise SpecError("capacity_factor", self.capacity_factor, "must be positive",
                             "pass a value > 0, or None for dropless routing")
+        self._validate_extensions()
         if self.router_bias_update_rate < 0 or self.aux_loss_coef < 0:
             raise SpecError("router_bias_update_rate/aux_loss_coef",
                             (self.router_bias_update_rate, self.aux_loss_coef),
                             "must be non-negative", "pass 0 to disable")
 
+    def _validate_extensions(self) -> None:
+        if self.uses_mla:
+            if not self.rope_head_dim or self.rope_head_dim % 2 or not self.v_head_dim:
+                raise SpecError("rope_head_dim/v_head_dim", (self.rope_head_dim, self.v_head_dim),
+                                "multi-head latent attention needs an even rotary width and a value width",
+                                "set both (DeepSeek-V3: 64 and 128)")
+            if self.qkv_bias or self.qk_norm or self.num_kv_heads != self.num_heads:
+                raise SpecError("kv_lora_rank", self.kv_lora_rank,
+                                "latent attention has no qkv bias, q/k norm or KV-head grouping",
+                                "set qkv_bias=False, qk_norm=False and num_kv_heads=num_heads")
+        elif self.q_lora_rank or self.rope_head_dim or self.v_head_dim:
+            raise SpecError("q_lora_rank/rope_head_dim/v_head_dim",
+                            (self.q_lora_rank, self.rope_head_dim, self.v_head_dim),
+                            "only apply to latent attention", "set kv_lora_rank > 0 or leave them 0")
+        groups, chosen = self.router_num_groups, self.router_topk_groups
+        if groups < 1 or not 1 <= chosen <= groups or (self.num_moe_layers and self.num_experts % groups):
+            raise SpecError("router_num_groups/router_topk_groups", (groups, chosen),
+                            f"need 1 <= topk_groups <= num_groups dividing num_experts={self.num_experts}",
+                            "use groups=1, topk_groups=1 for plain top-k")
+        if self.shared_expert_gate and not self.num_shared_experts:
+            raise SpecError("shared_expert_gate", True, "there is no shared expert to gate",
+                            "set num_shared_experts >= 1")
+
+    @property
+    def uses_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.dim // self.num_heads
+
+    @property
+    def resolved_shared_ffn_dim(self) -> int:
+        return self.shared_ffn_dim or self.moe_ffn_dim * self.num_shared_experts
+
+    def attention_params(self) -> int:
+        """Parameters of one attention block (projections, biases, q/k or latent norms)."""
+        hd, h = self.resolved_head_dim, self.num_heads
+        if not self.uses_mla:
+            params = self.dim * hd * (2 * h + 2 * self.num_kv_heads)
+            if self.qkv_bias:
+                params += hd * (h + 2 * self.num_kv_heads)
+            return params + (2 * hd if self.qk_norm else 0)
+        qk = hd + self.rope_head_dim
+        q = (self.dim * h * qk if not self.q_lora_rank
+             else self.dim * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * qk)
+        kv = (self.dim * (self.kv_lora_rank + self.rope_head_dim) + self.kv_lora_rank
+              + self.kv_lora_rank * h * (hd + self.v_head_dim))
+        return q + kv + h * self.v_head_dim * self.dim
 
     @property
     def num_moe_layers(self) -> int:
@@ -118,14 +185,14 @@ class MoEConfig:
 
     def num_params(self) -> ParamCount:
         """Analytic parameter counts (equal to the built model's, checked by a unit test)."""
-        hd = self.resolved_head_dim
-        attn = self.dim * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
+        attn = self.attention_params()
         norms = 2 * self.dim
         dense_ffn = 3 * self.dim * self.ffn_dim
         expert = 3 * self.dim * self.moe_ffn_dim
         router = self.num_experts * self.dim
-        moe_total = router + expert * (self.num_experts + self.num_shared_experts)
-        moe_active = router + expert * (self.top_k + self.num_shared_experts)
+        shared = 3 * self.dim * self.resolved_shared_ffn_dim + (self.dim if self.shared_expert_gate else 0)
+        moe_total = router + expert * self.num_experts + shared
+        moe_active = router + expert * self.top_k + shared
         embedding = 2 * self.vocab_size * self.dim  # untied input embedding and output head
         base = embedding + self.dim + self.num_layers * (attn + norms) + self.num_dense_layers * dense_ffn
         return ParamCount(

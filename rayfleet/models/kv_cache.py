@@ -10,6 +10,10 @@ Design decisions:
   their absolute ``positions``, where each is written (``slot_mapping``: ``block * block_size +
   offset``, -1 for padding) and which blocks each sequence reads (``block_tables``). Prefill,
   chunked prefill and decode are the same call with different ``S``; a mixed batch pads.
+- Multi-head latent attention (DeepSeek) caches what it projects, not per-head K/V: the ``k``
+  pool holds the normalised latent ``c_kv`` ``[.., 1, kv_lora_rank]`` and the ``v`` pool the
+  rotated shared key ``[.., 1, rope_head_dim]``; the two pools then differ in their last dim.
+  Block ids, tiers and transfers treat them as any other pair of pools.
 - Padded ``[B, S]`` rather than vLLM's flattened varlen layout: it maps straight onto
   ``scaled_dot_product_attention`` with a mask and costs only padding FLOPs, which a CPU fleet
   can afford; a varlen kernel can replace ``paged_attention`` later without touching callers.
@@ -25,7 +29,7 @@ import torch.nn.functional as F
 from rayfleet.errors import SpecError
 from rayfleet.models.config import MoEConfig
 
-__all__ = ["PagedKVCache", "PagedBatch", "paged_attention"]
+__all__ = ["PagedKVCache", "PagedBatch", "paged_attention", "paged_write_gather", "paged_causal_mask"]
 
 
 @dataclass(frozen=True)
@@ -41,19 +45,25 @@ class PagedKVCache:
     @classmethod
     def allocate(cls, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> "PagedKVCache":
+                 device: torch.device | str = "cpu", v_head_dim: int | None = None) -> "PagedKVCache":
+        """Zeroed pools; ``v_head_dim`` (default ``head_dim``) sizes the ``v`` pool's last dim."""
         if num_blocks <= 0 or block_size <= 0:
             raise SpecError("num_blocks/block_size", (num_blocks, block_size), "must be positive",
                             "size the KV pool with at least one block of one slot")
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        v_shape = shape[:-1] + (head_dim if v_head_dim is None else v_head_dim,)
         return cls(k=torch.zeros(shape, dtype=dtype, device=device),
-                   v=torch.zeros(shape, dtype=dtype, device=device))
+                   v=torch.zeros(v_shape, dtype=dtype, device=device))
 
     @classmethod
     def for_config(cls, config: MoEConfig, *, num_blocks: int, block_size: int,
                    dtype: torch.dtype = torch.float32,
                    device: torch.device | str = "cpu") -> "PagedKVCache":
-        """Pools shaped for ``config`` (layers, KV heads, head dim)."""
+        """Pools shaped for ``config`` (layers, KV heads, head dim; latent widths for MLA)."""
+        if config.uses_mla:
+            return cls.allocate(num_layers=config.num_layers, num_blocks=num_blocks,
+                                block_size=block_size, num_kv_heads=1, head_dim=config.kv_lora_rank,
+                                v_head_dim=config.rope_head_dim, dtype=dtype, device=device)
         return cls.allocate(num_layers=config.num_layers, num_blocks=num_blocks, block_size=block_size,
                             num_kv_heads=config.num_kv_heads, head_dim=config.resolved_head_dim,
                             dtype=dtype, device=device)
@@ -102,6 +112,35 @@ class PagedBatch:
         return cls(positions=positions, slot_mapping=slots, block_tables=block_tables)
 
 
+def paged_write_gather(new: torch.Tensor, pool: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+    """Write the new entries into one layer's pool, then read each sequence's blocks.
+
+    new: ``[B, S, H, D]`` (padding rows are skipped); pool: ``[N, bs, H, D]`` (mutated).
+    Returns ``[B, max_blocks * bs, H, D]`` in ``new``'s dtype: the context in position order.
+    """
+    bsz = new.shape[0]
+    num_heads, width = pool.shape[2], pool.shape[3]
+    flat = pool.view(-1, num_heads, width)
+    slots = batch.slot_mapping.reshape(-1)
+    keep = slots >= 0
+    # Write before reading so that a chunk attends to itself through the same path as the past.
+    flat[slots[keep]] = new.reshape(-1, num_heads, width)[keep].to(flat.dtype)
+    tables = batch.block_tables.clamp(min=0)
+    return pool[tables].reshape(bsz, -1, num_heads, width).to(new.dtype)
+
+
+def paged_causal_mask(batch: PagedBatch, ctx: int) -> torch.Tensor:
+    """``[B, 1, S, ctx]`` bool: the query at position p sees context positions ``<= p``.
+
+    Padding queries get position 0 so that their softmax row is not empty (their output is
+    garbage the caller ignores; an all-masked row would produce NaNs).
+    """
+    bsz, seqlen = batch.positions.shape
+    key_pos = torch.arange(ctx, device=batch.positions.device)
+    query_pos = batch.positions.clamp(min=0)
+    return key_pos.view(1, 1, 1, ctx) <= query_pos.view(bsz, 1, seqlen, 1)
+
+
 def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, *,
                     k_pool: torch.Tensor, v_pool: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
     """Write the new K/V into one layer's pools, then attend over each sequence's blocks.
@@ -109,26 +148,10 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, *
     q: ``[B, H, S, D]``; k_new, v_new: ``[B, Hkv, S, D]``; k_pool, v_pool: ``[N, bs, Hkv, D]``
     (mutated). Returns ``[B, H, S, D]``. Query at position p sees cached positions ``<= p``.
     """
-    bsz, num_heads, seqlen, head_dim = q.shape
-    num_kv = k_new.shape[1]
-    block_size = k_pool.shape[1]
-    flat_k = k_pool.view(-1, num_kv, head_dim)
-    flat_v = v_pool.view(-1, num_kv, head_dim)
-    slots = batch.slot_mapping.reshape(-1)
-    keep = slots >= 0
-    # Write before reading so that a chunk attends to itself through the same path as the past.
-    flat_k[slots[keep]] = k_new.transpose(1, 2).reshape(-1, num_kv, head_dim)[keep].to(flat_k.dtype)
-    flat_v[slots[keep]] = v_new.transpose(1, 2).reshape(-1, num_kv, head_dim)[keep].to(flat_v.dtype)
-
-    tables = batch.block_tables.clamp(min=0)
-    ctx = tables.shape[1] * block_size
-    keys = k_pool[tables].reshape(bsz, ctx, num_kv, head_dim).transpose(1, 2).to(q.dtype)
-    values = v_pool[tables].reshape(bsz, ctx, num_kv, head_dim).transpose(1, 2).to(q.dtype)
-    key_pos = torch.arange(ctx, device=q.device)
-    # Padding queries get position 0 so that their softmax row is not empty (their output is
-    # garbage the caller ignores; an all-masked row would produce NaNs).
-    query_pos = batch.positions.clamp(min=0)
-    mask = (key_pos.view(1, 1, 1, ctx) <= query_pos.view(bsz, 1, seqlen, 1))
+    num_heads, num_kv = q.shape[1], k_new.shape[1]
+    keys = paged_write_gather(k_new.transpose(1, 2), k_pool, batch).transpose(1, 2).to(q.dtype)
+    values = paged_write_gather(v_new.transpose(1, 2), v_pool, batch).transpose(1, 2).to(q.dtype)
+    mask = paged_causal_mask(batch, keys.shape[2])
     if num_heads != num_kv:
         keys = keys.repeat_interleave(num_heads // num_kv, dim=1)
         values = values.repeat_interleave(num_heads // num_kv, dim=1)

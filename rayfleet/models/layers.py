@@ -43,38 +43,56 @@ def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tupl
     return angles.cos(), angles.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[B, H, S, D]`` by per-token angles ``[B, S, D/2]`` (interleaved pairs)."""
-    x32 = x.float().unflatten(-1, (-1, 2))
-    x_even, x_odd = x32[..., 0], x32[..., 1]
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                 interleaved: bool = True) -> torch.Tensor:
+    """Rotate ``x`` ``[B, H, S, D]`` by per-token angles ``[B, S, D/2]``.
+
+    interleaved: pairs ``(x0, x1), (x2, x3) ...`` (rayfleet, DeepSeek); otherwise pairs
+    ``(x_i, x_{i + D/2})`` (Hugging Face Llama/Qwen/Mixtral's ``rotate_half``).
+    """
+    x32 = x.float()
+    if interleaved:
+        x32 = x32.unflatten(-1, (-1, 2))
+        x_a, x_b = x32[..., 0], x32[..., 1]
+    else:
+        x_a, x_b = x32.chunk(2, dim=-1)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
-    return rotated.flatten(-2).to(x.dtype)
+    a, b = x_a * cos - x_b * sin, x_a * sin + x_b * cos
+    rotated = torch.stack((a, b), dim=-1).flatten(-2) if interleaved else torch.cat((a, b), dim=-1)
+    return rotated.to(x.dtype)
 
 
 class Attention(nn.Module):
     """Causal grouped-query attention; full-sequence (training) or paged (serving)."""
 
     def __init__(self, *, dim: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 rope_theta: float) -> None:
+                 rope_theta: float, rope_interleaved: bool = True, qkv_bias: bool = False,
+                 qk_norm: bool = False, norm_eps: float = 1e-6) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.rope_theta = rope_theta
-        self.wq = nn.Linear(dim, num_heads * head_dim, bias=False)
-        self.wk = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
-        self.wv = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
+        self.rope_theta, self.rope_interleaved = rope_theta, rope_interleaved
+        self.wq = nn.Linear(dim, num_heads * head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(dim, num_kv_heads * head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(dim, num_kv_heads * head_dim, bias=qkv_bias)
         self.wo = nn.Linear(num_heads * head_dim, dim, bias=False)
+        # Per-head norms over head_dim (Qwen3): they commute with a TP split of the heads.
+        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, *,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                 paged: PagedBatch | None = None) -> torch.Tensor:
         """x ``[B, S, dim]``; positions ``[B, S]``; kv: this layer's (k_pool, v_pool) or None."""
         bsz, seqlen, _ = x.shape
-        q = self.wq(x).view(bsz, seqlen, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(bsz, seqlen, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(bsz, seqlen, self.num_heads, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, self.num_kv_heads, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         cos, sin = rotary_cos_sin(positions.clamp(min=0), self.head_dim, self.rope_theta)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q = apply_rotary(q, cos, sin, interleaved=self.rope_interleaved)
+        k = apply_rotary(k, cos, sin, interleaved=self.rope_interleaved)
         if kv is None:
             if self.num_heads != self.num_kv_heads:
                 rep = self.num_heads // self.num_kv_heads

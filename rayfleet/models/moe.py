@@ -49,10 +49,12 @@ class Router(nn.Module):
     """Top-k router in fp32 with a load-balancing bias used only for selection."""
 
     def __init__(self, *, dim: int, num_experts: int, top_k: int, score: str,
-                 route_scale: float, bias_update_rate: float) -> None:
+                 route_scale: float, bias_update_rate: float, norm_topk: bool = True,
+                 num_groups: int = 1, topk_groups: int = 1) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.score = num_experts, top_k, score
         self.route_scale, self.bias_update_rate = route_scale, bias_update_rate
+        self.norm_topk, self.num_groups, self.topk_groups = norm_topk, num_groups, topk_groups
         # A bare Parameter, not nn.Linear: a generic "swap every Linear" pass cannot grab it.
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
@@ -61,11 +63,24 @@ class Router(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.float(), self.weight.float())
         scores = torch.sigmoid(logits) if self.score == "sigmoid" else logits.softmax(dim=-1)
-        topk_idx = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices
+        choice = scores.detach() + self.expert_bias
+        if self.num_groups > 1:
+            choice = self._limit_to_groups(choice)
+        topk_idx = torch.topk(choice, self.top_k, dim=-1).indices
         weight = scores.gather(1, topk_idx)
-        if self.top_k > 1:
-            weight = weight / weight.sum(dim=-1, keepdim=True)
+        if self.top_k > 1 and self.norm_topk:
+            # The epsilon is DeepSeek-V3's: sigmoid scores of a token can all be ~0.
+            weight = weight / (weight.sum(dim=-1, keepdim=True) + 1e-20)
         return RouterOutput(topk_idx, weight * self.route_scale, scores)
+
+    def _limit_to_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3 node-limited routing: keep the ``topk_groups`` expert groups whose two
+        best (biased) scores sum highest; the others' experts get -inf. ``choice`` ``[T, E]``."""
+        grouped = choice.view(choice.shape[0], self.num_groups, -1)
+        group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+        keep = torch.zeros_like(group_score, dtype=torch.bool)
+        keep.scatter_(1, group_score.topk(self.topk_groups, dim=-1).indices, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert: torch.Tensor) -> None:
@@ -197,15 +212,22 @@ class MoELayer(nn.Module):
     def __init__(self, *, dim: int, hidden_dim: int, num_experts: int, top_k: int,
                  num_shared_experts: int, score: str, route_scale: float,
                  bias_update_rate: float, aux_loss_coef: float,
-                 capacity_factor: float | None) -> None:
+                 capacity_factor: float | None, norm_topk: bool = True, num_groups: int = 1,
+                 topk_groups: int = 1, shared_hidden_dim: int = 0,
+                 shared_expert_gate: bool = False) -> None:
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.aux_loss_coef, self.capacity_factor = aux_loss_coef, capacity_factor
         self.router = Router(dim=dim, num_experts=num_experts, top_k=top_k, score=score,
-                             route_scale=route_scale, bias_update_rate=bias_update_rate)
+                             route_scale=route_scale, bias_update_rate=bias_update_rate,
+                             norm_topk=norm_topk, num_groups=num_groups, topk_groups=topk_groups)
         self.experts = GroupedExperts(dim=dim, hidden_dim=hidden_dim, num_experts=num_experts)
-        self.shared_experts = (FeedForward(dim, hidden_dim * num_shared_experts)
+        self.shared_experts = (FeedForward(dim, shared_hidden_dim or hidden_dim * num_shared_experts)
                                if num_shared_experts else None)
+        # Qwen2-MoE scales the shared expert per token by sigmoid(gate . x). A bare Parameter
+        # like the router's, so no Linear-swapping pass (FP8, TP) mistakes it for a projection.
+        self.shared_expert_gate = (nn.Parameter(torch.empty(1, dim))
+                                   if shared_expert_gate and num_shared_experts else None)
         self.dispatcher: TokenDispatcher = LocalDispatcher()
         self.register_buffer("last_tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64),
                              persistent=False)
@@ -236,7 +258,10 @@ class MoELayer(nn.Module):
             dispatched_copies = int(dispatched.tokens_per_expert.sum())
         self.last_dropped_tokens = int(routing.topk_idx.numel() - dispatched_copies)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
+            shared = self.shared_experts(flat)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(F.linear(flat, self.shared_expert_gate)) * shared
+            out = out + shared
         if self.training and self.aux_loss_coef > 0 and torch.is_grad_enabled():
             aux = self.aux_loss(routing, counts)
             self.last_aux_loss = aux.detach()

@@ -23,6 +23,7 @@ from rayfleet.errors import SpecError
 from rayfleet.models.config import MoEConfig
 from rayfleet.models.kv_cache import PagedBatch, PagedKVCache
 from rayfleet.models.layers import Attention, FeedForward, RMSNorm
+from rayfleet.models.mla import LatentAttention
 from rayfleet.models.moe import MoELayer
 
 __all__ = ["TransformerBlock", "MoETransformer", "build_model", "materialize"]
@@ -33,9 +34,21 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = Attention(dim=config.dim, num_heads=config.num_heads,
-                                   num_kv_heads=config.num_kv_heads,
-                                   head_dim=config.resolved_head_dim, rope_theta=config.rope_theta)
+        self.attention: nn.Module
+        if config.uses_mla:
+            self.attention = LatentAttention(
+                dim=config.dim, num_heads=config.num_heads, q_lora_rank=config.q_lora_rank,
+                kv_lora_rank=config.kv_lora_rank, nope_head_dim=config.resolved_head_dim,
+                rope_head_dim=config.rope_head_dim, v_head_dim=config.v_head_dim,
+                rope_theta=config.rope_theta, rope_interleaved=config.rope_interleaved,
+                norm_eps=config.norm_eps)
+        else:
+            self.attention = Attention(dim=config.dim, num_heads=config.num_heads,
+                                       num_kv_heads=config.num_kv_heads,
+                                       head_dim=config.resolved_head_dim, rope_theta=config.rope_theta,
+                                       rope_interleaved=config.rope_interleaved,
+                                       qkv_bias=config.qkv_bias, qk_norm=config.qk_norm,
+                                       norm_eps=config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward: nn.Module
         if config.is_moe_layer(layer_id):
@@ -44,7 +57,10 @@ class TransformerBlock(nn.Module):
                 top_k=config.top_k, num_shared_experts=config.num_shared_experts,
                 score=config.router_score, route_scale=config.route_scale,
                 bias_update_rate=config.router_bias_update_rate,
-                aux_loss_coef=config.aux_loss_coef, capacity_factor=config.capacity_factor)
+                aux_loss_coef=config.aux_loss_coef, capacity_factor=config.capacity_factor,
+                norm_topk=config.router_norm_topk, num_groups=config.router_num_groups,
+                topk_groups=config.router_topk_groups, shared_hidden_dim=config.resolved_shared_ffn_dim,
+                shared_expert_gate=config.shared_expert_gate)
         else:
             self.feed_forward = FeedForward(config.dim, config.ffn_dim)
 
@@ -117,6 +133,8 @@ class MoETransformer(nn.Module):
             leaf = name.rsplit(".", 1)[-1]
             if "norm" in name:
                 value = torch.ones(param.shape)
+            elif leaf == "bias":
+                value = torch.zeros(param.shape)
             elif name.startswith("tok_embeddings"):
                 value = torch.randn(param.shape, generator=gen)
             elif name.startswith("output"):
