@@ -64,18 +64,17 @@ class Fleet:
     @property
     def dashboard_url(self) -> str:
         """The job API / dashboard address of the connected cluster (``http://host:port``)."""
-        from ray._private.worker import get_dashboard_url
+        from rayfleet.platform.ray_compat import dashboard_url
 
-        url = get_dashboard_url()
-        return url if "://" in url else f"http://{url}"
+        return dashboard_url()
 
     def train(self, spec, *, max_failures: int | None = None, storage_path: str | None = None):
-        """Submit a training job; returns a :class:`rayfleet.jobs.handle.TrainingRun`.
+        """Submit a training job; returns a :class:`rayfleet.jobs.training_run.TrainingRun`.
 
         ``spec``: a ``TrainJobSpec``, a mapping of its fields, or a job YAML path. The spec and
         its dataset are checked here, before anything is submitted.
         """
-        from rayfleet.jobs.handle import submit_training
+        from rayfleet.jobs.training_run import submit_training
         from rayfleet.jobs.planning import check_dataset, validate_job
         from rayfleet.jobs.spec import TrainJobSpec
 
@@ -123,8 +122,10 @@ class Fleet:
     def delete_queue(self, name: str) -> None:
         ray.get(self.controller.delete_queue.remote(name))
 
-    def autoscaler_step(self) -> list[dict]:
-        """Run one step of the shared autoscaler now; returns its decisions (also in events)."""
+    def autoscaler_step(self) -> list:
+        """Run one step of the shared autoscaler now; returns its decisions (frozen
+        ``rayfleet.platform.autoscaler_types`` objects: ``ScaleServe``, ``ShrinkTraining``, ...;
+        also recorded as events)."""
         return ray.get(self.controller.autoscaler_step.remote())
 
     def start_autoscaler(self, interval_s: float = 10.0, **config) -> None:

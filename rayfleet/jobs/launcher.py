@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -34,7 +33,7 @@ from rayfleet.platform import labels as L
 from rayfleet.platform.catalogue import get_accelerator
 from rayfleet.platform.topology import AcceleratorSlot, FleetTopology
 
-__all__ = ["TrainLaunch", "prepare_launch", "scaling_options", "run_training", "default_storage_path"]
+__all__ = ["TrainLaunch", "prepare_launch", "scaling_options", "observe_fleet", "fit_once", "default_storage_path"]
 
 
 @dataclass(frozen=True)
@@ -53,14 +52,6 @@ class TrainLaunch:
         nodes = ", ".join(f"{n}×{sum(1 for s in self.layout.rank_to_slot if s.node == n)}"
                           for n in self.layout.nodes())
         return f"{self.spec.name}: {self.plan.describe()} on {self.layout.world_size} workers ({nodes})"
-
-
-def plan_to_dict(plan: ParallelPlan) -> dict[str, Any]:
-    return asdict(plan)
-
-
-def plan_from_dict(data: dict[str, Any]) -> ParallelPlan:
-    return ParallelPlan(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
 
 
 def prepare_launch(spec: TrainJobSpec, topology: FleetTopology, *, held: set[AcceleratorSlot] = frozenset(),
@@ -134,27 +125,6 @@ def observe_fleet() -> tuple[FleetTopology, set[AcceleratorSlot], set[str]]:
     return topology, held, cordoned
 
 
-def run_training(spec: TrainJobSpec, *, storage_path: str | None = None, max_failures: int | None = None,
-                 log=print) -> dict[str, Any]:
-    """Plan, lay out and train ``spec`` on the connected cluster; returns the last metrics.
-
-    An elastic job (``resources.elastic`` + ``checkpoint``) is re-formed by
-    :mod:`rayfleet.jobs.elastic` when a node of its layout is lost (smaller plan, checkpoint
-    resharded) and when capacity returns (larger plan), until it finishes.
-    """
-    from rayfleet.jobs.elastic import run_elastic
-
-    if max_failures is None:  # restarts only make sense when there is a snapshot to resume from
-        max_failures = spec.checkpoint.max_failures if spec.checkpoint is not None else 0
-    storage = storage_path or default_storage_path()
-    job_dir = os.path.join(storage, f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if spec.checkpoint is not None and spec.checkpoint.uri is None:
-        # one checkpoint location for every re-formation of the job
-        spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(
-            update={"uri": os.path.join(job_dir, "checkpoints")})})
-    return run_elastic(spec, job_dir=job_dir, max_failures=max_failures, log=log)
-
-
 def fit_once(spec: TrainJobSpec, launch: TrainLaunch, *, run_dir: str, max_failures: int, log,
              stop_signal: Any = None, on_trainer_start=None, on_step=None) -> dict[str, Any]:
     """One Ray Train ``fit`` of ``launch``; returns the last metrics (raises the run's error).
@@ -163,7 +133,7 @@ def fit_once(spec: TrainJobSpec, launch: TrainLaunch, *, run_dir: str, max_failu
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.queue import Queue
 
-    from rayfleet.jobs.handle import format_metrics_line
+    from rayfleet.jobs.training_run import format_metrics_line
     from rayfleet.jobs.worker_entry import train_loop_per_worker
 
     log(f"rayfleet train: {launch.describe()}")
@@ -171,7 +141,7 @@ def fit_once(spec: TrainJobSpec, launch: TrainLaunch, *, run_dir: str, max_failu
     # a job's log only through Ray's log streaming, which may still be in flight when the job
     # ends, while the driver's own stdout is the job log `rayfleet train` and the SDK follow.
     metrics_queue = Queue(actor_options={"num_cpus": 0})
-    config = {"spec": spec.to_dict(), "plan": plan_to_dict(launch.plan), "slots": launch.slots,
+    config = {"spec": spec.to_dict(), "plan": asdict(launch.plan), "slots": launch.slots,
               "run_dir": run_dir, "metrics_queue": metrics_queue, "stop_signal": stop_signal}
     last: dict[str, Any] = {}
     done = threading.Event()

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import yaml
 
 from rayfleet.errors import RayfleetError, SpecError
-from rayfleet.jobs.handle import decode_spec
+from rayfleet.jobs.training_run import decode_spec
 from rayfleet.jobs.spec import TrainJobSpec
 
 __all__ = ["load_spec", "apply_overrides", "main"]
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         spec = load_spec(args.job, overrides=args.set, spec_b64=args.spec_b64)
-        from rayfleet.jobs.launcher import run_training
+        from rayfleet.jobs.formation import run_training
         from rayfleet.platform.connection import connect
 
         connect()

@@ -37,8 +37,7 @@ def agent_name(node: str) -> str:
 
 
 def _node_available(node_id: str) -> dict[str, float]:
-    # Private API, but the only per-node view of free resources in Ray 2.60.
-    from ray._private.state import available_resources_per_node
+    from rayfleet.platform.ray_compat import available_resources_per_node
 
     return dict(available_resources_per_node().get(node_id, {}))
 

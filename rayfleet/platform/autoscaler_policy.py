@@ -36,141 +36,19 @@ from __future__ import annotations
 import heapq
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import Mapping, Union
 
+from rayfleet.platform.autoscaler_types import (
+    AutoscalerConfig, AutoscalerState, Decision, FleetObservation, GrowTraining, PolicyResult, RequestNodes,
+    ScaleServe, ServeObservation, ShrinkTraining, TrainingObservation,
+)
 from rayfleet.platform.queues import JobClass
 
+# The policy's vocabulary is re-exported: callers (the simulator, the shells) import it from here.
 __all__ = [
     "ServeObservation", "TrainingObservation", "FleetObservation", "AutoscalerConfig", "AutoscalerState",
     "ShrinkTraining", "GrowTraining", "ScaleServe", "RequestNodes", "Decision", "PolicyResult",
-    "AutoscalerPolicy", "AutoscalerLoop", "decision_detail",
+    "AutoscalerPolicy",
 ]
-
-
-@dataclass(frozen=True)
-class ServeObservation:
-    deployment: str
-    accelerator_type: str
-    accelerators_per_replica: int
-    running_replicas: int
-    desired_replicas: int  # what Serve's own autoscaler asks for at its target load
-    pending_replicas: int = 0  # decided, not yet running (model loading)
-    replica_nodes: tuple[str, ...] = ()  # node of each replica: running ones first, then pending
-    min_replicas: int = 1
-    max_replicas: int = 1 << 30
-    queue_depth: float = 0.0  # requests waiting, all replicas
-    ttft_p95_s: float = 0.0
-    ttft_slo_s: float = 1.0
-    kv_usage: float = 0.0  # 0..1, max over replicas
-    # Nodes of decided replicas that do not hold their accelerators yet (a shell starts a replica
-    # once the freed accelerator is really free). Their room is kept: nothing else grows into it.
-    unplaced_nodes: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class TrainingObservation:
-    job_id: str
-    queue: str
-    accelerator_type: str
-    job_class: JobClass
-    size: int
-    min_size: int
-    max_size: int
-    replica_size: int  # accelerators per DP replica
-    replica_nodes: tuple[tuple[str, ...], ...]  # nodes of each DP replica (split evenly)
-    priority: int = 0
-    admitted_size: int = 0  # size it was started at (growth beyond needs an empty queue)
-    last_snapshot_step: int = 0
-    last_snapshot_at_s: float = 0.0
-    # Stopping or re-forming: its accelerators look free for a while but are spoken for, and
-    # it has no replicas to lend. The policy neither shrinks nor grows it until it runs again.
-    resizing: bool = False
-
-
-@dataclass(frozen=True)
-class FleetObservation:
-    now_s: float
-    free_by_node: Mapping[str, int]
-    node_type: Mapping[str, str]  # node -> accelerator type
-    serve: tuple[ServeObservation, ...] = ()
-    training: tuple[TrainingObservation, ...] = ()
-    pending_training_accelerators: Mapping[str, int] = field(default_factory=dict)  # gang minimums waiting
-
-
-@dataclass(frozen=True)
-class ShrinkTraining:
-    job_id: str
-    new_size: int  # 0: preempted whole (opportunistic)
-    replicas: tuple[int, ...]  # indices into replica_nodes that go away
-    freed_by_node: Mapping[str, int]
-    reason: str
-    snapshot_first: bool = True
-
-    @property
-    def preempted(self) -> bool:
-        return self.new_size == 0
-
-
-@dataclass(frozen=True)
-class GrowTraining:
-    job_id: str
-    new_size: int
-    nodes: tuple[str, ...]  # one node per added DP replica
-    reason: str
-
-
-@dataclass(frozen=True)
-class ScaleServe:
-    deployment: str
-    target_replicas: int
-    add_on_nodes: tuple[str, ...]  # one node per added replica
-    remove_from_nodes: tuple[str, ...]  # one node per removed replica
-    reason: str
-
-
-@dataclass(frozen=True)
-class RequestNodes:
-    accelerator_type: str
-    num_accelerators: int
-    bundle_size: int  # accelerators per bundle (one Serve replica or one DP replica)
-    reason: str
-
-
-Decision = Union[ShrinkTraining, GrowTraining, ScaleServe, RequestNodes]
-
-
-@dataclass(frozen=True)
-class AutoscalerConfig:
-    ttft_risk_ratio: float = 0.8  # p95 TTFT above this share of the SLO = at risk
-    queue_per_replica_risk: float = 8.0
-    kv_usage_risk: float = 0.92
-    low_ttft_ratio: float = 0.5  # load counts as low only while TTFT p95 is below this share
-    scale_down_after_s: float = 900.0  # hysteresis window
-    job_resize_cooldown_s: float = 600.0  # a resized job is not grown again sooner
-    request_nodes_cooldown_s: float = 600.0
-    restart_cost_s: float = 20.0  # modeled stop/restart of a resized job (for cost ranking)
-    grow_training: bool = True
-    lend: bool = True  # False: never shrink training for Serve (static split)
-    # When shrinking elastic jobs to their minimum and preempting opportunistic ones is not
-    # enough, preempt an elastic job at its minimum whole (after a flash snapshot) and requeue it.
-    preempt_elastic_last_resort: bool = True
-    # Jobs admitted below their requested size grow to it before queued jobs are admitted.
-    grow_to_requested: bool = False
-
-
-@dataclass(frozen=True)
-class AutoscalerState:
-    low_since: Mapping[str, float] = field(default_factory=dict)
-    last_resize_at: Mapping[str, float] = field(default_factory=dict)
-    lent: Mapping[str, int] = field(default_factory=dict)  # job -> accelerators lent to Serve
-    last_request_at: float = -math.inf
-
-
-@dataclass(frozen=True)
-class PolicyResult:
-    state: AutoscalerState
-    decisions: tuple[Decision, ...]
 
 
 _CLASS_RANK = {JobClass.ELASTIC: 0, JobClass.OPPORTUNISTIC: 1}  # 2: elastic preempted whole
@@ -216,9 +94,7 @@ class AutoscalerPolicy:
     def decide(self, state: AutoscalerState, obs: FleetObservation) -> PolicyResult:
         cfg, now = self.config, obs.now_s
         work = _Work(obs)
-        low_since = dict(state.low_since)
-        last_resize = dict(state.last_resize_at)
-        lent = dict(state.lent)
+        low_since, last_resize, lent = dict(state.low_since), dict(state.last_resize_at), dict(state.lent)
         decisions: list[Decision] = []
         unmet: dict[str, int] = defaultdict(int)
         busy = False  # some deployment is short or at risk: do not grow training this tick
@@ -232,59 +108,79 @@ class AutoscalerPolicy:
             if at_risk and want <= have and serve.pending_replicas == 0:
                 want = have + 1
             want = min(want, serve.max_replicas)
+            busy = busy or at_risk or want > have
             if want > have:
-                busy = True
                 low_since.pop(serve.deployment, None)
                 trigger = why or f"Serve wants {serve.desired_replicas} replicas, has {have}"
-                nodes = self._place_on_free(work, serve, want - have)
-                if len(nodes) < want - have and cfg.lend:
-                    nodes += self._lend(work, serve, want - have - len(nodes), now, trigger, last_resize, lent)
-                if len(nodes) < want - have:
-                    unmet[serve.accelerator_type] += (want - have - len(nodes)) * serve.accelerators_per_replica
-                if nodes:
-                    decisions.append(ScaleServe(serve.deployment, have + len(nodes), tuple(nodes), (),
-                                                f"{trigger}: +{len(nodes)} replica(s)"))
-                continue
-            if at_risk:
-                busy = True
-            low = (want < have and not at_risk and serve.ttft_p95_s <= cfg.low_ttft_ratio * serve.ttft_slo_s)
-            if not low:
-                low_since.pop(serve.deployment, None)
-                continue
-            since = low_since.setdefault(serve.deployment, now)
-            # Only running replicas above the minimum can go (see the module doc on hysteresis).
-            drop = min(have - want, serve.running_replicas - serve.min_replicas)
-            if now - since < cfg.scale_down_after_s or drop <= 0:
-                continue
-            running_nodes = serve.replica_nodes[:serve.running_replicas]
-            remove = tuple(running_nodes[-drop:]) if running_nodes else ()
-            decisions.append(ScaleServe(serve.deployment, have - drop, (), remove,
-                                        f"load low for {now - since:.0f}s >= {cfg.scale_down_after_s:.0f}s "
-                                        f"(Serve wants {serve.desired_replicas}, has {have}): -{drop} replica(s)"))
-            low_since[serve.deployment] = now  # the next step down needs another full window
+                decision = self._scale_up(work, serve, want - have, now, trigger, last_resize, lent, unmet)
+            else:
+                decision = self._scale_down(serve, want, at_risk, now, low_since)
+            if decision is not None:
+                decisions.append(decision)
         decisions.extend(self._shrink_decisions(work, now))
         # While a job re-forms, free capacity includes accelerators it is about to take back:
         # growing anything onto them would make that formation wait.
         if cfg.grow_training and not busy and not any(t.resizing for t in obs.training):
             decisions.extend(self._grow(work, obs, now, last_resize, lent))
+        requests, last_request = self._request_nodes(work, obs, unmet, state.last_request_at)
+        decisions.extend(requests)
+        new_state = AutoscalerState(low_since=low_since, last_resize_at=last_resize,
+                                    lent={k: v for k, v in lent.items() if v > 0 and k in work.jobs},
+                                    last_request_at=last_request)
+        return PolicyResult(new_state, tuple(decisions))
+
+    def _scale_up(self, work: _Work, serve: ServeObservation, count: int, now: float, trigger: str,
+                  last_resize: dict, lent: dict, unmet: dict) -> ScaleServe | None:
+        """Free accelerators first, then lent ones; what neither covers is ``unmet`` (mutated)."""
+        have = serve.running_replicas + serve.pending_replicas
+        nodes = self._place_on_free(work, serve, count)
+        if len(nodes) < count and self.config.lend:
+            nodes += self._lend(work, serve, count - len(nodes), now, trigger, last_resize, lent)
+        if len(nodes) < count:
+            unmet[serve.accelerator_type] += (count - len(nodes)) * serve.accelerators_per_replica
+        if not nodes:
+            return None
+        return ScaleServe(serve.deployment, have + len(nodes), tuple(nodes), (), f"{trigger}: +{len(nodes)} replica(s)")
+
+    def _scale_down(self, serve: ServeObservation, want: int, at_risk: bool, now: float,
+                    low_since: dict) -> ScaleServe | None:
+        """Remove running replicas once load stayed low for a whole window (``low_since`` mutated)."""
+        cfg = self.config
+        have = serve.running_replicas + serve.pending_replicas
+        low = (want < have and not at_risk and serve.ttft_p95_s <= cfg.low_ttft_ratio * serve.ttft_slo_s)
+        if not low:
+            low_since.pop(serve.deployment, None)
+            return None
+        since = low_since.setdefault(serve.deployment, now)
+        # Only running replicas above the minimum can go (see the module doc on hysteresis).
+        drop = min(have - want, serve.running_replicas - serve.min_replicas)
+        if now - since < cfg.scale_down_after_s or drop <= 0:
+            return None
+        running_nodes = serve.replica_nodes[:serve.running_replicas]
+        remove = tuple(running_nodes[-drop:]) if running_nodes else ()
+        low_since[serve.deployment] = now  # the next step down needs another full window
+        return ScaleServe(serve.deployment, have - drop, (), remove,
+                          f"load low for {now - since:.0f}s >= {cfg.scale_down_after_s:.0f}s "
+                          f"(Serve wants {serve.desired_replicas}, has {have}): -{drop} replica(s)")
+
+    def _request_nodes(self, work: _Work, obs: FleetObservation, unmet: dict,
+                       last_request: float) -> tuple[list[RequestNodes], float]:
+        """Ask Ray's autoscaler for what Serve (and training waiting beside it) still lacks."""
         for kind, count in sorted(obs.pending_training_accelerators.items()):
             if not unmet.get(kind):
                 continue
             free_kind = sum(n for node, n in work.free.items() if obs.node_type.get(node) == kind)
             if count > free_kind:
                 unmet[kind] += count - free_kind
-        last_request = state.last_request_at
+        out = []
         for kind, count in sorted(unmet.items()):
-            if count > 0 and now - last_request >= cfg.request_nodes_cooldown_s:
+            if count > 0 and obs.now_s - last_request >= self.config.request_nodes_cooldown_s:
                 bundle = max((s.accelerators_per_replica for s in obs.serve if s.accelerator_type == kind), default=1)
-                decisions.append(RequestNodes(kind, count, bundle,
-                                              f"Serve and training both starved for {kind}: {count} accelerator(s) short "
-                                              "after free capacity and lendable training were used"))
-                last_request = now
-        new_state = AutoscalerState(low_since=low_since, last_resize_at=last_resize,
-                                    lent={k: v for k, v in lent.items() if v > 0 and k in work.jobs},
-                                    last_request_at=last_request)
-        return PolicyResult(new_state, tuple(decisions))
+                out.append(RequestNodes(kind, count, bundle,
+                                        f"Serve and training both starved for {kind}: {count} accelerator(s) short "
+                                        "after free capacity and lendable training were used"))
+                last_request = obs.now_s
+        return out, last_request
 
     # -- inference side ---------------------------------------------------------------------
     def _at_risk(self, s: ServeObservation) -> tuple[bool, str]:
@@ -483,43 +379,3 @@ class AutoscalerPolicy:
 
 def _type_ok(work: _Work, node: str, serve: ServeObservation) -> bool:
     return work.node_type.get(node, serve.accelerator_type) == serve.accelerator_type
-
-
-class AutoscalerLoop:
-    """One control-loop step around the policy, with every side effect passed in.
-
-    The fleet controller builds it with functions that read Ray/Serve/Train state and carry out
-    decisions; tests and notebooks pass plain functions. ``step(now)`` gathers an observation,
-    calls the policy, hands each decision to ``act`` and records it with its reason through
-    ``record(subject, kind, reason, detail)``. A failing ``act`` is recorded, not raised, so one
-    bad actuator does not stop the loop (the policy sees the unchanged fleet next step).
-    """
-
-    def __init__(self, policy: AutoscalerPolicy, *, gather, act, record, state: AutoscalerState | None = None) -> None:
-        self.policy, self.gather, self.act, self.record = policy, gather, act, record
-        self.state = state or AutoscalerState()
-
-    def step(self, now: float) -> tuple[Decision, ...]:
-        observation = self.gather(now)
-        result = self.policy.decide(self.state, observation)
-        self.state = result.state
-        for decision in result.decisions:
-            subject = getattr(decision, "job_id", None) or getattr(decision, "deployment", None) or decision.accelerator_type
-            kind = "autoscaler_" + type(decision).__name__
-            try:
-                self.act(decision)
-            except Exception as exc:  # noqa: BLE001 - recorded with the decision, loop goes on
-                self.record(subject, kind + "_failed", f"{decision.reason}; carrying it out failed: {exc!r}",
-                            decision_detail(decision))
-                continue
-            self.record(subject, kind, decision.reason, decision_detail(decision))
-        return result.decisions
-
-
-def decision_detail(decision: Decision) -> dict:
-    """JSON-able fields of a decision (for the event log and the actuators' inbox)."""
-    out = {"type": type(decision).__name__}
-    for name in decision.__dataclass_fields__:
-        value = getattr(decision, name)
-        out[name] = dict(value) if isinstance(value, Mapping) else list(value) if isinstance(value, tuple) else value
-    return out

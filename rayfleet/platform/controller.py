@@ -12,11 +12,11 @@ Design decisions:
 - A background thread reconciles every ``reconcile_s`` seconds; methods may be called
   concurrently (``max_concurrency``), so every state change takes ``self._lock``.
 - Queues (``queue/<name>`` in the store) are validated as a whole tree on every change
-  (:mod:`rayfleet.platform.queues`). The shared autoscaler is an
-  :class:`~rayfleet.platform.autoscaler_policy.AutoscalerLoop` around the pure policy: Serve and
+  (:mod:`rayfleet.platform.queues`). The shared autoscaler
+  (:class:`~rayfleet.platform.autoscaler_service.SharedAutoscaler`) lives here: Serve and
   training shells *report* small observation dataclasses (``report_serve`` /
-  ``report_training``) and *take* their decisions from an inbox (``take_decisions``), so the
-  controller never imports their internals; node requests go straight to Ray's autoscaler
+  ``report_training``) and *take* their typed decisions from an inbox (``take_decisions``), so
+  the controller never imports their internals; node requests go straight to Ray's autoscaler
   (``request_resources``). Every decision is recorded as an event with its reason.
 """
 
@@ -38,8 +38,12 @@ from rayfleet.platform.inventory import (
 )
 from rayfleet.platform.state_store import Event, StateStore
 from rayfleet.platform.topology import NodeTopology
-from rayfleet.platform import autoscaler_policy as ap
+from rayfleet.platform.autoscaler_service import SharedAutoscaler
+from rayfleet.platform.autoscaler_types import (
+    Decision, FleetObservation, InboxEntry, RequestNodes, ServeObservation, TrainingObservation,
+)
 from rayfleet.platform.queues import QueueTree, parse_queue_spec
+from rayfleet.platform.ray_compat import available_resources_per_node
 
 __all__ = ["FleetController", "ensure_controller", "get_controller", "CONTROLLER_NAME"]
 
@@ -64,15 +68,9 @@ class FleetController:
             key.split("/", 1)[1]: NodeRecord.from_json(value) for key, value in self.store.items("node/")
         }
         self._agents: dict[str, object] = {}
-        # Shared autoscaler: the shells' latest reports, the decision inbox, the loop (lazy).
-        self._serve_obs: dict[str, ap.ServeObservation] = {}
-        self._train_obs: dict[str, ap.TrainingObservation] = {}
-        self._reported_at: dict[str, float] = {}  # "serve/<name>" | "train/<id>" -> wall time
-        self._autoscaler_stop = threading.Event()
-        self._inbox: dict[str, list[dict]] = defaultdict(list)
-        self._autoscaler: ap.AutoscalerLoop | None = None
-        self._autoscaler_thread: threading.Thread | None = None
-        self._step_lock = threading.Lock()
+        self.autoscaler = SharedAutoscaler(
+            free_accelerators=self._free_accelerators, request_nodes=_request_nodes,
+            record=lambda subject, kind, cause, detail: self._event(subject, kind, cause, **detail))
         self._event("controller", "controller_started", f"restored {len(self._records)} node record(s)")
         self._stop = threading.Event()
         self._reconcile_s = reconcile_s
@@ -183,11 +181,6 @@ class FleetController:
             self._event(node, "cordoned", reason, accelerators=reserved)
         return reserved
 
-    def record_job_event(self, job: str, kind: str, cause: str, detail: dict | None = None) -> None:
-        """A training job's health or recovery event (slow rank, rollback, restore), with its cause."""
-        with self._lock:
-            self._event(f"job:{job}", kind, cause, **(detail or {}))
-
     def uncordon(self, node: str) -> None:
         self._require(node)
         ray.get(self._ensure_agent(node).uncordon.remote())
@@ -214,7 +207,6 @@ class FleetController:
         return self.store.events(limit=limit, subject=subject)
 
     def status(self, event_limit: int = 20) -> FleetStatus:
-        from ray._private.state import available_resources_per_node
         from ray.util.placement_group import placement_group_table
 
         totals = {n["NodeID"]: n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")}
@@ -279,55 +271,38 @@ class FleetController:
     def list_queues(self) -> list[dict]:
         return [q.to_json() for q in sorted(self._queue_tree().queues.values(), key=lambda q: q.name)]
 
-    # -- shared autoscaler ------------------------------------------------------------------
-    # A shell that stopped reporting (its driver died) must not steer the policy forever.
-    REPORT_TTL_S = 30.0
-
-    def report_serve(self, observation: "ap.ServeObservation | None", deployment: str | None = None) -> None:
+    # -- shared autoscaler (see autoscaler_service; these are its actor-facing methods) ----------
+    def report_serve(self, observation: ServeObservation | None, deployment: str | None = None) -> None:
         """Serve's shell reports a deployment's load (replaces its previous report); ``None`` forgets it."""
-        with self._lock:
-            name = deployment if observation is None else observation.deployment
-            if observation is None:
-                self._serve_obs.pop(name, None)
-            else:
-                self._serve_obs[name] = observation
-            self._reported_at[f"serve/{name}"] = time.time()
+        self.autoscaler.report_serve(observation, deployment)
 
-    def report_training(self, observation: "ap.TrainingObservation | None", job_id: str | None = None) -> None:
+    def report_training(self, observation: TrainingObservation | None, job_id: str | None = None) -> None:
         """A training job's shell reports its size/placement/snapshot; ``None`` forgets the job."""
-        with self._lock:
-            job = job_id if observation is None else observation.job_id
-            if observation is None:
-                self._train_obs.pop(job, None)
-            else:
-                self._train_obs[job] = observation
-            self._reported_at[f"train/{job}"] = time.time()
+        self.autoscaler.report_training(observation, job_id)
 
-    def record_event(self, subject: str, kind: str, cause: str, detail: dict | None = None) -> None:
-        """An event from a shell (e.g. a lent Serve replica is running, with its handover time)."""
-        with self._lock:
-            self._event(subject, kind, cause, **(detail or {}))
+    def take_decisions(self, target: str) -> list[InboxEntry]:
+        """Typed decisions for a job id or deployment name, oldest first; they leave the inbox."""
+        return self.autoscaler.take(target)
 
     def autoscaler_running(self) -> bool:
         """Whether the shared autoscaler loop runs (training shells leave growth to it then)."""
-        return self._autoscaler_thread is not None and self._autoscaler_thread.is_alive()
+        return self.autoscaler.running
 
-    def take_decisions(self, target: str) -> list[dict]:
-        """Decisions for a job id or deployment name, oldest first; they leave the inbox."""
+    def record_event(self, subject: str, kind: str, cause: str, detail: dict | None = None) -> None:
+        """An event from outside the controller (a shell's handover, a job's health decision), with its cause.
+        Subjects: ``job:<name>``, ``serve:<name>``, a node name, ``controller``."""
         with self._lock:
-            return self._inbox.pop(target, [])
+            self._event(subject, kind, cause, **(detail or {}))
 
-    def gather_observation(self, now: float) -> "ap.FleetObservation":
+    def gather_observation(self, now: float) -> FleetObservation:
         """Free accelerators per node from Ray's accounting plus the shells' latest reports."""
-        from ray._private.state import available_resources_per_node
+        return self.autoscaler.gather(now)
 
+    def _free_accelerators(self) -> tuple[dict[str, int], dict[str, str]]:
         available = available_resources_per_node()
         free, types = {}, {}
-        fresh = time.time() - self.REPORT_TTL_S
         with self._lock:
             records = list(self._records.values())
-            serve = tuple(o for n, o in self._serve_obs.items() if self._reported_at.get(f"serve/{n}", 0) >= fresh)
-            training = tuple(o for j, o in self._train_obs.items() if self._reported_at.get(f"train/{j}", 0) >= fresh)
         for record in records:
             if not record.alive or record.cordoned:
                 continue
@@ -337,83 +312,48 @@ class FleetController:
                 continue
             free[record.name] = int(available.get(record.ray_node_id, {}).get(topo.accelerator.ray_resource, 0))
             types[record.name] = topo.accelerator_type
-        return ap.FleetObservation(now_s=now, free_by_node=free, node_type=types, serve=serve, training=training)
+        return free, types
 
-    def _carry_out(self, decision: "ap.Decision") -> None:
-        if isinstance(decision, ap.RequestNodes):
-            from ray.autoscaler.sdk import request_resources
+    def _carry_out(self, decision: Decision) -> None:
+        self.autoscaler.carry_out(decision)
 
-            from rayfleet.platform.catalogue import get_accelerator
-
-            resource = get_accelerator(decision.accelerator_type).ray_resource
-            bundles = [{resource: decision.bundle_size}] * max(1, decision.num_accelerators // decision.bundle_size)
-            request_resources(bundles=bundles)
-            return
-        target = getattr(decision, "job_id", None) or decision.deployment
-        with self._lock:  # decided_at: the shells measure handover from it
-            self._inbox[target].append({**ap.decision_detail(decision), "decided_at": time.time()})
-
-    def _ensure_loop(self, config: dict | None = None) -> "ap.AutoscalerLoop":
-        with self._lock:
-            if self._autoscaler is None or config is not None:
-                policy = ap.AutoscalerPolicy(ap.AutoscalerConfig(**(config or {})))
-                self._autoscaler = ap.AutoscalerLoop(
-                    policy, gather=self.gather_observation, act=self._carry_out,
-                    record=lambda subject, kind, cause, detail: self._event(subject, kind, cause, **detail))
-            return self._autoscaler
-
-    def autoscaler_step(self, now: float | None = None, *, gather=None, act=None) -> list[dict]:
+    def autoscaler_step(self, now: float | None = None, *, gather=None, act=None) -> list[Decision]:
         """One step of the shared autoscaler; ``gather(now)``/``act(decision)`` may be passed in."""
-        loop = self._ensure_loop()
-        with self._step_lock:  # one step at a time: the loop's state threads through steps
-            if gather or act:
-                once = ap.AutoscalerLoop(loop.policy, gather=gather or loop.gather, act=act or loop.act,
-                                         record=loop.record, state=loop.state)
-                decisions = once.step(time.time() if now is None else now)
-                loop.state = once.state
-            else:
-                decisions = loop.step(time.time() if now is None else now)
-        return [ap.decision_detail(d) for d in decisions]
+        return list(self.autoscaler.step(now, gather=gather, act=act))
 
     def start_autoscaler(self, interval_s: float = 10.0, config: dict | None = None) -> None:
         """Run ``autoscaler_step`` every ``interval_s`` seconds in a background thread.
 
-        ``config``: :class:`~rayfleet.platform.autoscaler_policy.AutoscalerConfig` fields (e.g.
+        ``config``: :class:`~rayfleet.platform.autoscaler_types.AutoscalerConfig` fields (e.g.
         ``scale_down_after_s``); given, it replaces the policy and starts from a fresh state.
         A running loop is restarted with the new interval/config.
         """
-        self.stop_autoscaler()
-        self._ensure_loop(config)
-        stop = self._autoscaler_stop = threading.Event()
-
-        def run() -> None:
-            while not stop.wait(interval_s) and not self._stop.is_set():
-                try:
-                    self.autoscaler_step()
-                except Exception:  # keep the loop alive through transient errors
-                    log.exception("autoscaler step failed")
-
-        self._autoscaler_thread = threading.Thread(target=run, name="autoscaler", daemon=True)
-        self._autoscaler_thread.start()
+        if self.autoscaler.running:
+            self.stop_autoscaler()
+        self.autoscaler.start(interval_s, config, stopped=self._stop)
         self._event("controller", "autoscaler_started", f"every {interval_s:g}s"
                     + (f", config {config}" if config else ""))
 
     def stop_autoscaler(self) -> bool:
-        """Stop the loop (decisions already in inboxes stay there). Returns whether one ran."""
-        thread = self._autoscaler_thread
-        if thread is None:
-            return False
-        self._autoscaler_stop.set()
-        thread.join(timeout=30)
-        self._autoscaler_thread = None
-        with self._lock:
-            self._inbox.clear()
-        self._event("controller", "autoscaler_stopped", "operator")
-        return True
+        """Stop the loop (undelivered decisions are dropped). Returns whether one ran."""
+        stopped = self.autoscaler.stop()
+        if stopped:
+            self._event("controller", "autoscaler_stopped", "operator")
+        return stopped
 
     def autoscaler_decisions(self, limit: int = 20) -> list[Event]:
         """The newest autoscaler events (decisions with reasons, shells' handovers), oldest first."""
         return [e for e in self.store.events(limit=max(200, limit * 10)) if e.kind.startswith("autoscaler")][-limit:]
+
+
+def _request_nodes(decision: RequestNodes) -> None:
+    """Ask Ray's autoscaler for nodes holding the decision's accelerators, in its bundle size."""
+    from ray.autoscaler.sdk import request_resources
+
+    from rayfleet.platform.catalogue import get_accelerator
+
+    resource = get_accelerator(decision.accelerator_type).ray_resource
+    request_resources(bundles=[{resource: decision.bundle_size}] * max(1, decision.num_accelerators // decision.bundle_size))
 
 
 def get_controller():

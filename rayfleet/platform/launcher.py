@@ -49,15 +49,12 @@ def rayfleet_home() -> Path:
 
 def ensure_auth_token() -> Path:
     """Create Ray's auth token if missing, and switch this process's clients to token mode."""
-    from ray._private.authentication.authentication_token_setup import (
-        _enable_token_auth, _get_default_token_path, generate_and_save_token,
-    )
+    from rayfleet.platform import ray_compat
 
-    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or _get_default_token_path())
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or ray_compat.default_auth_token_path())
     if not os.environ.get("RAY_AUTH_TOKEN") and not path.exists():
-        generate_and_save_token()
-    # Setting the variable is not enough once ray is imported: its C++ config is cached.
-    _enable_token_auth()
+        ray_compat.generate_auth_token()
+    ray_compat.enable_token_auth()
     return path
 
 

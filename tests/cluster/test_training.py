@@ -42,7 +42,7 @@ def _spec(dataset: str, **overrides) -> dict:
 def test_ray_job_submit_runs_a_training_job(local_fleet, dataset, tmp_path):
     import yaml
 
-    from rayfleet.jobs.handle import parse_metrics_lines
+    from rayfleet.jobs.training_run import parse_metrics_lines
 
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(_spec(dataset, name="tiny-submit")))

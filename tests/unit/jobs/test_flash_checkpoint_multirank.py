@@ -24,7 +24,7 @@ def _worker(mode: str, work_dir: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from rayfleet.jobs.flash_checkpoint import CheckpointState, FlashCheckpointer
-    from rayfleet.jobs.local import leave_after_barrier
+    from rayfleet.jobs.local_processes import leave_after_barrier
     from rayfleet.platform.snapshot import SnapshotStore
 
     dist.init_process_group("gloo")
@@ -87,7 +87,7 @@ def _worker(mode: str, work_dir: str) -> None:
 
 
 def _launch(mode: str, world: int, work_dir: str) -> dict:
-    from rayfleet.jobs.local import run_script_ranks
+    from rayfleet.jobs.local_processes import run_script_ranks
 
     run_script_ranks(str(HERE), [mode, work_dir], world)
     return json.loads(Path(work_dir, f"{mode}.json").read_text())

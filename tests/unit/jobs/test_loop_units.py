@@ -102,6 +102,6 @@ def test_metrics_parquet_round_trip(tmp_path) -> None:
 
 def test_jobs_modules_import_without_ray() -> None:
     code = ("import sys, rayfleet.jobs.spec, rayfleet.jobs.data, rayfleet.jobs.metrics, rayfleet.jobs.planning, "
-            "rayfleet.jobs.optim, rayfleet.jobs.train_state, rayfleet.jobs.loop, rayfleet.jobs.local; print('ray' in sys.modules)")
+            "rayfleet.jobs.optim, rayfleet.jobs.train_state, rayfleet.jobs.loop, rayfleet.jobs.local_processes; print('ray' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

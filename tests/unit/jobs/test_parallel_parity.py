@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rayfleet.jobs.local import run_local, run_local_many
+from rayfleet.jobs.local_processes import run_local, run_local_many
 from rayfleet.jobs.spec import TrainJobSpec
 from rayfleet.placement.plan import ParallelPlan
 

@@ -1,7 +1,9 @@
 """The controller-side loop around the policy, with gather/act/record passed in (no Ray)."""
 
-from rayfleet.platform.autoscaler_policy import (
-    AutoscalerLoop, AutoscalerPolicy, FleetObservation, ServeObservation, TrainingObservation, decision_detail,
+from rayfleet.platform.autoscaler_loop import AutoscalerLoop
+from rayfleet.platform.autoscaler_policy import AutoscalerPolicy
+from rayfleet.platform.autoscaler_types import (
+    FleetObservation, ServeObservation, TrainingObservation, decision_detail,
 )
 from rayfleet.platform.queues import JobClass
 

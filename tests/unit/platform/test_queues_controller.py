@@ -6,10 +6,14 @@ with its reconcile loop parked (a very long ``reconcile_s``), observations passe
 Serve and Train shells.
 """
 
+import pickle
+
 import pytest
 
 from rayfleet.errors import SpecError
-from rayfleet.platform.autoscaler_policy import FleetObservation, ServeObservation, TrainingObservation
+from rayfleet.platform.autoscaler_types import (
+    FleetObservation, ScaleServe, ServeObservation, ShrinkTraining, TrainingObservation,
+)
 from rayfleet.platform.controller import FleetController
 from rayfleet.platform.queues import JobClass
 
@@ -49,15 +53,26 @@ def test_autoscaler_step_records_decisions_and_fills_the_inbox(controller):
 
     def gather(now):  # the Ray part (free accelerators per node) passed in; reports from the shells
         return FleetObservation(now, {"n0": 0, "n1": 0, "n2": 0}, {n: "H100" for n in ("n0", "n1", "n2")},
-                                tuple(controller._serve_obs.values()), tuple(controller._train_obs.values()))
+                                tuple(controller.autoscaler.serve.values()), tuple(controller.autoscaler.training.values()))
 
     decisions = controller.autoscaler_step(10.0, gather=gather, act=controller._carry_out)
-    assert [d["type"] for d in decisions] == ["ScaleServe", "ShrinkTraining"]
+    assert [type(d) for d in decisions] == [ScaleServe, ShrinkTraining]
     inbox = controller.take_decisions("job-7")
-    assert inbox and inbox[0]["new_size"] == 8 and controller.take_decisions("job-7") == []
-    assert controller.take_decisions("chat")[0]["target_replicas"] == 2
+    # the inbox carries the policy's frozen decision objects (they pickle across the Ray boundary)
+    assert len(inbox) == 1 and inbox[0].decision == decisions[1] and inbox[0].decided_at_s > 0
+    assert pickle.loads(pickle.dumps(inbox[0])) == inbox[0]
+    assert inbox[0].decision.new_size == 8 and controller.take_decisions("job-7") == []
+    assert controller.take_decisions("chat")[0].decision.target_replicas == 2
     events = {e.kind: e for e in controller.events(limit=10)}
     assert "flash snapshot" in events["autoscaler_ShrinkTraining"].cause
     assert events["autoscaler_ShrinkTraining"].subject == "job-7"
+    assert events["autoscaler_ShrinkTraining"].detail["new_size"] == 8  # the event log keeps a flat copy
     controller.report_training(None, job_id="job-7")
-    assert not controller._train_obs
+    assert not controller.autoscaler.training
+
+
+def test_record_event_is_the_one_way_in_for_shell_and_job_events(controller):
+    controller.record_event("job:tiny", "node_lost", "node n1 of the layout died", {"workers": 4})
+    event = controller.events(limit=1)[0]
+    assert (event.subject, event.kind, event.cause, event.detail) == ("job:tiny", "node_lost",
+                                                                      "node n1 of the layout died", {"workers": 4})

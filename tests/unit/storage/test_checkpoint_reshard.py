@@ -49,7 +49,7 @@ def _worker(mode: str, ckpt_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from rayfleet.jobs.local import leave_after_barrier
+    from rayfleet.jobs.local_processes import leave_after_barrier
     from rayfleet.storage.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
     dist.init_process_group("gloo")
@@ -96,7 +96,7 @@ def _worker(mode: str, ckpt_dir: str) -> None:
 
 
 def _launch(mode: str, world: int, ckpt_dir: Path) -> None:
-    from rayfleet.jobs.local import run_script_ranks
+    from rayfleet.jobs.local_processes import run_script_ranks
 
     run_script_ranks(str(HERE), [mode, str(ckpt_dir)], world)
 

@@ -3,7 +3,7 @@
 import pytest
 
 from rayfleet.errors import SpecError
-from rayfleet.jobs.handle import (MetricsTable, decode_spec, encode_spec, format_metrics_line,
+from rayfleet.jobs.training_run import (MetricsTable, decode_spec, encode_spec, format_metrics_line,
                                   parse_metrics_lines, render_progress, summarize)
 from rayfleet.jobs.train import apply_overrides
 

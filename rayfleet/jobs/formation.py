@@ -1,0 +1,237 @@
+"""The Ray side of the elastic driver: run one formation, watch it, abort it, clean up after it.
+
+Design decisions:
+- ``RayFormations`` is the production :class:`~rayfleet.jobs.elastic_driver.FormationRuntime`;
+  the driver's decisions stay in :mod:`rayfleet.jobs.elastic_policy` and
+  :mod:`rayfleet.jobs.elastic_driver`, the side effects are here.
+- Ending a formation from outside, two ways:
+  * a node of its layout dies: Ray Train would keep trying to place the pinned workers there,
+    so the watcher aborts the run by SIGKILLing this job's Train controller (it runs on the
+    driver's node), and afterwards the driver removes the placement group the controller was
+    still trying to place (else, once the node returns, it would hold its accelerators forever);
+  * the fleet could hold a larger formation, or the autoscaler resized the job: the formation's
+    ``ElasticSignal`` (a ``num_cpus=0`` actor every rank polls after each step) is raised and all
+    ranks stop after the same step (the flash hook flushes the newest state to storage).
+- The watcher is a daemon thread; its decision each second is ``elastic_policy.watch_formation``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any, Callable
+
+from rayfleet.jobs.elastic_driver import ElasticDriver, FormationOutcome
+from rayfleet.jobs.elastic_policy import EndKind, FormationEnd, free_accelerators, watch_formation
+from rayfleet.platform import labels as L
+from rayfleet.platform.fleet_events import record_fleet_event
+
+__all__ = ["ElasticSignal", "RayFormations", "run_training", "kill_train_controller",
+           "remove_orphan_placement_groups"]
+
+WATCH_INTERVAL_S = 1.0
+
+
+class ElasticSignal:
+    """A flag every rank polls after each step (run as a ``num_cpus=0`` Ray actor)."""
+
+    def __init__(self) -> None:
+        self.reason = ""
+
+    def set(self, reason: str) -> None:
+        self.reason = reason
+
+    def should_stop(self) -> bool:
+        return bool(self.reason)
+
+    def get(self) -> str:
+        return self.reason
+
+
+class _SignalRef:
+    """The driver's handle on a formation's ``ElasticSignal`` actor (``set`` waits for it)."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def set(self, reason: str) -> None:
+        import ray
+
+        ray.get(self.actor.set.remote(reason), timeout=60)
+
+
+def kill_train_controller(log: Callable[[str], None]) -> bool:
+    """Abort this job's Ray Train run by killing its controller (it runs on the driver's node)."""
+    import ray
+    from ray.util.state import list_actors
+
+    from rayfleet.platform.ray_compat import dashboard_url
+
+    job_id = ray.get_runtime_context().get_job_id()
+    actors = list_actors(address=dashboard_url(), filters=[("class_name", "=", "TrainController"),
+                                                           ("state", "=", "ALIVE"), ("job_id", "=", job_id)])
+    for actor in actors:
+        try:
+            os.kill(actor.pid, signal.SIGKILL)
+            return True
+        except ProcessLookupError:
+            continue
+    log("rayfleet elastic: no live Train controller to abort")
+    return False
+
+
+def remove_orphan_placement_groups(log: Callable[[str], None]) -> int:
+    """Remove the placement groups an aborted formation left behind (this job's, not rayfleet's own
+    ``rayfleet:``-named groups). Returns how many."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+    from ray.util.state import list_placement_groups
+
+    from rayfleet.platform.ray_compat import dashboard_url, placement_group_from_hex
+
+    job_id = ray.get_runtime_context().get_job_id()
+    removed = 0
+    for pg in list_placement_groups(address=dashboard_url(), filters=[("creator_job_id", "=", job_id)],
+                                    detail=True, limit=1000):
+        if pg.state == "REMOVED" or (pg.name or "").startswith("rayfleet:"):
+            continue
+        remove_placement_group(placement_group_from_hex(pg.placement_group_id))
+        removed += 1
+    if removed:
+        log(f"rayfleet elastic: removed {removed} placement group(s) of the aborted formation")
+    return removed
+
+
+class _Watcher:
+    """Watches the fleet during one formation and ends it (see module doc)."""
+
+    def __init__(self, spec: Any, launch: Any, stop_signal: Any, log: Callable[[str], None],
+                 grows_itself: Callable[[], bool]) -> None:
+        self.spec, self.launch, self.stop_signal, self.log, self.grows_itself = spec, launch, stop_signal, log, grows_itself
+        self.end: FormationEnd | None = None
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rayfleet-elastic", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._halt.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def _free_if_regrown(self) -> int:
+        from rayfleet.jobs.launcher import observe_fleet
+
+        topology, held, cordoned = observe_fleet()
+        mine = {(s.node, s.index) for s in self.launch.layout.rank_to_slot}
+        held = {s for s in held if (s.node, s.index) not in mine}
+        return free_accelerators(topology, accelerator=self.spec.resources.accelerator, held=held, cordoned=cordoned)
+
+    def _run(self) -> None:
+        import ray
+
+        elastic, layout = self.spec.resources.elastic, self.launch.layout
+        while not self._halt.wait(WATCH_INTERVAL_S):
+            try:
+                alive = {n["Labels"].get(L.NODE) for n in ray.nodes() if n.get("Alive")}
+                end = watch_formation(
+                    layout_nodes=layout.nodes(), alive_nodes=alive, size=layout.world_size,
+                    min_workers=elastic.min_workers, max_workers=elastic.max_workers,
+                    replica_size=self.spec.plan.replica_size if self.spec.plan is not None else 1,
+                    free_if_regrown=self._free_if_regrown if self.grows_itself() else None)
+                if end is None:
+                    continue
+                self.end = end
+                if end.kind is EndKind.NODE_LOST:
+                    self.log(f"rayfleet elastic: {end.detail}; aborting this formation to re-plan")
+                    kill_train_controller(self.log)
+                else:
+                    self.log(f"rayfleet elastic: {end.detail}; stopping after the next step to grow")
+                    self.stop_signal.set(end.detail)
+                return
+            except Exception as exc:  # noqa: BLE001 - a watcher hiccup must not kill the job
+                self.log(f"rayfleet elastic: watcher: {exc}")
+
+
+class RayFormations:
+    """The driver's side effects on a live Ray cluster (``FormationRuntime``)."""
+
+    def __init__(self, spec: Any, *, max_failures: int, log: Callable[[str], None], shell: Any = None) -> None:
+        self.spec, self.max_failures, self.log, self.shell = spec, max_failures, log, shell
+
+    def observe(self) -> tuple:
+        from rayfleet.jobs.launcher import observe_fleet
+
+        return observe_fleet()
+
+    def prepare(self, spec: Any, topology: Any, *, held: set, cordoned: set) -> Any:
+        from rayfleet.jobs.launcher import prepare_launch
+
+        return prepare_launch(spec, topology, held=held, cordoned=cordoned)
+
+    def run(self, launch: Any, *, run_dir: str, watch: bool, on_start: Callable[[Any], None],
+            on_step: Callable[[dict], None] | None) -> FormationOutcome:
+        import ray
+
+        from rayfleet.jobs.launcher import fit_once
+
+        actor = ray.remote(num_cpus=0)(ElasticSignal).remote() if watch else None
+        stop_signal = _SignalRef(actor) if actor is not None else None
+        shell = self.shell
+        watcher = _Watcher(self.spec, launch, stop_signal, self.log,
+                           grows_itself=lambda: shell is None or not shell.manages_growth) if watch else None
+
+        def started(_launch: Any) -> None:
+            watcher.start()
+            on_start(stop_signal)
+
+        try:
+            metrics = fit_once(self.spec, launch, run_dir=run_dir, max_failures=self.max_failures, log=self.log,
+                               stop_signal=actor, on_trainer_start=started if watcher else None, on_step=on_step)
+        except Exception as exc:  # noqa: BLE001 - the driver decides (node lost: re-plan; else: fail)
+            return FormationOutcome(end=self._stop(watcher), error=exc)
+        return FormationOutcome(metrics=metrics, end=self._stop(watcher))
+
+    @staticmethod
+    def _stop(watcher: _Watcher | None) -> FormationEnd | None:
+        if watcher is None:
+            return None
+        watcher.stop()
+        return watcher.end
+
+    def clean_up_aborted(self) -> None:
+        remove_orphan_placement_groups(self.log)
+
+    def record(self, kind: str, cause: str, detail: dict) -> None:
+        record_fleet_event(f"job:{self.spec.name}", kind, cause, detail)
+
+    def pause(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+def run_training(spec: Any, *, storage_path: str | None = None, max_failures: int | None = None,
+                 log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Plan, lay out and train ``spec`` on the connected cluster; returns the last metrics.
+
+    An elastic job (``resources.elastic`` + ``checkpoint``) is re-formed by the driver when a
+    node of its layout is lost (smaller plan, checkpoint resharded), when capacity returns
+    (larger plan) and when the shared autoscaler resizes it, until it finishes.
+    """
+    from rayfleet.jobs.launcher import default_storage_path
+    from rayfleet.jobs.training_shell import TrainingShell
+
+    if max_failures is None:  # restarts only make sense when there is a snapshot to resume from
+        max_failures = spec.checkpoint.max_failures if spec.checkpoint is not None else 0
+    storage = storage_path or default_storage_path()
+    job_dir = os.path.join(storage, f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if spec.checkpoint is not None and spec.checkpoint.uri is None:
+        # one checkpoint location for every re-formation of the job
+        spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(
+            update={"uri": os.path.join(job_dir, "checkpoints")})})
+    elastic = spec.resources.elastic is not None and spec.checkpoint is not None
+    shell = TrainingShell.attach(spec, log) if elastic else None
+    runtime = RayFormations(spec, max_failures=max_failures, log=log, shell=shell)
+    return ElasticDriver(spec, runtime, job_dir=job_dir, shell=shell, log=log).run()

@@ -1,0 +1,154 @@
+"""The shared autoscaler's home inside the fleet controller: reports in, decisions out.
+
+Design decisions:
+- The shells (training jobs, Serve deployments) *report* small observation dataclasses and
+  *take* their decisions from an inbox; the controller never imports their internals, and they
+  never see its state. Reports older than ``report_ttl_s`` are ignored: a shell whose driver
+  died must not steer the policy forever.
+- Decisions stay typed end to end: the inbox holds ``InboxEntry(decision, decided_at_s)`` with
+  the policy's frozen decision objects, which pickle across the Ray boundary; each shell
+  dispatches on the decision's type with ``match``. Only the event log flattens them.
+- Nothing here imports Ray: the controller passes in what needs it (``free_accelerators``,
+  ``request_nodes``, ``record``), so this class runs as-is in unit tests and notebooks.
+- ``step`` is serialized (``_step_lock``): the loop's state threads through steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from typing import Callable, Mapping
+
+from rayfleet.platform.autoscaler_loop import AutoscalerLoop
+from rayfleet.platform.autoscaler_policy import AutoscalerPolicy
+from rayfleet.platform.autoscaler_types import (
+    AutoscalerConfig, Decision, FleetObservation, InboxEntry, RequestNodes, ScaleServe, ServeObservation,
+    TrainingObservation, decision_subject,
+)
+
+__all__ = ["SharedAutoscaler", "REPORT_TTL_S"]
+
+log = logging.getLogger(__name__)
+REPORT_TTL_S = 30.0
+
+# (node -> free accelerators, node -> accelerator type) of the live, uncordoned nodes
+FreeAccelerators = Callable[[], tuple[Mapping[str, int], Mapping[str, str]]]
+Record = Callable[[str, str, str, dict], None]  # (subject, kind, cause, detail)
+
+
+class SharedAutoscaler:
+    """Reports, inboxes and the background loop of the shared autoscaler (thread-safe)."""
+
+    def __init__(self, *, free_accelerators: FreeAccelerators, request_nodes: Callable[[RequestNodes], None],
+                 record: Record, report_ttl_s: float = REPORT_TTL_S) -> None:
+        self.free_accelerators, self.request_nodes, self.record = free_accelerators, request_nodes, record
+        self.report_ttl_s = report_ttl_s
+        self._lock = threading.RLock()
+        self._step_lock = threading.Lock()
+        self.serve: dict[str, ServeObservation] = {}
+        self.training: dict[str, TrainingObservation] = {}
+        self._reported_at: dict[str, float] = {}  # "serve/<name>" | "train/<id>" -> wall time
+        self._inbox: dict[str, list[InboxEntry]] = defaultdict(list)
+        self._loop: AutoscalerLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._halt = threading.Event()
+
+    # -- the shells' side -----------------------------------------------------------------------
+    def report_serve(self, observation: ServeObservation | None, deployment: str | None = None) -> None:
+        with self._lock:
+            name = deployment if observation is None else observation.deployment
+            if observation is None:
+                self.serve.pop(name, None)
+            else:
+                self.serve[name] = observation
+            self._reported_at[f"serve/{name}"] = time.time()
+
+    def report_training(self, observation: TrainingObservation | None, job_id: str | None = None) -> None:
+        with self._lock:
+            job = job_id if observation is None else observation.job_id
+            if observation is None:
+                self.training.pop(job, None)
+            else:
+                self.training[job] = observation
+            self._reported_at[f"train/{job}"] = time.time()
+
+    def take(self, target: str) -> list[InboxEntry]:
+        """Decisions for a job id or deployment name, oldest first; they leave the inbox."""
+        with self._lock:
+            return self._inbox.pop(target, [])
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- one step -------------------------------------------------------------------------------
+    def gather(self, now: float) -> FleetObservation:
+        """Free accelerators per node plus the shells' fresh reports."""
+        free, types = self.free_accelerators()
+        fresh = time.time() - self.report_ttl_s
+        with self._lock:
+            serve = tuple(o for n, o in self.serve.items() if self._reported_at.get(f"serve/{n}", 0) >= fresh)
+            training = tuple(o for j, o in self.training.items() if self._reported_at.get(f"train/{j}", 0) >= fresh)
+        return FleetObservation(now_s=now, free_by_node=dict(free), node_type=dict(types), serve=serve,
+                                training=training)
+
+    def carry_out(self, decision: Decision) -> None:
+        """Node requests go to Ray's autoscaler; every other decision to its shell's inbox."""
+        match decision:
+            case RequestNodes():
+                self.request_nodes(decision)
+            case _:
+                with self._lock:
+                    self._inbox[decision_subject(decision)].append(InboxEntry(decision, time.time()))
+
+    def configure(self, config: Mapping | None = None) -> AutoscalerLoop:
+        """The loop (built on first use); ``config`` replaces the policy and starts a fresh state."""
+        with self._lock:
+            if self._loop is None or config is not None:
+                policy = AutoscalerPolicy(AutoscalerConfig(**(config or {})))
+                self._loop = AutoscalerLoop(policy, gather=self.gather, act=self.carry_out, record=self.record)
+            return self._loop
+
+    def step(self, now: float | None = None, *, gather=None, act=None) -> tuple[Decision, ...]:
+        """One step; ``gather(now)``/``act(decision)`` may replace the built-in ones (tests, notebooks)."""
+        loop = self.configure()
+        now = time.time() if now is None else now
+        with self._step_lock:
+            if gather is None and act is None:
+                return loop.step(now)
+            once = AutoscalerLoop(loop.policy, gather=gather or loop.gather, act=act or loop.act,
+                                  record=loop.record, state=loop.state)
+            decisions = once.step(now)
+            loop.state = once.state
+            return decisions
+
+    # -- the background loop --------------------------------------------------------------------
+    def start(self, interval_s: float, config: Mapping | None = None, *, stopped: threading.Event) -> None:
+        """Step every ``interval_s`` seconds until ``stop()`` (or ``stopped``, the controller's end)."""
+        self.stop()
+        self.configure(config)
+        halt = self._halt = threading.Event()
+
+        def run() -> None:
+            while not halt.wait(interval_s) and not stopped.is_set():
+                try:
+                    self.step()
+                except Exception:  # keep the loop alive through transient errors
+                    log.exception("autoscaler step failed")
+
+        self._thread = threading.Thread(target=run, name="autoscaler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> bool:
+        """Stop the loop and empty the inboxes (nobody would act on them). Returns whether one ran."""
+        thread = self._thread
+        if thread is None:
+            return False
+        self._halt.set()
+        thread.join(timeout=30)
+        self._thread = None
+        with self._lock:
+            self._inbox.clear()
+        return True

@@ -1,0 +1,236 @@
+"""The elastic driver's state machine, driven with a fake ``fit`` (no Ray).
+
+Everything but the Train run is real: specs, the planner (``prepare_launch`` on a
+``FleetTopology``), the elastic policy, the training shell, and for the autoscaler cases the
+shared autoscaler's service and policy (in process, through ``LocalChannel``). The fake ``fit``
+reports steps like rank 0 does, stops after the step in which the formation's stop signal was
+raised (as every rank does), and can kill a node of the fleet or fail on its own.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import pytest
+
+from rayfleet.errors import RayfleetError, SpecError
+from rayfleet.jobs.elastic_driver import ElasticDriver, FormationOutcome
+from rayfleet.jobs.elastic_policy import DriverState as S, EndKind, FormationEnd
+from rayfleet.jobs.formation import ElasticSignal
+from rayfleet.jobs.launcher import prepare_launch
+from rayfleet.jobs.spec import TrainJobSpec
+from rayfleet.jobs.training_shell import TrainingShell
+from rayfleet.platform.autoscaler_service import SharedAutoscaler
+from rayfleet.platform.autoscaler_shell import LocalChannel
+from rayfleet.platform.autoscaler_types import GrowTraining, ServeObservation, ShrinkTraining
+from rayfleet.platform.topology import FleetTopology, NodeTopology
+
+STEPS = 12
+
+
+def node(name: str, n: int = 2) -> NodeTopology:
+    return NodeTopology(name=name, accelerator_type="H100", num_accelerators=n, rack="r0", block="b0",
+                        nvlink_domain=f"nvl-{name}")
+
+
+class FakeFleet:
+    """A ``FormationRuntime`` whose ``fit`` is a script: one function per formation."""
+
+    def __init__(self, nodes: list[NodeTopology], script: list[Callable]) -> None:
+        self.nodes, self.script = list(nodes), list(script)
+        self.runs: list[tuple[int, str, bool]] = []
+        self.events: list[tuple[str, str, dict]] = []
+        self.cleanups = 0
+        self.signals: list[ElasticSignal | None] = []
+
+    def observe(self) -> tuple:
+        return FleetTopology(tuple(self.nodes)), set(), set()
+
+    def prepare(self, spec, topology, *, held, cordoned):
+        return prepare_launch(spec, topology, held=held, cordoned=cordoned)
+
+    def run(self, launch, *, run_dir, watch, on_start, on_step) -> FormationOutcome:
+        self.runs.append((launch.layout.world_size, run_dir, watch))
+        signal = ElasticSignal() if watch else None
+        self.signals.append(signal)
+        on_start(signal)
+        return self.script.pop(0)(self, launch, signal, on_step or (lambda row: None))
+
+    def clean_up_aborted(self) -> None:
+        self.cleanups += 1
+
+    def record(self, kind: str, cause: str, detail: dict) -> None:
+        self.events.append((kind, cause, detail))
+
+    def pause(self, seconds: float) -> None:
+        pass
+
+
+def fit(until: int = STEPS, *, then: Callable | None = None, per_step: Callable | None = None) -> Callable:
+    """A fake formation: report steps from where the checkpoint left off up to ``until`` (or the
+    step in which the stop signal was raised); ``then(fleet)`` returns how it ended."""
+
+    def run(fleet: FakeFleet, launch, signal, on_step) -> FormationOutcome:
+        start = fleet.resume_at if hasattr(fleet, "resume_at") else 0
+        step = start
+        for step in range(start + 1, until + 1):
+            on_step({"step": step, "loss": 1.0 / step, "workers": launch.layout.world_size})
+            if per_step is not None:
+                per_step(fleet, step)
+            if signal is not None and signal.should_stop():
+                break
+        fleet.resume_at = step
+        if then is not None:
+            return then(fleet, step)
+        return FormationOutcome(metrics={"step": step})
+
+    return run
+
+
+def lose(name: str) -> Callable:
+    def then(fleet: FakeFleet, step: int) -> FormationOutcome:
+        fleet.nodes = [n for n in fleet.nodes if n.name != name]
+        return FormationOutcome(end=FormationEnd(EndKind.NODE_LOST, f"node {name} of the layout died"),
+                                error=RuntimeError("TrainController died"))
+    return then
+
+
+@pytest.fixture()
+def spec(job_dict, tmp_path) -> TrainJobSpec:
+    return TrainJobSpec.model_validate({
+        **job_dict, "name": "elastic-unit", "steps": STEPS,
+        "resources": {"accelerator": "H100", "elastic": {"min_workers": 2, "max_workers": 4}},
+        "checkpoint": {"every_n_steps": 2, "uri": str(tmp_path / "ckpt")}})
+
+
+def states(driver: ElasticDriver) -> list[str]:
+    return [driver.transitions[0].source.value] + [t.target.value for t in driver.transitions]
+
+
+def test_a_fixed_size_job_runs_one_unwatched_formation(job_dict, tmp_path):
+    spec = TrainJobSpec.model_validate({**job_dict, "steps": STEPS, "resources": {"accelerator": "H100", "num_workers": 2}})
+    fleet, lines = FakeFleet([node("n0"), node("n1")], [fit()]), []
+    driver = ElasticDriver(spec, fleet, job_dir=str(tmp_path / "job"), log=lines.append)
+    assert driver.run() == {"step": STEPS}
+    assert states(driver) == ["SCHEDULING", "RUNNING", "FINISHED"]
+    assert fleet.runs == [(2, str(tmp_path / "job" / "job-f0"), False)]
+    assert "rayfleet elastic: RUNNING -> FINISHED (step 12 of 12 done)" in lines
+
+
+def test_node_loss_recovers_on_a_smaller_formation(spec, tmp_path):
+    fleet, lines = FakeFleet([node("n0"), node("n1")], [fit(5, then=lose("n1")), fit()]), []
+    driver = ElasticDriver(spec, fleet, job_dir=str(tmp_path / "job"), log=lines.append)
+    assert driver.run()["step"] == STEPS
+    assert states(driver) == ["SCHEDULING", "RUNNING", "RECOVERING", "SCHEDULING", "RUNNING", "FINISHED"]
+    assert [(size, watch) for size, _, watch in fleet.runs] == [(4, True), (2, True)]
+    assert len({run_dir for _, run_dir, _ in fleet.runs}) == 2  # snapshots are keyed per formation
+    assert fleet.cleanups == 1  # the aborted formation's placement group
+    assert [kind for kind, _, _ in fleet.events] == ["node_lost", "elastic_reform"]
+    assert "rayfleet elastic: formation 1 with 2 workers" in lines  # what the cluster test and operators read
+
+
+def test_capacity_back_stops_the_formation_and_regrows(spec, tmp_path):
+    def grow(fleet, step):
+        fleet.nodes.append(node("n1"))
+        return FormationOutcome(metrics={"step": step}, end=FormationEnd(EndKind.GROW, "the fleet now holds 4 workers"))
+
+    fleet = FakeFleet([node("n0")], [fit(3, then=grow), fit()])
+    driver = ElasticDriver(spec, fleet, job_dir=str(tmp_path / "job"), log=lambda line: None)
+    assert driver.run()["step"] == STEPS
+    assert states(driver) == ["SCHEDULING", "RUNNING", "RESIZING", "SCHEDULING", "RUNNING", "FINISHED"]
+    assert [size for size, _, _ in fleet.runs] == [2, 4]
+    assert [kind for kind, _, _ in fleet.events] == ["grow", "elastic_reform"]
+
+
+def test_a_failure_nobody_caused_fails_the_job_with_its_own_error(spec, tmp_path):
+    def boom(fleet, step):
+        return FormationOutcome(error=ValueError("NaN in the optimizer"))
+
+    fleet = FakeFleet([node("n0"), node("n1")], [fit(3, then=boom)])
+    driver = ElasticDriver(spec, fleet, job_dir=str(tmp_path / "job"), log=lambda line: None)
+    with pytest.raises(ValueError, match="NaN in the optimizer"):
+        driver.run()
+    assert driver.state is S.ERRORED and fleet.cleanups == 0
+
+
+def test_a_fleet_too_small_for_the_minimum_errors_naming_the_field(spec, tmp_path):
+    fleet = FakeFleet([node("n0"), node("n1")], [fit(3, then=lose("n1"))])
+    fleet.nodes = [node("n0", 1), node("n1")]
+    with pytest.raises(SpecError, match="resources.elastic.min_workers"):
+        ElasticDriver(spec, fleet, job_dir=str(tmp_path / "job"), log=lambda line: None).run()
+    assert [size for size, _, _ in fleet.runs] == [3]  # 1 + 2 free: ran once, then n1 died and 1 < min
+
+
+def test_flapping_capacity_stops_after_max_formations(spec, tmp_path):
+    def flap(fleet, step):
+        return FormationOutcome(metrics={"step": step}, end=FormationEnd(EndKind.GROW, "flap"))
+
+    fleet = FakeFleet([node("n0"), node("n1")], [fit(1, then=flap), fit(2, then=flap), fit(3, then=flap)])
+    driver = ElasticDriver(spec, fleet, job_dir=str(tmp_path / "job"), log=lambda line: None, max_formations=3)
+    with pytest.raises(RayfleetError, match="re-formed 3 times"):
+        driver.run()
+    assert len(fleet.runs) == 3
+
+
+# -- the shared autoscaler, through the training shell ---------------------------------------------
+
+@pytest.fixture()
+def autoscaler() -> SharedAutoscaler:
+    # no free accelerator anywhere: Serve's extra replica can only come from the training job
+    return SharedAutoscaler(free_accelerators=lambda: ({"n0": 0, "n1": 0, "s0": 0}, {"n0": "H100", "n1": "H100",
+                                                                                    "s0": "H100"}),
+                            request_nodes=lambda decision: None, record=lambda *event: None)
+
+
+def test_the_autoscaler_lends_a_replica_and_the_job_reforms_around_it(spec, tmp_path, autoscaler):
+    """Serve is short; the real policy shrinks the job by whole DP replicas on one node; the shell
+    stops the formation after that step; the driver re-forms at 2 workers on the other node."""
+    events = []
+    shell = TrainingShell(spec, LocalChannel(autoscaler, record=lambda *e: events.append(e)), log=lambda line: None)
+    decided = []
+
+    def serve_gets_short(fleet, step):
+        if step == 4:  # the shell reported a running formation; now Serve wants a second 2-accelerator replica
+            shell.tick()  # the shell's report: 4 workers, stepping, one DP replica per accelerator
+            autoscaler.report_serve(ServeObservation("chat", "H100", 2, running_replicas=1, desired_replicas=2,
+                                                     replica_nodes=("s0",)))
+            decided.extend(autoscaler.step(time.time()))
+            shell.tick()  # take -> apply (stops the formation) -> report
+
+    fleet = FakeFleet([node("n0"), node("n1"), node("s0", 0)], [fit(per_step=serve_gets_short), fit()])
+    driver = ElasticDriver(spec, fleet, job_dir=str(tmp_path / "job"), shell=shell, log=lambda line: None)
+    assert driver.run()["step"] == STEPS
+    shrink = next(d for d in decided if isinstance(d, ShrinkTraining))
+    assert shrink.new_size == 2 and len(shrink.replicas) == 2
+    lent_node = next(iter(shrink.freed_by_node))
+    assert states(driver) == ["SCHEDULING", "RUNNING", "RESIZING", "SCHEDULING", "RUNNING", "FINISHED"]
+    assert fleet.resume_at == STEPS and fleet.signals[0].should_stop()  # stopped after step 4, then resumed
+    assert [size for size, _, _ in fleet.runs] == [4, 2]
+    assert lent_node not in driver.launch.layout.nodes()  # planned around the lent accelerators
+    resized = [e for e in events if e[1] == "autoscaler_training_resized"]
+    assert resized and "ShrinkTraining 4->2" in resized[0][2] and resized[0][0] == "job:elastic-unit"
+    assert autoscaler.training == {}  # closing the driver's shell made the controller forget the job
+
+
+def test_a_whole_preemption_pauses_the_job_until_accelerators_come_back(spec, tmp_path, autoscaler):
+    shell = TrainingShell(spec, LocalChannel(autoscaler), log=lambda line: None, interval_s=0.01)
+
+    def preempt(fleet, step):
+        if step == 3:
+            autoscaler.carry_out(ShrinkTraining("elastic-unit", 0, (0, 1, 2, 3), {"n0": 2, "n1": 2}, "preempted whole"))
+            shell.tick()
+
+            def give_back():  # later, another controller step returns the accelerators
+                time.sleep(0.2)
+                autoscaler.carry_out(GrowTraining("elastic-unit", 4, ("n0", "n1"), "give back 4"))
+                shell.tick()
+            threading.Thread(target=give_back, daemon=True).start()
+
+    fleet = FakeFleet([node("n0"), node("n1")], [fit(per_step=preempt), fit()])
+    driver = ElasticDriver(spec, fleet, job_dir=str(tmp_path / "job"), shell=shell, log=lambda line: None)
+    assert driver.run()["step"] == STEPS
+    assert states(driver) == ["SCHEDULING", "RUNNING", "RESIZING", "SCHEDULING", "PAUSED", "SCHEDULING", "RUNNING",
+                              "FINISHED"]
+    assert [size for size, _, _ in fleet.runs] == [4, 4]  # all lent slots came back

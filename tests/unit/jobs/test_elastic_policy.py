@@ -1,0 +1,119 @@
+"""The elastic policy (pure): formation sizes, when a running formation must end, what follows it."""
+
+from __future__ import annotations
+
+import pytest
+
+from rayfleet.errors import SpecError
+from rayfleet.jobs.elastic_policy import (
+    DriverState, EndKind, FormationEnd, after_formation, choose_world_size, replica_slots, size_formation,
+    watch_formation,
+)
+from rayfleet.jobs.launcher import prepare_launch
+from rayfleet.jobs.spec import TrainJobSpec
+from rayfleet.platform.topology import AcceleratorSlot, FleetTopology, NodeTopology
+
+
+@pytest.mark.parametrize("free, lo, hi, replica, expected", [
+    (8, 2, 4, 1, 4),  # capped at max_workers
+    (3, 2, 4, 1, 3),  # a node lost: shrink to what is left
+    (7, 2, 8, 2, 6),  # whole model replicas only (tp*pp = 2)
+    (1, 2, 4, 1, None),  # below the gang minimum: no formation
+    (5, 6, 8, 2, None),
+    (0, 1, 4, 1, None),
+])
+def test_choose_world_size(free, lo, hi, replica, expected) -> None:
+    assert choose_world_size(free, min_workers=lo, max_workers=hi, replica_size=replica) == expected
+
+
+def fleet(*sizes: int) -> FleetTopology:
+    return FleetTopology(tuple(NodeTopology(name=f"n{i}", accelerator_type="H100", num_accelerators=n, rack="r0",
+                                            block="b0", nvlink_domain=f"nvl{i}") for i, n in enumerate(sizes)))
+
+
+@pytest.fixture()
+def elastic_spec(job_dict) -> TrainJobSpec:
+    return TrainJobSpec.model_validate({**job_dict, "resources": {"accelerator": "H100",
+                                                                  "elastic": {"min_workers": 2, "max_workers": 4}}})
+
+
+def test_size_formation_takes_the_largest_size_the_free_fleet_holds(elastic_spec) -> None:
+    launch = size_formation(elastic_spec, (fleet(2, 2), set(), set()), prepare=prepare_launch)
+    assert launch.layout.world_size == 4
+    # one node's accelerators held by other work, one cordoned: what is left
+    launch = size_formation(elastic_spec, (fleet(2, 2, 2), {AcceleratorSlot("n0", 0)}, {"n1"}), prepare=prepare_launch)
+    assert launch.layout.world_size == 3 and "n1" not in launch.layout.nodes()
+
+
+def test_size_formation_plans_around_lent_slots_and_the_autoscalers_target(elastic_spec) -> None:
+    lent = (AcceleratorSlot("n1", 0), AcceleratorSlot("n1", 1))
+    launch = size_formation(elastic_spec, (fleet(2, 2), set(), set()), prepare=prepare_launch, lent=lent)
+    assert launch.layout.world_size == 2 and set(launch.layout.nodes()) == {"n0"}
+    assert size_formation(elastic_spec, (fleet(2, 2), set(), set()), prepare=prepare_launch,
+                          max_size=2).layout.world_size == 2
+
+
+def test_size_formation_retries_smaller_when_a_size_does_not_plan(elastic_spec) -> None:
+    tried = []
+
+    def prepare(spec, topology, *, held, cordoned):
+        tried.append(spec.resources.num_workers)
+        if spec.resources.num_workers == 4:  # e.g. the batch does not split over 4 replicas
+            raise SpecError("global_batch_size", 6, "does not split over 4 replicas", "use a multiple of 4")
+        return prepare_launch(spec, topology, held=held, cordoned=cordoned)
+
+    assert size_formation(elastic_spec, (fleet(4), set(), set()), prepare=prepare).layout.world_size == 3
+    assert tried == [4, 3]
+
+
+def test_size_formation_names_the_field_when_not_even_the_minimum_fits(elastic_spec) -> None:
+    with pytest.raises(SpecError, match="resources.elastic.min_workers.*minimum formation"):
+        size_formation(elastic_spec, (fleet(1), set(), set()), prepare=prepare_launch)
+
+
+def test_replica_slots_groups_ranks_by_their_dp_coordinate(job_dict) -> None:
+    spec = TrainJobSpec.model_validate({**job_dict, "plan": {"dp": 2, "tp": 2},
+                                        "resources": {"accelerator": "H100", "num_workers": 4}})
+    launch = prepare_launch(spec, fleet(2, 2))
+    slots = replica_slots(launch.layout)
+    assert [len(r) for r in slots] == [2, 2]
+    assert sorted(s for r in slots for s in r) == sorted(launch.layout.rank_to_slot)
+    assert all(len({s.node for s in r}) == 1 for r in slots)  # a TP pair stays on one node
+
+
+@pytest.mark.parametrize("alive, size, free, grows, expected", [
+    ({"n0", "n1"}, 4, 4, True, None),  # nothing changed
+    ({"n0"}, 4, 4, True, EndKind.NODE_LOST),
+    ({"n0"}, 4, 0, False, EndKind.NODE_LOST),  # node loss ends it even when growth is not its call
+    ({"n0", "n1", "n2"}, 4, 6, True, EndKind.GROW),
+    ({"n0", "n1", "n2"}, 4, 6, False, None),  # the shared autoscaler decides growth
+    ({"n0", "n1", "n2"}, 4, 5, True, None),  # 5 free, replicas of 2: still 4
+    ({"n0", "n1", "n2"}, 6, 8, True, None),  # already at max_workers: the fleet is not looked at
+])
+def test_watch_formation(alive, size, free, grows, expected) -> None:
+    calls = []
+
+    def free_if_regrown():
+        calls.append(1)
+        return free
+
+    end = watch_formation(layout_nodes=("n0", "n1"), alive_nodes=alive, size=size, min_workers=2,
+                          max_workers=6, replica_size=2, free_if_regrown=free_if_regrown if grows else None)
+    assert (end.kind if end else None) == expected
+    if expected is EndKind.NODE_LOST:
+        assert "n1" in end.detail and not calls  # the fleet is not even looked at
+    if size == 6:
+        assert not calls
+
+
+@pytest.mark.parametrize("step, end, resized, failed, expected", [
+    (24, None, False, False, DriverState.FINISHED),
+    (24, FormationEnd(EndKind.GROW, "bigger"), True, False, DriverState.FINISHED),  # a resize with the last step is moot
+    (10, FormationEnd(EndKind.GROW, "bigger"), False, False, DriverState.RESIZING),
+    (10, None, True, False, DriverState.RESIZING),  # the autoscaler stopped it
+    (10, FormationEnd(EndKind.NODE_LOST, "n1 died"), False, True, DriverState.RECOVERING),
+    (10, None, False, True, DriverState.ERRORED),  # a failure nobody caused: the job fails
+    (10, FormationEnd(EndKind.GROW, "bigger"), False, True, DriverState.ERRORED),
+])
+def test_after_formation(step, end, resized, failed, expected) -> None:
+    assert after_formation(step=step, steps=24, end=end, resized=resized, failed=failed)[0] is expected
