@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from rayfleet.jobs.local import run_local_many  # noqa: E402
+from rayfleet.jobs.local_processes import run_local_many  # noqa: E402
 from rayfleet.jobs.spec import TrainJobSpec  # noqa: E402
 from rayfleet.jobs.train_state import TrainHooks  # noqa: E402
 from rayfleet.placement.plan import ParallelPlan  # noqa: E402

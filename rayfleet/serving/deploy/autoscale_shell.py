@@ -22,6 +22,7 @@ cell but not the driver that started it.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -29,7 +30,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from rayfleet.errors import SpecError
-from rayfleet.platform.autoscaler_policy import ServeObservation
+from rayfleet.platform.autoscaler_shell import AutoscalerShellBase, RayChannel
+from rayfleet.platform.autoscaler_types import Decision, ScaleServe, ServeObservation
 from rayfleet.serving.spec import ServeSpec
 
 __all__ = ["ServeShellConfig", "LentReplica", "desired_replicas", "p95", "serve_observation", "ServeShell",
@@ -114,8 +116,14 @@ def serve_observation(*, deployment: str, accelerator_type: str, accelerators_pe
         ttft_slo_s=config.ttft_slo_s, kv_usage=max(kv_usage_by_replica.values(), default=0.0))
 
 
-class ServeShell:
-    """Ray actor body (see module doc). ``history()`` lists every lent replica."""
+log = logging.getLogger(__name__)
+
+
+class ServeShell(AutoscalerShellBase):
+    """Ray actor body (see module doc) on the shells' take -> apply -> report skeleton.
+    ``history()`` lists every lent replica."""
+
+    observation_type = ServeObservation
 
     def __init__(self, spec: dict, config: dict) -> None:
         from ray import serve
@@ -133,16 +141,16 @@ class ServeShell:
             raise SpecError(f"{self.role}.accelerator_type", None, "is needed to lend accelerators to this pool",
                             "set the pool's accelerator_type (e.g. H100)")
         self.pool = pool
-        self.controller = get_controller()
+        super().__init__(RayChannel(get_controller(), timeout_s=10), inbox=self.spec.name,
+                         subject=f"serve:{self.spec.name}", interval_s=self.config.interval_s, log=log.warning,
+                         thread_name="serve-shell")
         self.router = serve.get_deployment_handle("router", app_name=self.spec.name)
         self.ingress = serve.get_deployment_handle("ingress", app_name=self.spec.name)
         self.base_nodes = _replica_nodes(self.spec.name, self.spec.replica_names()[self.role])
         self.lent: list[LentReplica] = []
         self._lock = threading.Lock()
-        self._halt = threading.Event()
         self.last_observation: ServeObservation | None = None
-        self._thread = threading.Thread(target=self._run, name="serve-shell", daemon=True)
-        self._thread.start()
+        self.start()
 
     # -- queries ---------------------------------------------------------------------------
     def history(self) -> list[dict]:
@@ -154,26 +162,13 @@ class ServeShell:
 
     def stop(self) -> None:
         """Stop reporting and forget the deployment in the controller (lent replicas stay)."""
-        self._halt.set()
-        self._thread.join(timeout=30)
-        import ray
+        self.close()
 
-        ray.get(self.controller.report_serve.remote(None, self.spec.name))
+    # -- the skeleton's steps (take -> apply -> report) ------------------------------------------
+    def on_tick_error(self, exc: Exception) -> None:  # keep reporting through hiccups
+        self.event("autoscaler_serve_shell_error", repr(exc), {})
 
-    # -- the loop ----------------------------------------------------------------------------
-    def _run(self) -> None:
-        import ray
-
-        while not self._halt.wait(self.config.interval_s):
-            try:
-                for decision in ray.get(self.controller.take_decisions.remote(self.spec.name), timeout=10):
-                    if decision["type"] == "ScaleServe":
-                        self._apply(decision)
-                self._report()
-            except Exception as exc:  # noqa: BLE001 - keep reporting through hiccups
-                self._event("autoscaler_serve_shell_error", repr(exc), {})
-
-    def _report(self) -> None:
+    def observe(self) -> ServeObservation:
         load = self.ingress.load.remote(self.config.window_s).result(timeout_s=10)
         states = self.router.replica_states.remote().result(timeout_s=10)
         kv = {name: 1.0 - s.snapshot.num_free_blocks / max(1, s.snapshot.num_total_blocks) for name, s in states.items()}
@@ -184,18 +179,22 @@ class ServeShell:
             accelerators_per_replica=max(1, self.pool.accelerators_per_replica), load=load,
             kv_usage_by_replica=kv, base_nodes=self.base_nodes, lent=lent, config=self.config)
         self.last_observation = observation
-        self.controller.report_serve.remote(observation)
+        return observation
 
-    def _apply(self, decision: dict) -> None:
-        decided_at = float(decision.get("decided_at") or time.time())
-        for node in decision["add_on_nodes"]:
+    def apply(self, decision: Decision, decided_at_s: float) -> None:
+        match decision:
+            case ScaleServe():
+                self._scale(decision, decided_at_s)
+
+    def _scale(self, decision: ScaleServe, decided_at: float) -> None:
+        for node in decision.add_on_nodes:
             with self._lock:
                 index = len(self.spec.replica_names()[self.role]) + len(self.lent)
                 name = f"{self.role}-{index}"
                 replica = LentReplica(name=name, app_name=f"{self.spec.name}--{name}", node=node, decided_at=decided_at)
                 self.lent.append(replica)
             threading.Thread(target=self._add, args=(replica,), daemon=True).start()
-        for node in decision["remove_from_nodes"]:
+        for node in decision.remove_from_nodes:
             with self._lock:
                 active = [r for r in self.lent if r.removal_decided_at is None and r.running_at is not None]
                 victims = [r for r in active if r.node == node] or active
@@ -203,7 +202,7 @@ class ServeShell:
                     continue
                 victim = victims[-1]
                 victim.removal_decided_at = decided_at
-            threading.Thread(target=self._remove, args=(victim, decision["reason"]), daemon=True).start()
+            threading.Thread(target=self._remove, args=(victim, decision.reason), daemon=True).start()
 
     def _add(self, replica: LentReplica) -> None:
         from ray import serve
@@ -226,17 +225,17 @@ class ServeShell:
                 time.sleep(0.5)
         except Exception as exc:  # noqa: BLE001 - recorded; the policy sees no new replica
             replica.error = repr(exc)
-            self._event("autoscaler_handover_failed", f"{replica.name} on {replica.node}: {exc!r}",
+            self.event("autoscaler_handover_failed", f"{replica.name} on {replica.node}: {exc!r}",
                         {"replica": replica.name, "node": replica.node})
             return
         replica.running_at = time.time()
-        self._event("autoscaler_handover",
+        self.event("autoscaler_handover",
                     f"{replica.name} serving on {replica.node} {replica.handover_s:.1f}s after the decision",
                     {"replica": replica.name, "node": replica.node, "handover_s": round(replica.handover_s, 2)})
 
     def _wait_for_room(self, node: str, count: int, timeout_s: float = 300.0) -> None:
         import ray
-        from ray._private.state import available_resources_per_node
+        from rayfleet.platform.ray_compat import available_resources_per_node
 
         from rayfleet.platform import labels as L
 
@@ -262,19 +261,13 @@ class ServeShell:
             self.router.forget_replica.remote(replica.name).result(timeout_s=30)
         except Exception as exc:  # noqa: BLE001
             replica.error = repr(exc)
-            self._event("autoscaler_replica_remove_failed", f"{replica.name}: {exc!r}", {"replica": replica.name})
+            self.event("autoscaler_replica_remove_failed", f"{replica.name}: {exc!r}", {"replica": replica.name})
             return
         replica.removed_at = time.time()
-        self._event("autoscaler_replica_removed",
+        self.event("autoscaler_replica_removed",
                     f"{replica.name} drained and removed from {replica.node} "
                     f"{replica.removed_at - replica.removal_decided_at:.1f}s after the decision ({reason})",
                     {"replica": replica.name, "node": replica.node})
-
-    def _event(self, kind: str, cause: str, detail: dict) -> None:
-        try:
-            self.controller.record_event.remote(f"serve:{self.spec.name}", kind, cause, detail)
-        except Exception:  # noqa: BLE001 - events are best effort
-            pass
 
 
 def _replica_nodes(app_name: str, deployments: Sequence[str]) -> list[str]:
