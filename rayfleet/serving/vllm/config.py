@@ -1,0 +1,191 @@
+"""``ServeSpec`` (``engine: vllm``) -> Ray Serve LLM arguments, as plain data (no Ray, no vLLM).
+
+Ray Serve LLM (``ray.serve.llm``) already is an OpenAI server over vLLM with prefill/decode
+disaggregation through vLLM's KV connectors; rayfleet does not re-implement it. This module only
+decides what to ask of it, from the same spec as the built-in engine:
+
+- ``LLMConfig`` fields per role (``colocated``, or ``prefill`` and ``decode``): the model
+  (``model.hf``: a directory, a hub id, or an s3/gs/abfss URI that Serve LLM mirrors), the
+  engine arguments from ``engine`` (block size, batch limits, prefix caching, chunked prefill)
+  and ``vllm`` (dtype from ``model.dtype``, eager mode, extra arguments verbatim last, so a
+  user's ``vllm.engine_kwargs`` wins), the KV connector of a disaggregated app.
+- Placement, the same path as the built-in engine: each replica is one placement group whose
+  bundles reserve the accelerator type's Ray resource from the catalogue (GPU, XPU, NPU) and
+  are pinned by the topology label ``rayfleet.io/accelerator-type`` (one selector per bundle).
+  On ``device: gpu`` a replica is ``accelerators_per_replica``-way tensor parallel (STRICT_PACK:
+  one node). On ``device: cpu`` the engine runs on host cores in one bundle; accelerators the
+  pool reserves there stand for the replica on a fake-accelerator fleet (what the autoscaler
+  counts), and a bundle that would reserve nothing takes half a core (two-core machines can
+  afford no more per engine; the engine's threads are not bound to it anyway).
+- The replica actor itself asks for no CPU (``num_cpus: 0``): its placement group bundle holds
+  the engine's share, and on a two-core machine one more core per replica does not exist.
+- The pool's Serve ``RequestRouter`` is chosen by ``vllm.request_router``.
+
+The builders in ``rayfleet.serving.vllm.app`` turn ``VLLMAppArgs`` into an ``Application``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rayfleet.errors import SpecError
+from rayfleet.platform import labels as L
+from rayfleet.platform.catalogue import get_accelerator
+from rayfleet.serving.spec import PoolSpec, ServeSpec
+
+__all__ = ["VLLMAppArgs", "vllm_app_args", "llm_config_fields", "placement_group_config", "engine_kwargs",
+           "kv_transfer_config", "model_loading_config", "request_router_config", "CPU_ENGINE_SHARE",
+           "REQUEST_ROUTERS"]
+
+CPU_ENGINE_SHARE = 0.5  # CPU of a cpu-device bundle that reserves nothing else (see module doc)
+
+# vllm.request_router -> Serve RequestRouter class (import path); None keeps Serve's default
+# (power of two choices over queue lengths).
+REQUEST_ROUTERS: dict[str, str | None] = {
+    "prefix_cache_affinity": "ray.serve.llm.request_router.PrefixCacheAffinityRouter",
+    "power_of_two": None,
+}
+
+_KV_CONNECTORS = {"nixl": "NixlConnector", "shared_storage": "ExampleConnector"}
+_MIRRORED_SCHEMES = ("s3://", "gs://", "abfss://", "azure://")
+
+
+@dataclass(frozen=True)
+class VLLMAppArgs:
+    """What to build: ``builder`` names the ``ray.serve.llm`` function, ``args`` its argument
+    (``LLMServingArgs`` / ``PDServingArgs`` as a dict of ``LLMConfig`` field dicts)."""
+
+    builder: Literal["build_openai_app", "build_pd_openai_app"]
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+def model_loading_config(spec: ServeSpec) -> dict[str, Any]:
+    """``model_id`` (what clients send) and ``model_source`` (``model.hf``)."""
+    source: Any = spec.model.hf
+    assert source, "ServeSpec validates that engine: vllm has model.hf"
+    if source.startswith("file://"):
+        source = source[len("file://"):]
+    elif source.startswith(_MIRRORED_SCHEMES):
+        source = {"bucket_uri": source}  # Serve LLM's CloudMirrorConfig downloads it per node
+    elif "://" in source:
+        raise SpecError("model.hf", source, "is a URI vLLM cannot load",
+                        f"use a local directory, a hub id, or a URI starting with {', '.join(_MIRRORED_SCHEMES)}")
+    return {"model_id": spec.model.served_name, "model_source": source}
+
+
+def kv_transfer_config(spec: ServeSpec) -> dict[str, Any] | None:
+    """vLLM's ``kv_transfer_config`` of a disaggregated app (both roles ``kv_both``, as Serve
+    LLM's PD pattern expects); ``None`` for a colocated one."""
+    if spec.mode != "disaggregated":
+        return None
+    v = spec.vllm
+    config: dict[str, Any] = {"kv_connector": _KV_CONNECTORS[v.kv_connector], "kv_role": "kv_both"}
+    if v.kv_connector == "nixl":
+        config["kv_buffer_device"] = "cpu" if v.device == "cpu" else "cuda"
+    else:
+        config["kv_connector_extra_config"] = {"shared_storage_path": v.kv_storage_path}
+    return config
+
+
+def tensor_parallel_size(spec: ServeSpec, pool: PoolSpec) -> int:
+    return max(1, pool.accelerators_per_replica) if spec.vllm.device == "gpu" else 1
+
+
+def engine_kwargs(spec: ServeSpec, role: str) -> dict[str, Any]:
+    """vLLM engine arguments of one role's replicas (see module doc for the precedence)."""
+    e, v = spec.engine, spec.vllm
+    if spec.model.dtype == "float64":
+        raise SpecError("model.dtype", "float64", "vLLM serves float32, bfloat16 or float16 weights",
+                        "use model.dtype: float32 (exact) or bfloat16 (fast)")
+    kwargs: dict[str, Any] = {
+        "dtype": spec.model.dtype, "block_size": e.block_size, "max_num_seqs": e.max_num_seqs,
+        "max_num_batched_tokens": e.max_num_batched_tokens, "enable_prefix_caching": e.enable_prefix_caching,
+        "enable_chunked_prefill": e.enable_chunked_prefill,
+        "enforce_eager": v.device == "cpu" if v.enforce_eager is None else v.enforce_eager,
+        "tensor_parallel_size": tensor_parallel_size(spec, spec.pools()[role]),
+    }
+    if e.max_model_len is not None:
+        kwargs["max_model_len"] = e.max_model_len
+    if v.device == "gpu":
+        kwargs["gpu_memory_utilization"] = v.gpu_memory_utilization
+    transfer = kv_transfer_config(spec)
+    if transfer is not None:
+        kwargs["kv_transfer_config"] = transfer
+    kwargs.update(v.engine_kwargs)
+    return kwargs
+
+
+def _accelerator(pool: PoolSpec) -> tuple[str, str | None]:
+    """(Ray resource, catalogue name) of the pool's accelerators (GPU when no type is named)."""
+    if not pool.accelerator_type:
+        return "GPU", None
+    acc = get_accelerator(pool.accelerator_type)  # UnknownAcceleratorError names the fix
+    return acc.ray_resource, acc.name
+
+
+def placement_group_config(spec: ServeSpec, pool: PoolSpec) -> dict[str, Any]:
+    """One replica's placement group (``LLMConfig.placement_group_config``; see module doc)."""
+    resource, _ = _accelerator(pool)
+    if spec.vllm.device == "gpu":
+        first = {resource: 1.0, **({"CPU": pool.num_cpus} if pool.num_cpus else {})}
+        rest = [{resource: 1.0}] * (tensor_parallel_size(spec, pool) - 1)
+        return {"bundles": [first, *rest], "strategy": "STRICT_PACK"}
+    bundle: dict[str, float] = {}
+    if pool.num_cpus:
+        bundle["CPU"] = pool.num_cpus
+    if pool.accelerators_per_replica:
+        bundle[resource] = float(pool.accelerators_per_replica)
+    return {"bundles": [bundle or {"CPU": CPU_ENGINE_SHARE}], "strategy": "PACK"}
+
+
+def request_router_config(spec: ServeSpec) -> dict[str, Any] | None:
+    """Serve's ``request_router_config`` for the pool deployments, or ``None`` for the default."""
+    cls = REQUEST_ROUTERS[spec.vllm.request_router]
+    return None if cls is None else {"request_router_class": cls}
+
+
+def _runtime_env(spec: ServeSpec) -> dict[str, Any]:
+    env: dict[str, str] = {}
+    if spec.vllm.device == "cpu":
+        # Required on CPU (no KV size is derived from free memory there), and the default thread
+        # binding (auto) reserves one of a two-core machine's cores for nothing.
+        env.update({"VLLM_CPU_KVCACHE_SPACE": f"{spec.vllm.kv_cache_gib:g}", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    env.update(spec.vllm.env)
+    return {"env_vars": env}
+
+
+def llm_config_fields(spec: ServeSpec, role: str) -> dict[str, Any]:
+    """``LLMConfig`` fields (a dict ``LLMConfig.model_validate`` accepts) for ``role``'s pool."""
+    pool = spec.pools()[role]
+    pg = placement_group_config(spec, pool)
+    deployment: dict[str, Any] = {"num_replicas": pool.replicas, "ray_actor_options": {"num_cpus": 0},
+                                  "health_check_period_s": 5, "health_check_timeout_s": 60}
+    _, accelerator_name = _accelerator(pool)
+    if accelerator_name:
+        deployment["placement_group_bundle_label_selector"] = [{L.ACCELERATOR_TYPE: accelerator_name}] * len(pg["bundles"])
+    router = request_router_config(spec)
+    if router is not None:
+        deployment["request_router_config"] = router
+    return {"model_loading_config": model_loading_config(spec),
+            "accelerator_config": {"kind": spec.vllm.device},
+            "placement_group_config": pg,
+            "deployment_config": deployment,
+            "engine_kwargs": engine_kwargs(spec, role),
+            "runtime_env": _runtime_env(spec),
+            "log_engine_metrics": True}
+
+
+def vllm_app_args(spec: ServeSpec) -> VLLMAppArgs:
+    """The Serve LLM builder and its arguments for ``spec`` (``engine.kind`` must be ``vllm``)."""
+    if spec.engine.kind != "vllm":
+        raise SpecError("engine.kind", spec.engine.kind, "is not vllm", "build it with rayfleet.serving.deploy")
+    # One ingress replica with no CPU: on a small fleet Serve LLM's default (two per model
+    # replica, one CPU each) would not fit beside the engines.
+    ingress = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}}
+    if spec.mode == "colocated":
+        return VLLMAppArgs("build_openai_app", {"llm_configs": [llm_config_fields(spec, "colocated")],
+                                                "ingress_deployment_config": ingress})
+    return VLLMAppArgs("build_pd_openai_app", {"prefill_config": llm_config_fields(spec, "prefill"),
+                                               "decode_config": llm_config_fields(spec, "decode"),
+                                               "ingress_deployment_config": ingress})

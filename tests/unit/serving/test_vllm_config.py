@@ -1,0 +1,162 @@
+"""``engine: vllm`` specs -> Ray Serve LLM arguments (``rayfleet.serving.vllm.config``), without
+Ray or vLLM. The live apps these arguments build are tested in tests/vllm."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from rayfleet.errors import RayfleetError, SpecError
+from rayfleet.serving.spec import ServeSpec, load_serve_spec
+from rayfleet.serving.vllm.config import CPU_ENGINE_SHARE, llm_config_fields, vllm_app_args
+
+
+def _spec(**fields) -> ServeSpec:
+    base = {"engine": {"kind": "vllm"}, "model": {"hf": "/models/tiny-moe"}, "vllm": {"device": "cpu"}}
+    for key, value in fields.items():
+        base[key] = {**base[key], **value} if isinstance(base.get(key), dict) and isinstance(value, dict) else value
+    return ServeSpec.parse(base)
+
+
+def test_engine_shorthand_and_default_builtin():
+    assert ServeSpec.parse({}).engine.kind == "builtin"
+    assert _spec().engine.kind == "vllm"
+    assert _spec(engine={"kind": "vllm", "block_size": 32}).engine.block_size == 32
+    assert _spec().model.served_name == "tiny-moe" and _spec().model.preset is None
+
+
+@pytest.mark.parametrize("fields, field_name", [
+    ({"engine": "vllm", "model": {"preset": "tiny"}}, "model.hf"),            # vLLM needs an HF model
+    ({"model": {"hf": "/m"}}, "engine"),                                        # builtin cannot load one
+    ({"engine": "sglang", "model": {"hf": "/m"}}, "engine.kind"),
+    ({"engine": "vllm", "model": {"hf": "/m"}, "vllm": {"kv_connector": "shared_storage"}}, "vllm.kv_storage_path"),
+    ({"engine": "vllm", "model": {"hf": "/m", "preset": "tiny"}}, "model"),
+])
+def test_bad_specs_name_the_field(fields, field_name):
+    with pytest.raises(SpecError) as err:
+        ServeSpec.parse(fields)
+    assert err.value.field == field_name or str(err.value).startswith(field_name), str(err.value)
+    assert "Fix:" in str(err.value)
+
+
+def test_colocated_cpu_pool_maps_to_build_openai_app():
+    spec = _spec(colocated={"replicas": 2, "accelerators_per_replica": 0},
+                 engine={"block_size": 32, "max_model_len": 512, "max_num_seqs": 4})
+    built = vllm_app_args(spec)
+    assert built.builder == "build_openai_app"
+    (cfg,) = built.args["llm_configs"]
+    assert cfg["model_loading_config"] == {"model_id": "tiny-moe", "model_source": "/models/tiny-moe"}
+    assert cfg["accelerator_config"] == {"kind": "cpu"}
+    assert cfg["placement_group_config"] == {"bundles": [{"CPU": CPU_ENGINE_SHARE}], "strategy": "PACK"}
+    assert cfg["deployment_config"]["num_replicas"] == 2
+    assert cfg["deployment_config"]["ray_actor_options"] == {"num_cpus": 0}
+    kw = cfg["engine_kwargs"]
+    assert (kw["block_size"], kw["max_model_len"], kw["max_num_seqs"], kw["enforce_eager"]) == (32, 512, 4, True)
+    assert "kv_transfer_config" not in kw and "gpu_memory_utilization" not in kw
+    assert cfg["runtime_env"]["env_vars"] == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    assert built.args["ingress_deployment_config"]["ray_actor_options"] == {"num_cpus": 0}
+
+
+def test_disaggregated_nixl_on_cpu_keeps_kv_in_host_memory():
+    built = vllm_app_args(_spec(mode="disaggregated", prefill={"replicas": 2}))
+    assert built.builder == "build_pd_openai_app"
+    prefill, decode = built.args["prefill_config"], built.args["decode_config"]
+    for cfg in (prefill, decode):
+        assert cfg["engine_kwargs"]["kv_transfer_config"] == {
+            "kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    assert prefill["deployment_config"]["num_replicas"] == 2 and decode["deployment_config"]["num_replicas"] == 1
+
+
+def test_shared_storage_connector_and_gpu_nixl():
+    storage = _spec(mode="disaggregated", vllm={"kv_connector": "shared_storage", "kv_storage_path": "/shared/kv"})
+    kv = vllm_app_args(storage).args["decode_config"]["engine_kwargs"]["kv_transfer_config"]
+    assert kv == {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                  "kv_connector_extra_config": {"shared_storage_path": "/shared/kv"}}
+    gpu = _spec(mode="disaggregated", vllm={"device": "gpu"})
+    assert vllm_app_args(gpu).args["prefill_config"]["engine_kwargs"]["kv_transfer_config"]["kv_buffer_device"] == "cuda"
+
+
+def test_gpu_replica_is_tensor_parallel_on_one_node_of_the_labelled_type():
+    spec = _spec(vllm={"device": "gpu"}, model={"hf": "/m", "dtype": "bfloat16"},
+                 colocated={"accelerators_per_replica": 4, "accelerator_type": "h100", "num_cpus": 2})
+    cfg = llm_config_fields(spec, "colocated")
+    assert cfg["placement_group_config"] == {
+        "bundles": [{"GPU": 1.0, "CPU": 2}, {"GPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}], "strategy": "STRICT_PACK"}
+    # One selector per bundle, with the catalogue's spelling of the type.
+    assert cfg["deployment_config"]["placement_group_bundle_label_selector"] == [
+        {"rayfleet.io/accelerator-type": "H100"}] * 4
+    kw = cfg["engine_kwargs"]
+    assert kw["tensor_parallel_size"] == 4 and kw["enforce_eager"] is False and kw["dtype"] == "bfloat16"
+    assert kw["gpu_memory_utilization"] == 0.9 and cfg["accelerator_config"] == {"kind": "gpu"}
+    assert cfg["runtime_env"]["env_vars"] == {}
+
+
+def test_cpu_engine_on_a_fake_accelerator_fleet_reserves_the_catalogue_resource():
+    from rayfleet.platform.catalogue import get_accelerator
+
+    xpu = get_accelerator("P800")
+    cfg = llm_config_fields(_spec(colocated={"accelerators_per_replica": 1, "accelerator_type": "P800"}), "colocated")
+    assert cfg["placement_group_config"]["bundles"] == [{xpu.ray_resource: 1.0}]
+    assert cfg["deployment_config"]["placement_group_bundle_label_selector"] == [
+        {"rayfleet.io/accelerator-type": xpu.name}]
+    assert cfg["engine_kwargs"]["tensor_parallel_size"] == 1  # vllm-cpu runs one engine process
+
+
+def test_unknown_accelerator_type_is_a_clear_error():
+    with pytest.raises(RayfleetError) as err:
+        llm_config_fields(_spec(colocated={"accelerator_type": "Z9000"}), "colocated")
+    assert "Z9000" in str(err.value) and "Fix:" in str(err.value)
+
+
+def test_user_engine_kwargs_win_and_env_is_added():
+    spec = _spec(vllm={"engine_kwargs": {"enforce_eager": False, "seed": 7}, "env": {"VLLM_LOGGING_LEVEL": "DEBUG"},
+                       "kv_cache_gib": 2.5})
+    cfg = llm_config_fields(spec, "colocated")
+    assert cfg["engine_kwargs"]["enforce_eager"] is False and cfg["engine_kwargs"]["seed"] == 7
+    assert cfg["runtime_env"]["env_vars"]["VLLM_CPU_KVCACHE_SPACE"] == "2.5"
+    assert cfg["runtime_env"]["env_vars"]["VLLM_LOGGING_LEVEL"] == "DEBUG"
+
+
+@pytest.mark.parametrize("router, expected", [
+    ("prefix_cache_affinity", {"request_router_class": "ray.serve.llm.request_router.PrefixCacheAffinityRouter"}),
+    ("power_of_two", None),
+])
+def test_request_router_choice(router, expected):
+    cfg = llm_config_fields(_spec(vllm={"request_router": router}), "colocated")
+    assert cfg["deployment_config"].get("request_router_config") == expected
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("/models/x", "/models/x"), ("file:///models/x", "/models/x"), ("Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B"),
+    ("s3://bucket/models/x", {"bucket_uri": "s3://bucket/models/x"}),
+])
+def test_model_sources(source, expected):
+    cfg = llm_config_fields(_spec(model={"hf": source}), "colocated")
+    assert cfg["model_loading_config"]["model_source"] == expected
+
+
+def test_model_source_errors():
+    with pytest.raises(SpecError, match="model.hf"):
+        llm_config_fields(_spec(model={"hf": "ftp://host/x"}), "colocated")
+    with pytest.raises(SpecError, match="model.dtype"):
+        llm_config_fields(_spec(model={"hf": "/m", "dtype": "float64"}), "colocated")
+
+
+def test_builtin_spec_is_refused_by_the_vllm_builder():
+    with pytest.raises(SpecError, match="engine.kind"):
+        vllm_app_args(ServeSpec.parse({}))
+
+
+def test_examples_parse_and_round_trip(tmp_path):
+    from pathlib import Path
+
+    examples = sorted(Path(__file__).resolve().parents[3].joinpath("examples", "serve").glob("vllm-*.yaml"))
+    assert examples, "examples/serve/vllm-*.yaml"
+    for path in examples:
+        spec = load_serve_spec(path)
+        assert spec.engine.kind == "vllm"
+        vllm_app_args(spec)
+        # The dump is what `serve deploy` hands app_builder: it must parse back to the same spec.
+        again = tmp_path / path.name
+        again.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+        assert load_serve_spec(again) == spec
