@@ -1,7 +1,9 @@
 """Flash checkpoints: snapshot into node-local shared memory every N steps, persist every M-th
 snapshot to storage in the background, restore from shared memory when valid else from storage.
 
-Plugging it into a train loop (one instance per rank, constructed on every rank)::
+The train loop's hook is :class:`~rayfleet.jobs.flash_checkpoint_hook.FlashCheckpointHook`;
+restoring from shared memory is :mod:`rayfleet.jobs.flash_restore`. Plugging it into a train
+loop (one instance per rank, constructed on every rank)::
 
     ckpt = FlashCheckpointer(snapshot_every=10, persist_every=5, store=SnapshotStore(job=j, rank=r),
                              checkpoint_uri="s3://bucket/job", keep=3)
@@ -48,25 +50,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from rayfleet.errors import SpecError
-from rayfleet.jobs.health_policy import LossAnomalyPolicy, SlowRankPolicy
-from rayfleet.jobs.train_state import TrainHooks, TrainState
-from rayfleet.platform.snapshot import DEFAULT_SNAPSHOT_ROOT, PendingSnapshot, RestoredSnapshot, SnapshotStore
+from rayfleet.jobs.flash_restore import CheckpointState, RestoreResult, restore_from_shm
+from rayfleet.platform.snapshot import PendingSnapshot, RestoredSnapshot, SnapshotStore
 from rayfleet.storage.checkpoint import (
     CheckpointInfo, discard_checkpoints_after, list_checkpoints, load_checkpoint, save_checkpoint,
 )
 
-__all__ = ["CheckpointState", "SnapshotEvent", "RestoreResult", "FlashCheckpointStats", "FlashCheckpointer",
-           "FlashCheckpointHook", "checkpoint_state_of", "train_state_of"]
-
-
-@dataclass(frozen=True)
-class CheckpointState:
-    """What a rank checkpoints. ``sharded``: nested dict of DTensors/tensors/objects (model and
-    optimizer state dicts, reshardable); ``rank_local``: this rank's small state (data position,
-    RNG states, step), restored as is (see ``RestoreResult.rank_local``)."""
-
-    sharded: Mapping[str, Any]
-    rank_local: Mapping[str, Any] = field(default_factory=dict)
+# CheckpointState and RestoreResult live with the restore code; they are part of this API.
+__all__ = ["CheckpointState", "SnapshotEvent", "RestoreResult", "FlashCheckpointStats", "FlashCheckpointer"]
 
 
 @dataclass(frozen=True)
@@ -79,24 +70,6 @@ class SnapshotEvent:
     cold: bool
     persist_scheduled: bool
     persist_wait_s: float
-
-
-@dataclass(frozen=True)
-class RestoreResult:
-    """Where a restore came from (``"shm"``, ``"storage"`` or ``"none"``) and at which step.
-
-    ``sharded`` is the template tree with its tensors filled in place and non-tensor leaves
-    replaced by the saved values: use it (e.g. ``set_state_dict``). ``rank_local`` is this rank's
-    saved dict (None after a resize, then see ``rank_local_by_rank``). ``reason`` says why
-    shared memory was not used when it was not.
-    """
-
-    source: Literal["shm", "storage", "none"]
-    step: int | None
-    sharded: Any
-    rank_local: dict | None
-    rank_local_by_rank: Mapping[int, dict]
-    reason: str
 
 
 @dataclass
@@ -299,7 +272,8 @@ class FlashCheckpointer:
         reason = "prefer='storage'"
         result = None
         if prefer == "shm":
-            result, reason = _restore_from_shm(self, template, at_most_step)
+            result, reason = restore_from_shm(self.store, template, at_most_step, group=self._group,
+                                              world_size=self.world_size)
         if result is None:
             result = self._restore_from_storage(template, at_most_step, reason)
         if at_most_step is not None and result.step is not None:
@@ -324,164 +298,3 @@ class FlashCheckpointer:
                                      process_group=self._group)
         self._last_persisted_step = loaded.info.step
         return RestoreResult("storage", loaded.info.step, sharded, loaded.rank_local, loaded.rank_local_by_rank, reason)
-
-
-# -- restore from shared memory ----------------------------------------------------------------
-def _copy_snapshot_into(snap, template_sharded: Any) -> Any | None:
-    """Copy a snapshot's tensors into the template's (local) tensors in place; return the tree with
-    restored non-tensor leaves, or None when the layout differs (nothing is trusted then)."""
-    leaves, spec = pytree.tree_flatten(dict(template_sharded))
-    if str(spec) != snap.objects.get("treespec"):
-        return None
-    objects = snap.objects["objects"]
-    targets = []
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor):
-            src = snap.tensors.get(str(i))
-            dst = leaf.to_local() if isinstance(leaf, DTensor) else leaf
-            if src is None or src.shape != dst.shape or src.dtype != dst.dtype:
-                return None
-            targets.append((dst, src))
-        elif i not in objects:
-            return None
-    with torch.no_grad():
-        for dst, src in targets:
-            dst.copy_(src)
-    restored = [objects[i] if not isinstance(leaf, torch.Tensor) else leaf for i, leaf in enumerate(leaves)]
-    return pytree.tree_unflatten(restored, spec)
-
-
-def _all_ok(ok: bool, group, world_size: int) -> bool:
-    if world_size == 1:
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
-
-
-def _restore_from_shm(ckpt: FlashCheckpointer, template: CheckpointState,
-                      at_most_step: int | None) -> tuple[RestoreResult | None, str]:
-    """Try the newest snapshot step held by every rank. Returns (result or None, reason)."""
-    local_steps = [info.step for info in ckpt.store.committed()
-                   if at_most_step is None or info.step <= at_most_step] if ckpt.store is not None else []
-    if ckpt.world_size > 1:
-        gathered: list[list[int]] = [None] * ckpt.world_size  # type: ignore[list-item]
-        dist.all_gather_object(gathered, local_steps, group=ckpt._group)
-    else:
-        gathered = [local_steps]
-    common = sorted(set.intersection(*(set(steps) for steps in gathered)), reverse=True)
-    if not common:
-        missing = [r for r, steps in enumerate(gathered) if not steps]
-        return None, (f"shm: ranks {missing} hold no snapshot" if missing else "shm: no step held by every rank")
-    for step in common:
-        snap = ckpt.store.restore(step=step, verify=True)
-        tree = _copy_snapshot_into(snap, template.sharded) if snap is not None else None
-        if _all_ok(tree is not None, ckpt._group, ckpt.world_size):
-            rank_local = dict(snap.objects["rank_local"])
-            return RestoreResult("shm", step, tree, rank_local, {}, "shm: newest step valid on every rank"), ""
-    return None, f"shm: steps {common} failed verification or layout on some rank"
-
-
-# -- the train loop's hook (rayfleet.jobs.loop.train_worker(hooks=...)) -----------------------------
-def checkpoint_state_of(state: TrainState) -> CheckpointState:
-    """A loop ``TrainState`` as checkpoint state: model/optimizer reshardable, the rest rank-local."""
-    return CheckpointState(sharded={"model": state.model, "optim": state.optimizer},
-                           rank_local={"step": state.step, "data": dict(state.data), "rng": dict(state.rng),
-                                       "extra": dict(state.extra)})
-
-
-def train_state_of(result: RestoreResult, *, rank: int) -> TrainState:
-    """The ``TrainState`` to hand to the loop's ``load_fn`` after a restore.
-
-    After a resize there is no own rank-local state: the data position is global (take rank 0's),
-    and a rank that existed before keeps its RNG state (new ranks take rank 0's).
-    """
-    local = result.rank_local
-    if local is None:
-        by_rank = result.rank_local_by_rank
-        local = {**by_rank[0], "rng": by_rank.get(rank, by_rank[0])["rng"]}
-    return TrainState(step=int(result.step), model=result.sharded["model"], optimizer=result.sharded["optim"],
-                      data=local["data"], rng=local["rng"], extra=local.get("extra", {}))
-
-
-class FlashCheckpointHook(TrainHooks):
-    """Flash checkpoints for ``train_worker``: restore at start, snapshot after steps, flush at the end.
-
-    Pickles (only settings until ``on_start`` builds the checkpointer on its rank), so it can be
-    passed to Ray Train workers. ``use_node_actor`` takes the shared-memory root from the node's
-    :class:`~rayfleet.platform.snapshot.SnapshotStoreActor` (inside Ray); otherwise ``shm_root``
-    is used directly (``None``: storage only). Checkpoint steps count completed steps
-    (``TrainState.step``). With ``loss_policy``, a NaN or spiking loss rolls the run back (through
-    ``load_fn``) to the newest snapshot before the bad step; with ``slow_rank_policy``, slow ranks
-    are flagged from ``metrics["step_time_s_per_rank"]``. Decisions go to ``decisions`` and
-    ``on_decision``.
-    """
-
-    def __init__(self, *, job: str, snapshot_every: int, persist_every: int, checkpoint_uri: str | None,
-                 keep: int = 3, shm_root: str | None = DEFAULT_SNAPSHOT_ROOT, use_node_actor: bool = False,
-                 restore: bool = True, prefer: Literal["shm", "storage"] = "shm",
-                 loss_policy: LossAnomalyPolicy | None = None, slow_rank_policy: SlowRankPolicy | None = None,
-                 on_decision: Callable[[Any], None] | None = None) -> None:
-        self.job, self.snapshot_every, self.persist_every = job, snapshot_every, persist_every
-        self.checkpoint_uri, self.keep, self.shm_root = checkpoint_uri, keep, shm_root
-        self.use_node_actor, self.restore, self.prefer = use_node_actor, restore, prefer
-        self.loss_policy, self.slow_rank_policy, self.on_decision = loss_policy, slow_rank_policy, on_decision
-        self.checkpointer: FlashCheckpointer | None = None
-        self.restored: RestoreResult | None = None
-        self.events: list[SnapshotEvent] = []
-        self.decisions: list[Any] = []  # health decisions, in order (the controller records them)
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "checkpointer": None}  # threads and process groups stay on their rank
-
-    def on_start(self, *, rank: int, world_size: int, plan: Any, step: int, state_fn: Callable[[], TrainState],
-                 load_fn: Callable[[TrainState], None]) -> None:
-        if self.use_node_actor:
-            from rayfleet.platform.snapshot import open_node_snapshot_store
-            store = open_node_snapshot_store(self.job, rank)
-        else:
-            store = SnapshotStore(self.shm_root, job=self.job, rank=rank) if self.shm_root else None
-        self.checkpointer = FlashCheckpointer(snapshot_every=self.snapshot_every, persist_every=self.persist_every,
-                                              store=store, checkpoint_uri=self.checkpoint_uri, keep=self.keep)
-        if not self.restore:
-            return
-        self.restored = self.checkpointer.restore(checkpoint_state_of(state_fn()), prefer=self.prefer)
-        if self.restored.step is not None and self.restored.step >= step:
-            load_fn(train_state_of(self.restored, rank=rank))
-            if rank == 0:  # one line in the job log per resume (tests and operators read it)
-                print(f"rayfleet checkpoint: restored step {self.restored.step} from {self.restored.source} "
-                      f"({self.restored.reason or 'snapshot verified on every rank'})", flush=True)
-
-    def after_step(self, step: int, *, metrics: Mapping[str, Any], sample_ids: tuple[int, ...],
-                   state_fn: Callable[[], TrainState], load_fn: Callable[[TrainState], None]) -> None:
-        if self.slow_rank_policy is not None and "step_time_s_per_rank" in metrics:
-            times = dict(enumerate(metrics["step_time_s_per_rank"]))
-            for decision in self.slow_rank_policy.observe(step + 1, times):
-                self._decide(decision)
-        if self.loss_policy is not None and "loss" in metrics:
-            # The loss is global (same on every rank), so every rank takes the same decision and
-            # the collective restore below lines up. Checked before snapshotting the bad step.
-            decision = self.loss_policy.observe(step + 1, float(metrics["loss"]))
-            if decision is not None:
-                self._decide(decision)
-                result = self.checkpointer.restore(checkpoint_state_of(state_fn()),
-                                                   at_most_step=decision.restore_at_most_step)
-                if result.step is not None:
-                    load_fn(train_state_of(result, rank=self.checkpointer.rank))
-                    self.loss_policy.reset()
-                return
-        event = self.checkpointer.after_step(step + 1, lambda: checkpoint_state_of(state_fn()))
-        if event is not None:
-            self.events.append(event)
-
-    def _decide(self, decision: Any) -> None:
-        self.decisions.append(decision)
-        if self.on_decision is not None:
-            self.on_decision(decision)
-
-    def on_end(self, summary: Any, *, state_fn: Callable[[], TrainState]) -> None:
-        state = state_fn()  # also on a stop (preemption): the newest state reaches storage
-        try:
-            self.checkpointer.flush(state.step, lambda: checkpoint_state_of(state))
-        finally:
-            self.checkpointer.close()

@@ -340,7 +340,7 @@ class _MiniRun:
 
 
 def test_hook_follows_the_loop_contract_and_resumes_exactly(shm_root, tmp_path):
-    from rayfleet.jobs.flash_checkpoint import FlashCheckpointHook
+    from rayfleet.jobs.flash_checkpoint_hook import FlashCheckpointHook
     from rayfleet.jobs.train_state import TrainHooks
 
     reference = _MiniRun(seed=0).run(TrainHooks(), steps=6)
@@ -365,7 +365,7 @@ def test_hook_follows_the_loop_contract_and_resumes_exactly(shm_root, tmp_path):
 
 
 def test_hook_rolls_back_a_loss_spike_and_flags_a_slow_rank(shm_root, tmp_path):
-    from rayfleet.jobs.flash_checkpoint import FlashCheckpointHook
+    from rayfleet.jobs.flash_checkpoint_hook import FlashCheckpointHook
     from rayfleet.jobs.health_policy import LossAnomalyPolicy, RollbackDecision, SlowRankDecision, SlowRankPolicy
     from rayfleet.jobs.train_state import TrainHooks
 
