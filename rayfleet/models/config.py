@@ -14,6 +14,7 @@ Design decisions:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Literal
 
@@ -179,6 +180,13 @@ class MoEConfig:
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return layer_id >= self.num_dense_layers
+
+    @classmethod
+    def from_dict(cls, fields_: "Mapping[str, object]") -> "MoEConfig":
+        """A config from saved fields (e.g. a servable's config.json); unknown keys are ignored
+        so that files written by newer versions still load."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in fields_.items() if k in known})  # type: ignore[arg-type]
 
     def with_overrides(self, **overrides: object) -> "MoEConfig":
         return replace(self, **overrides)

@@ -15,6 +15,8 @@ Design decisions:
 from __future__ import annotations
 
 import zlib
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -162,9 +164,14 @@ def materialize(model: MoETransformer, *, device: torch.device | str = "cpu", se
     return model
 
 
-def build_model(config: MoEConfig, *, device: torch.device | str = "cpu", seed: int = 0,
+def build_model(config: MoEConfig | Mapping[str, Any], *, device: torch.device | str = "cpu", seed: int = 0,
                 dtype: torch.dtype | None = None) -> MoETransformer:
-    """Build on meta; unless ``device == "meta"``, materialize on ``device`` from ``seed``."""
+    """Build on meta; unless ``device == "meta"``, materialize on ``device`` from ``seed``.
+
+    ``config`` may be the saved dict of a ``MoEConfig`` (a servable's ``config``).
+    """
+    if not isinstance(config, MoEConfig):
+        config = MoEConfig.from_dict(config)
     with torch.device("meta"):
         model = MoETransformer(config)
     if dtype is not None:

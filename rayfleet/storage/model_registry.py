@@ -11,6 +11,10 @@ Design decisions:
   sharded, reshardable training checkpoint lives in ``rayfleet.storage.checkpoint``.
 - ``torch.save``/``torch.load(weights_only=True)`` keeps the file format plain and safe to
   load (no pickled code).
+- The config travels as a plain dict (``dataclasses.asdict`` of whatever config dataclass the
+  caller passes): storage imports nothing of rayfleet but ``errors``, and ``build_model``
+  accepts the dict. Extra files (tokenizer files, the Hugging Face config a model was imported
+  from) are stored beside the weights under the same manifest and checksums.
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ import fsspec
 import torch
 
 from rayfleet.errors import SpecError
-from rayfleet.models.config import MoEConfig
 
 __all__ = ["Servable", "save_servable", "load_servable", "servable_exists"]
 
@@ -38,11 +41,13 @@ FORMAT = "rayfleet-servable/1"
 
 @dataclass(frozen=True)
 class Servable:
-    """A loaded servable: its config, its full state dict, and the metadata it was saved with."""
+    """A loaded servable: its config fields, its full state dict, the metadata it was saved
+    with, and its extra files (name -> bytes)."""
 
-    config: MoEConfig
+    config: dict
     state_dict: dict[str, torch.Tensor]
     metadata: dict
+    files: dict[str, bytes] = dataclasses.field(default_factory=dict)
 
 
 def _join(uri: str, name: str) -> str:
@@ -53,9 +58,10 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def save_servable(uri: str, *, config: MoEConfig, state_dict: dict[str, torch.Tensor],
-                  metadata: dict | None = None) -> str:
-    """Write ``config`` and ``state_dict`` (full tensors; moved to CPU) to ``uri``; returns ``uri``.
+def save_servable(uri: str, *, config: object, state_dict: dict[str, torch.Tensor],
+                  metadata: dict | None = None, extra_files: dict[str, bytes] | None = None) -> str:
+    """Write ``config`` (a dataclass or a dict) and ``state_dict`` (full tensors; moved to CPU)
+    to ``uri``, plus ``extra_files``; returns ``uri``.
 
     Overwrites an existing servable at ``uri``: the old manifest is removed first, so a reader
     never pairs an old manifest with new files.
@@ -67,9 +73,15 @@ def save_servable(uri: str, *, config: MoEConfig, state_dict: dict[str, torch.Te
         fs.rm(manifest_path)
     buffer = io.BytesIO()
     torch.save({k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}, buffer)
+    fields = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)  # type: ignore[arg-type]
+    for name in extra_files or {}:
+        if name in (_CONFIG, _WEIGHTS, _MANIFEST) or "/" in name:
+            raise SpecError("extra_files", name, "collides with the servable's own files or is a path",
+                            "use a plain file name such as tokenizer.json")
     files = {
-        _CONFIG: json.dumps(dataclasses.asdict(config), indent=1, sort_keys=True).encode(),
+        _CONFIG: json.dumps(fields, indent=1, sort_keys=True).encode(),
         _WEIGHTS: buffer.getvalue(),
+        **(extra_files or {}),
     }
     for name, data in files.items():
         with fs.open(_join(path, name), "wb") as f:
@@ -112,8 +124,6 @@ def load_servable(uri: str) -> Servable:
             raise SpecError("checkpoint", uri, f"{name} does not match its manifest checksum",
                             "the copy is corrupt or was modified; export the model again")
         blobs[name] = data
-    config_fields = json.loads(blobs[_CONFIG])
-    known = {f.name for f in dataclasses.fields(MoEConfig)}
-    config = MoEConfig(**{k: v for k, v in config_fields.items() if k in known})
-    state_dict = torch.load(io.BytesIO(blobs[_WEIGHTS]), map_location="cpu", weights_only=True)
-    return Servable(config=config, state_dict=state_dict, metadata=manifest.get("metadata", {}))
+    config = json.loads(blobs.pop(_CONFIG))
+    state_dict = torch.load(io.BytesIO(blobs.pop(_WEIGHTS)), map_location="cpu", weights_only=True)
+    return Servable(config=config, state_dict=state_dict, metadata=manifest.get("metadata", {}), files=blobs)

@@ -8,8 +8,15 @@ Design decisions:
   that want a different training length concatenate rows and cut again.
 - The manifest is written last: on object stores (no atomic directory rename) its presence is
   what marks a dataset complete, and readers refuse a URI without one.
-- The manifest records the tokenizer (``ByteTokenizer.to_dict``), per-shard token counts and
-  the sources, so a trainer can check vocabulary and size without opening shards.
+- The manifest records the tokenizer (its ``to_dict()``), per-shard token counts and the
+  sources, so a trainer can check vocabulary and size without opening shards.
+- The tokenizer is passed in (anything with ``encode(text, add_bos=, add_eos=)``, ``to_dict()``
+  and ``vocab_size``: ``rayfleet.models.ByteTokenizer`` or a Hugging Face ``HFTokenizer``);
+  storage imports nothing of rayfleet but ``errors``. Without one, ``ByteCodec`` writes the
+  byte tokenizer's format (UTF-8 bytes, BOS 256, EOS 257; a unit test holds it equal to
+  ``ByteTokenizer``) so that the zero-download default needs no model code.
+- Tokens are ``uint16`` while the vocabulary fits (bytes, small BPEs) and ``uint32`` beyond
+  (Llama-3 / Qwen vocabularies); readers return the stored width.
 - pyarrow for Parquet and fsspec for I/O rather than a custom format: any worker of the fleet
   reads shards with the same two libraries the checkpoint store uses.
 """
@@ -21,6 +28,7 @@ import os
 import posixpath
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import fsspec
 import numpy as np
@@ -28,17 +36,50 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rayfleet.errors import SpecError
-from rayfleet.models.tokenizer import ByteTokenizer
 
 __all__ = [
     "MANIFEST_NAME", "TOKEN_FORMAT", "TokenShard", "TokenManifest", "find_text_files",
     "prepare_token_dataset", "read_manifest", "read_shard_tokens", "load_tokens",
-    "default_text_sources",
+    "default_text_sources", "TextTokenizer", "ByteCodec",
 ]
 
 MANIFEST_NAME = "manifest.json"
 TOKEN_FORMAT = "rayfleet-tokens/1"
 _TOKEN_TYPE = pa.list_(pa.uint16())
+_WIDE_TOKEN_TYPE = pa.list_(pa.uint32())
+
+
+class TextTokenizer(Protocol):
+    """What ``prepare_token_dataset`` needs of a tokenizer."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]: ...
+
+    def to_dict(self) -> dict[str, object]: ...
+
+
+@dataclass(frozen=True)
+class ByteCodec:
+    """The byte tokenizer's format without its class: ids 0..255 are UTF-8 bytes, then BOS, EOS, PAD."""
+
+    bos_id: int = 256
+    eos_id: int = 257
+    pad_id: int = 258
+    name: str = "byte"
+
+    @property
+    def vocab_size(self) -> int:
+        return 259
+
+    def encode(self, text: str | bytes, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        ids = list(text.encode("utf-8") if isinstance(text, str) else bytes(text))
+        return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
+
+    def to_dict(self) -> dict[str, object]:
+        return {"name": self.name, "vocab_size": self.vocab_size, "bos_id": self.bos_id,
+                "eos_id": self.eos_id, "pad_id": self.pad_id}
 
 
 @dataclass(frozen=True)
@@ -91,24 +132,34 @@ def find_text_files(sources: Sequence[str], *, glob: str = "*.py") -> list[str]:
     return files
 
 
-def _token_stream(files: Sequence[str], tokenizer: ByteTokenizer) -> Iterator[np.ndarray]:
+def _token_stream(files: Sequence[str], tokenizer: TextTokenizer, dtype: type) -> Iterator[np.ndarray]:
+    is_bytes = tokenizer.to_dict() == ByteCodec().to_dict()
     for url in files:
         with fsspec.open(url, "rb") as f:
             data = f.read()
-        doc = np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
-        yield np.concatenate(([tokenizer.bos_id], doc, [tokenizer.eos_id])).astype(np.uint16)
+        if is_bytes:  # the default: no per-token Python work
+            doc = np.frombuffer(data, dtype=np.uint8).astype(dtype)
+            yield np.concatenate(([ByteCodec.bos_id], doc, [ByteCodec.eos_id])).astype(dtype)
+        else:
+            ids = tokenizer.encode(data.decode("utf-8", errors="replace"), add_bos=True, add_eos=True)
+            yield np.asarray(ids, dtype=dtype)
 
 
 def prepare_token_dataset(sources: Sequence[str], out_uri: str, *, shard_tokens: int = 1 << 22,
                           seq_len: int = 2048, glob: str = "*.py",
-                          tokenizer: ByteTokenizer | None = None) -> TokenManifest:
-    """Tokenize text files into Parquet shards of about ``shard_tokens`` tokens under ``out_uri``."""
+                          tokenizer: TextTokenizer | None = None) -> TokenManifest:
+    """Tokenize text files into Parquet shards of about ``shard_tokens`` tokens under ``out_uri``.
+
+    ``tokenizer``: default ``ByteCodec`` (the byte tokenizer's ids).
+    """
     if seq_len <= 0:
         raise SpecError("--seq-len", seq_len, "must be positive", "pass e.g. --seq-len 2048")
     if shard_tokens < seq_len:
         raise SpecError("--shard-tokens", shard_tokens, f"is smaller than seq_len={seq_len}",
                         "pass --shard-tokens >= --seq-len")
-    tokenizer = tokenizer or ByteTokenizer()
+    tokenizer = tokenizer or ByteCodec()
+    wide = tokenizer.vocab_size > 1 << 16
+    dtype, token_type = (np.uint32, _WIDE_TOKEN_TYPE) if wide else (np.uint16, _TOKEN_TYPE)
     files = find_text_files(sources, glob=glob)
     fs, root = fsspec.core.url_to_fs(out_uri)
     fs.makedirs(root, exist_ok=True)
@@ -119,19 +170,19 @@ def prepare_token_dataset(sources: Sequence[str], out_uri: str, *, shard_tokens:
 
     def flush(final: bool) -> None:
         nonlocal pending, pending_tokens
-        stream = np.concatenate(pending) if pending else np.zeros(0, np.uint16)
+        stream = np.concatenate(pending) if pending else np.zeros(0, dtype)
         while stream.size >= rows_per_shard * seq_len or (final and stream.size):
             take = min(stream.size, rows_per_shard * seq_len)
             chunk, stream = stream[:take], stream[take:]
             starts = range(0, take, seq_len)
-            table = pa.table({"tokens": pa.array([chunk[s:s + seq_len] for s in starts], type=_TOKEN_TYPE)})
+            table = pa.table({"tokens": pa.array([chunk[s:s + seq_len] for s in starts], type=token_type)})
             name = f"shard-{len(shards):05d}.parquet"
             with fs.open(posixpath.join(root, name), "wb") as f:
                 pq.write_table(table, f)
             shards.append(TokenShard(path=name, num_tokens=int(take), num_rows=len(starts)))
         pending, pending_tokens = [stream], int(stream.size)
 
-    for doc in _token_stream(files, tokenizer):
+    for doc in _token_stream(files, tokenizer, dtype):
         pending.append(doc)
         pending_tokens += doc.size
         if pending_tokens >= rows_per_shard * seq_len:
@@ -160,11 +211,12 @@ def read_manifest(uri: str) -> TokenManifest:
 
 
 def read_shard_tokens(uri: str, shard: TokenShard) -> np.ndarray:
-    """The shard's tokens as one flat ``uint16`` array (rows concatenated in order)."""
+    """The shard's tokens as one flat ``uint16`` (or, for large vocabularies, ``uint32``) array."""
     fs, root = fsspec.core.url_to_fs(uri)
     with fs.open(posixpath.join(root, shard.path), "rb") as f:
         column = pq.read_table(f, columns=["tokens"]).column("tokens").combine_chunks()
-    return column.flatten().to_numpy(zero_copy_only=False).astype(np.uint16, copy=False)
+    flat = column.flatten().to_numpy(zero_copy_only=False)
+    return flat.astype(np.uint32 if flat.dtype == np.uint32 else np.uint16, copy=False)
 
 
 def load_tokens(uri: str, *, max_tokens: int | None = None) -> np.ndarray:
@@ -176,7 +228,7 @@ def load_tokens(uri: str, *, max_tokens: int | None = None) -> np.ndarray:
             break
         parts.append(read_shard_tokens(uri, shard))
         total += parts[-1].size
-    tokens = np.concatenate(parts) if parts else np.zeros(0, np.uint16)
+    tokens = np.concatenate(parts) if parts else np.zeros(0, np.uint16)  # widths never mix in a dataset
     return tokens if max_tokens is None else tokens[:max_tokens]
 
 

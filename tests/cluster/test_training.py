@@ -69,7 +69,7 @@ def test_sdk_train_returns_a_handle_with_metrics(local_fleet, dataset, tmp_path)
     from rayfleet.storage.model_registry import load_servable
 
     servable = load_servable(out_uri)
-    assert servable.config.num_layers == 3 and servable.metadata
+    assert servable.config["num_layers"] == 3 and servable.metadata
 
 
 @pytest.mark.parametrize("override, field", [
