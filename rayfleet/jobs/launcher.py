@@ -13,7 +13,9 @@ Design decisions:
 - Uniform ``resources_per_worker`` (a Ray Train limit): a job uses one accelerator kind's Ray
   resource (GPU for NVIDIA, XPU/NPU as custom resources). A plan whose DP replicas mix kinds is
   launched with node selectors only and holds the accelerators through a reservation
-  placement group named ``rayfleet:train:<job>`` so the inventory still counts them.
+  placement group named ``rayfleet:train:<job>`` (``accelerator_reservation``), so Ray's
+  accounting and the inventory still count them; the elastic driver's clean-up of an aborted
+  formation leaves ``rayfleet:`` groups alone (this one is removed when its ``fit`` ends).
 - Ray Train's controller restarts the worker group on a failure (``FailureConfig``); resuming
   from snapshots is the flash-checkpoint layer's job.
 """
@@ -22,10 +24,12 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import Counter
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable, Iterator
 
-from rayfleet.errors import SpecError
+from rayfleet.errors import RayfleetError, SpecError
 from rayfleet.jobs.spec import TrainJobSpec
 from rayfleet.placement.layout import Layout, build_layout
 from rayfleet.placement.plan import ParallelPlan
@@ -33,7 +37,8 @@ from rayfleet.platform import labels as L
 from rayfleet.platform.catalogue import get_accelerator
 from rayfleet.platform.topology import AcceleratorSlot, FleetTopology
 
-__all__ = ["TrainLaunch", "prepare_launch", "scaling_options", "observe_fleet", "fit_once", "default_storage_path"]
+__all__ = ["TrainLaunch", "prepare_launch", "scaling_options", "reservation_bundles", "accelerator_reservation",
+           "observe_fleet", "fit_once", "default_storage_path"]
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,10 @@ def prepare_launch(spec: TrainJobSpec, topology: FleetTopology, *, held: set[Acc
 
     check_dataset(spec)
     accelerator = spec.resources.accelerator
-    free = sum(1 for n in topology.nodes if n.name not in cordoned and n.accelerator_type == accelerator
+    # a mixed plan (``plan.replica_accelerators``) runs on every kind it names
+    kinds = set(spec.plan.replica_accelerators or ()) if spec.plan is not None else set()
+    kinds = kinds or {accelerator}
+    free = sum(1 for n in topology.nodes if n.name not in cordoned and n.accelerator_type in kinds
                for s in n.slots if s not in held)
     if spec.resources.num_workers is not None:
         world = spec.resources.num_workers
@@ -76,7 +84,7 @@ def prepare_launch(spec: TrainJobSpec, topology: FleetTopology, *, held: set[Acc
         world = free
     if world > free:
         raise SpecError("resources.num_workers", world,
-                        f"the fleet has {free} free {accelerator} accelerators",
+                        f"the fleet has {free} free {'/'.join(sorted(kinds))} accelerators",
                         "lower resources.num_workers (or the plan's degrees), or add/uncordon nodes")
     plan = resolve_plan(spec, world_size=world, accelerator=accelerator)
     layout = build_layout(plan, topology, held=held, cordoned=cordoned,
@@ -125,6 +133,94 @@ def observe_fleet() -> tuple[FleetTopology, set[AcceleratorSlot], set[str]]:
     return topology, held, cordoned
 
 
+RESERVATION_PREFIX = "rayfleet:train:"
+RESERVATION_TIMEOUT_S = 120.0
+
+
+def reservation_bundles(launch: TrainLaunch) -> list[tuple[dict[str, float], dict[str, str]]] | None:
+    """(bundle, label selector) per rank for a launch whose ranks need more than one kind of Ray
+    accelerator resource (pure); ``None`` when one kind serves all (the workers hold theirs).
+
+    Ray Train gives every worker the same resources, so such a launch's workers ask for no
+    accelerator: the reservation group holds each rank's accelerator on its node instead, and
+    Ray's accounting (and ``rayfleet status``) still count them as taken.
+    """
+    kinds = [get_accelerator(t).ray_resource for t in launch.layout.rank_to_accelerator]
+    if len(set(kinds)) <= 1:
+        return None
+    return [({kind: 1.0}, {L.NODE: node}) for kind, (node, _) in zip(kinds, launch.slots)]
+
+
+@contextmanager
+def accelerator_reservation(launch: TrainLaunch, *, timeout_s: float = RESERVATION_TIMEOUT_S) -> Iterator[Any]:
+    """Hold the accelerators of a mixed-kind launch in a placement group named
+    ``rayfleet:train:<job>`` while the block runs (see ``reservation_bundles``); yields the group
+    (``None`` when no reservation is needed).
+
+    Raises:
+        RayfleetError: the accelerators could not be reserved within ``timeout_s`` (a pending
+            group would wait forever: Ray gives placement groups no deadline of their own).
+    """
+    bundles = reservation_bundles(launch)
+    if bundles is None:
+        yield None
+        return
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    group = placement_group([b for b, _ in bundles], strategy="PACK", name=RESERVATION_PREFIX + launch.spec.name,
+                            bundle_label_selector=[s for _, s in bundles])
+    try:
+        if not group.wait(timeout_s):
+            wanted = Counter(f"{next(iter(b))} on {selector[L.NODE]}" for b, selector in bundles)
+            raise RayfleetError(f"could not reserve the accelerators of {launch.describe()} within {timeout_s:.0f}s "
+                                f"({', '.join(f'{n} {what}' for what, n in sorted(wanted.items()))}): other work holds "
+                                "them. Fix: wait for it to finish, or lower resources.num_workers / the plan's degrees")
+        yield group
+    finally:
+        remove_placement_group(group)
+
+
+class _MetricsPrinter:
+    """Drains rank 0's metrics queue in the driver: logs each row, keeps the last, calls ``on_step``.
+
+    Rank 0 pushes each step's metrics to the queue and the driver prints them: worker stdout
+    reaches a job's log only through Ray's log streaming, which may still be in flight when the
+    job ends, while the driver's own stdout is the job log ``rayfleet train`` and the SDK follow.
+    """
+
+    def __init__(self, queue: Any, *, log: Callable[[str], None], on_step: Callable[[dict], None] | None) -> None:
+        self.queue, self.log, self.on_step = queue, log, on_step
+        self.last: dict[str, Any] = {}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._drain, name="rayfleet-metrics", daemon=True)
+
+    def start(self) -> "_MetricsPrinter":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=30)
+
+    def _drain(self) -> None:
+        from rayfleet.jobs.training_run import format_metrics_line
+
+        while True:
+            try:
+                row = self.queue.get(timeout=0.5)
+            except Exception:  # noqa: BLE001 - Empty (or the queue actor gone): poll again or stop
+                if self._done.is_set() and self.queue.empty():
+                    return
+                continue
+            if "restored_from" in row:
+                self.log(f"rayfleet checkpoint: restored step {row.pop('restored_step')} from "
+                         f"{row.pop('restored_from')} ({row.pop('restore_reason', '') or 'snapshot verified on every rank'})")
+            self.last.update(row)
+            self.log(format_metrics_line(row))
+            if self.on_step is not None:
+                self.on_step(row)
+
+
 def fit_once(spec: TrainJobSpec, launch: TrainLaunch, *, run_dir: str, max_failures: int, log,
              stop_signal: Any = None, on_trainer_start=None, on_step=None) -> dict[str, Any]:
     """One Ray Train ``fit`` of ``launch``; returns the last metrics (raises the run's error).
@@ -133,37 +229,12 @@ def fit_once(spec: TrainJobSpec, launch: TrainLaunch, *, run_dir: str, max_failu
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.queue import Queue
 
-    from rayfleet.jobs.training_run import format_metrics_line
     from rayfleet.jobs.worker_entry import train_loop_per_worker
 
     log(f"rayfleet train: {launch.describe()}")
-    # Rank 0 pushes each step's metrics here and the driver prints them: worker stdout reaches
-    # a job's log only through Ray's log streaming, which may still be in flight when the job
-    # ends, while the driver's own stdout is the job log `rayfleet train` and the SDK follow.
     metrics_queue = Queue(actor_options={"num_cpus": 0})
     config = {"spec": spec.to_dict(), "plan": asdict(launch.plan), "slots": launch.slots,
               "run_dir": run_dir, "metrics_queue": metrics_queue, "stop_signal": stop_signal}
-    last: dict[str, Any] = {}
-    done = threading.Event()
-
-    def drain() -> None:
-        while True:
-            try:
-                row = metrics_queue.get(timeout=0.5)
-            except Exception:  # noqa: BLE001 - Empty (or the queue actor gone): poll again or stop
-                if done.is_set() and metrics_queue.empty():
-                    return
-                continue
-            if "restored_from" in row:
-                log(f"rayfleet checkpoint: restored step {row.pop('restored_step')} from {row.pop('restored_from')} "
-                    f"({row.pop('restore_reason', '') or 'snapshot verified on every rank'})")
-            last.update(row)
-            log(format_metrics_line(row))
-            if on_step is not None:
-                on_step(row)
-
-    printer = threading.Thread(target=drain, name="rayfleet-metrics", daemon=True)
-    printer.start()
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=config,
@@ -175,13 +246,14 @@ def fit_once(spec: TrainJobSpec, launch: TrainLaunch, *, run_dir: str, max_failu
         run_config=ray.train.RunConfig(name=os.path.basename(run_dir), storage_path=os.path.dirname(run_dir),
                                        failure_config=ray.train.FailureConfig(max_failures=max_failures)),
     )
-    if on_trainer_start is not None:
-        on_trainer_start(launch)
-    try:
-        result = trainer.fit()  # in the main thread: Ray Train installs signal handlers
-    finally:
-        done.set()
-        printer.join(timeout=30)
+    with accelerator_reservation(launch):
+        printer = _MetricsPrinter(metrics_queue, log=log, on_step=on_step).start()
+        if on_trainer_start is not None:
+            on_trainer_start(launch)
+        try:
+            result = trainer.fit()  # in the main thread: Ray Train installs signal handlers
+        finally:
+            printer.stop()
     if result.error is not None:
         raise result.error
-    return {**last, **(result.metrics or {})}
+    return {**printer.last, **(result.metrics or {})}
