@@ -111,15 +111,14 @@ def _wait_healthy(url: str, deadline: float, *, path: str = "/health") -> None:
 
 def _proxy_host_port(spec: ServeSpec) -> tuple[str, int]:
     """Where the running Serve's HTTP proxy listens (see module doc)."""
-    import ray
-    from ray.serve.context import _get_global_client
+    from rayfleet.platform.ray_compat import serve_proxy_address
 
-    config = ray.get(_get_global_client()._controller.get_http_config.remote())
-    if (config.host, config.port) != (spec.http.host, spec.http.port):
+    host, port = serve_proxy_address()
+    if (host, port) != (spec.http.host, spec.http.port):
         log.warning("serve %r: Serve already runs its HTTP proxy on %s:%s, so http.host/http.port=%s:%s is not "
                     "used; the app is served there (to move the proxy, stop Serve first: `serve shutdown`)",
-                    spec.name, config.host, config.port, spec.http.host, spec.http.port)
-    return config.host, config.port
+                    spec.name, host, port, spec.http.host, spec.http.port)
+    return host, port
 
 
 def deploy(spec: ServeSpec | dict[str, Any] | str | Path, *, address: str | None = None,
