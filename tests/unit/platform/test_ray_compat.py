@@ -1,0 +1,49 @@
+"""Ray's private modules are used in one place only: rayfleet/platform/ray_compat.py."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3] / "rayfleet"
+PRIVATE = ("ray._private", "ray._raylet", "ray.serve.context", "ray.autoscaler._private", "ray.serve._private")
+ALLOWED = {"platform/ray_compat.py"}
+
+
+def private_imports(source: str) -> list[tuple[int, str]]:
+    """(line, module) of every import of a private Ray module, including imports inside functions."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        out += [(node.lineno, n) for n in names if any(n == p or n.startswith(p + ".") for p in PRIVATE)][:1]
+    return out
+
+
+def test_only_ray_compat_imports_private_ray_modules():
+    found = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+             for path in sorted(ROOT.rglob("*.py")) if str(path.relative_to(ROOT)) not in ALLOWED
+             for line, module in private_imports(path.read_text())]
+    assert not found, "use rayfleet.platform.ray_compat instead:\n" + "\n".join(found)
+
+
+def test_the_check_sees_private_imports_at_any_depth():
+    broken = ("import ray._private.state\n"
+              "def f():\n    from ray._raylet import PlacementGroupID\n"
+              "class C:\n    def g(self):\n        from ray.serve import context\n        from ray.serve.context import x\n")
+    assert [module for _, module in private_imports(broken)] == [
+        "ray._private.state", "ray._raylet", "ray.serve.context", "ray.serve.context"]
+    assert private_imports("import ray\nfrom ray.util.placement_group import placement_group\n") == []
+
+
+def test_importing_ray_compat_does_not_import_ray():
+    import subprocess
+
+    code = "import sys, rayfleet.platform.ray_compat; print('ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
