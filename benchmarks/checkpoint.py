@@ -15,7 +15,7 @@ For model states of 0.25, 0.5, 1 and 2 GiB (dicts of fp32 tensors, 64 MiB each),
 
 Sizes are capped to what fits: /dev/shm must hold two slots per size and the machine's available
 memory the state, the slots and some slack (other people share this machine). Memory is freed
-between sizes. Writes benchmarks/results/checkpoint.json; prints the table last.
+between sizes. Writes benchmarks/results/checkpoint.json (``--json``); prints the table last.
 
     python benchmarks/checkpoint.py            # 0.25, 0.5, 1, 2 GiB (~1-2 min here)
     python benchmarks/checkpoint.py --quick    # 0.25 and 0.5 GiB (< 30 s)
@@ -149,6 +149,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="warm snapshots per size")
     parser.add_argument("--shm-root", default="/dev/shm/rayfleet-bench")
     parser.add_argument("--disk-dir", default=None, help="local disk directory for saves (default: a temp dir)")
+    parser.add_argument("--json", type=Path, default=RESULTS / "checkpoint.json", help="where the results go")
     args = parser.parse_args()
     sizes = args.sizes or ([0.25, 0.5] if args.quick else [0.25, 0.5, 1.0, 2.0])
 
@@ -182,7 +183,8 @@ def main() -> None:
             shutil.rmtree(disk_dir, ignore_errors=True)
         shutil.rmtree(args.shm_root, ignore_errors=True)
 
-    out = RESULTS / "checkpoint.json"
+    out = args.json
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine, "skipped_sizes": skipped, "rows": rows,
                                "goals": {"warm_snapshot_s_per_gib": 0.1, "blocking_ratio": 10}}, indent=1))
     print(f"wrote {out}")

@@ -15,3 +15,45 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def trace_file(name: str, override: str | Path | None = None) -> Path:
+    """A workload trace to replay: ``override`` (a benchmark's ``--trace``) if given, else ``name``
+    in ``$RAYFLEET_TRACE_DIR`` (default: the repository's ``traces/``; sources in its README).
+
+    Exits with a one-line message naming the file and the fix when it does not exist.
+    """
+    from rayfleet.platform.sim.workload import TRACE_DIR_ENV, default_trace_dir
+
+    path = Path(override) if override is not None else default_trace_dir() / name
+    if not path.is_file():
+        raise SystemExit(f"trace {path} does not exist. Fix: pass --trace FILE, or set {TRACE_DIR_ENV} "
+                         f"to a folder holding {name}")
+    return path
+
+
+# -- the catalogue the tests use: every script here has --quick, and its quick run is tested -----
+
+def benchmark_scripts(root: Path | None = None) -> list[Path]:
+    """Every benchmark script in ``benchmarks/`` (this helper module excluded)."""
+    here = root or Path(__file__).resolve().parent
+    return sorted(p for p in here.glob("*.py") if p.name != Path(__file__).name)
+
+
+def declared_options(script: Path) -> set[str]:
+    """The ``--options`` a script declares with ``add_argument`` (read from its source, not run)."""
+    import ast
+
+    options = set()
+    for node in ast.walk(ast.parse(script.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+            options |= {a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")}
+    return options
+
+
+def starts_own_ray_cluster(script: Path) -> bool:
+    """Whether a script starts a Ray cluster of its own (its quick run then belongs to the
+    integration tier, which runs alone: two Ray clusters on one host confuse Ray Train)."""
+    import re
+
+    return bool(re.search(r"\bray\.init\(|LocalFleet\.up\(|connect\(address=[\"']local", script.read_text()))

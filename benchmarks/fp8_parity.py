@@ -6,7 +6,8 @@ and the same batches (measured in this run). Goal: <= 0.5% per seed, <= 0.25% av
 seeds. The unscaled-cast control (a deliberately broken FP8 recipe) must come out clearly
 worse. On CUDA it also times FP8 vs BF16 GEMMs and a linear layer on Hopper shapes.
 
-Writes ``benchmarks/results/fp8_parity.json`` and ``fp8_parity_loss.png``; prints a table last.
+Writes ``benchmarks/results/fp8_parity.json`` (``--json``) and ``fp8_parity_loss.png`` beside it;
+prints a table last.
 
     python benchmarks/fp8_parity.py            # full: 300 steps, 3 seeds (~10-15 min, 2 cores)
     python benchmarks/fp8_parity.py --quick    # smoke: 30 steps, 1 seed
@@ -18,7 +19,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import sysconfig
 import tempfile
 import time
@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from common import cpu_name  # benchmarks/common.py (this script's directory is on sys.path)
 from rayfleet.models import build_model, preset
 from rayfleet.models.fp8 import RECIPES, Fp8Recipe, convert_to_fp8, unscaled_cast_control
 from rayfleet.storage.tokens import load_tokens, prepare_token_dataset
@@ -171,6 +172,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=RESULTS / "fp8_parity.json", help="results; the PNG goes beside it")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.seeds = 30, 1
@@ -206,8 +208,8 @@ def main() -> None:
         rel[name] = {s: float(np.mean(curves[name][s][-window:]) / np.mean(curves["bf16"][s][-window:]) - 1)
                      for s in range(args.seeds)}
     gpu = gpu_speed() if torch.cuda.is_available() else []
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    png = RESULTS / "fp8_parity_loss.png"
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    png = args.json.with_name(args.json.stem + "_loss.png")
     wrote_png = plot(curves, png)
     result = {
         "ran_on": {"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -218,8 +220,8 @@ def main() -> None:
         "seconds": seconds, "losses": {n: {str(s): v for s, v in c.items()} for n, c in curves.items()},
         "gpu_speed": gpu,
     }
-    (RESULTS / "fp8_parity.json").write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {RESULTS / 'fp8_parity.json'}" + (f" and {png}" if wrote_png else ""))
+    args.json.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {args.json}" + (f" and {png}" if wrote_png else ""))
 
     bf16_tail = np.mean([np.mean(curves["bf16"][s][-window:]) for s in range(args.seeds)])
     print(f"\nFP8 vs BF16: relative difference of mean loss over the last {window} of {args.steps} "

@@ -3,8 +3,8 @@
     python benchmarks/kv_tiers.py            # ~2-3 min on 2 cores
     python benchmarks/kv_tiers.py --quick    # fewer requests, < 1 min
 
-Trace: ``../shared/traces/mooncake_synthetic.jsonl`` (kvcache-ai/Mooncake, FAST'25 release,
-synthetic_trace.jsonl; Apache-2.0): 3,993 requests, each a list of ``hash_ids``, one per 512-token
+Trace: ``traces/mooncake_synthetic.jsonl`` (``--trace`` or ``RAYFLEET_TRACE_DIR`` for another;
+kvcache-ai/Mooncake, FAST'25 release, synthetic_trace.jsonl; Apache-2.0): 3,993 requests, each a list of ``hash_ids``, one per 512-token
 block, equal ids meaning equal prefix content. Prompts are built from the ids: block id ``i`` is
 512 tokens whose first four encode ``i`` and the rest a fixed pattern, so equal ids give equal
 tokens and the engine's own chained block hashes (``block_hash``) see exactly the trace's reuse.
@@ -58,6 +58,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common import trace_file  # noqa: E402  (benchmarks/common.py, beside this script)
 from rayfleet.models import PagedKVCache, build_model, preset  # noqa: E402
 from rayfleet.serving.engine.block_hash import root_block_hash  # noqa: E402
 from rayfleet.serving.engine.block_pool import BlockPool  # noqa: E402
@@ -69,14 +70,14 @@ from rayfleet.serving.engine.request import Request, RequestId  # noqa: E402
 from rayfleet.serving.engine.sampling import SamplingParams  # noqa: E402
 from rayfleet.serving.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_synthetic.jsonl"
+TRACE_NAME = "mooncake_synthetic.jsonl"
 RESULTS = ROOT / "benchmarks" / "results"
 TRACE_BLOCK = 512
 SCALE = 32  # tokens per trace block: 512 -> 16 (see module doc)
 
 
-def load_trace(limit: int | None) -> list[dict]:
-    rows = [json.loads(line) for line in TRACE.read_text().splitlines() if line.strip()]
+def load_trace(path: Path, limit: int | None) -> list[dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return rows[:limit] if limit else rows
 
 
@@ -231,11 +232,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="first 1,000 requests, 60 TTFT requests")
     parser.add_argument("--engine-blocks", type=int, default=1280, help="N: engine pool of part 1 (host 4N, disk 16N)")
     parser.add_argument("--ttft-requests", type=int, default=None)
+    parser.add_argument("--trace", type=Path, default=None,
+                        help=f"Mooncake-format JSONL (default: {TRACE_NAME} in $RAYFLEET_TRACE_DIR or traces/)")
+    parser.add_argument("--json", type=Path, default=RESULTS / "kv_tiers.json", help="where the results go")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = load_trace(1000 if args.quick else None)
+    trace = trace_file(TRACE_NAME, args.trace)
+    rows = load_trace(trace, 1000 if args.quick else None)
     n_ttft = args.ttft_requests or (60 if args.quick else 150)
-    print(f"trace: {TRACE.name}, {len(rows)} requests; engine:host:disk = {args.engine_blocks}:"
+    print(f"trace: {trace}, {len(rows)} requests; engine:host:disk = {args.engine_blocks}:"
           f"{4 * args.engine_blocks}:{16 * args.engine_blocks} blocks (one per trace block)", flush=True)
     with tempfile.TemporaryDirectory(prefix="rayfleet-kv-bench-") as tmp:
         bound = infinite_bound(rows, scale=SCALE)
@@ -244,21 +249,21 @@ def main() -> None:
         tiered = replay_hit_rate(rows, engine_blocks=args.engine_blocks, tiered=True, disk_dir=os.path.join(tmp, "p1"),
                                  scale=SCALE)
         print(f"  tiered replay: {tiered['seconds']:.1f} s", flush=True)
-        sample = session_sample(load_trace(None), n_ttft)
+        sample = session_sample(load_trace(trace, None), n_ttft)
         ttft_bound = infinite_bound(sample, scale=32, cap=1024)
         ttft = measure_ttft(sample, disk_dir=os.path.join(tmp, "p2"))
         base, tier = ttft["engine_only"], ttft["tiered"]
     assert base["first_tokens"] == tier["first_tokens"], "tiers changed a first token"
     assert engine_only["kv_mismatches"] == 0 and tiered["kv_mismatches"] == 0, "wrong KV served"
     result = {"when": datetime.now().isoformat(timespec="seconds"), "machine": platform.platform(),
-              "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "trace": TRACE.name,
+              "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "trace": trace.name,
               "requests": len(rows), "infinite_bound": bound, "engine_only": engine_only, "tiered": tiered,
               "ttft_requests": n_ttft, "ttft_bound": ttft_bound,
               "ttft_engine_only": {k: v for k, v in base.items() if k != "first_tokens"},
               "ttft_tiered": {k: v for k, v in tier.items() if k != "first_tokens"}}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "kv_tiers.json").write_text(json.dumps(result, indent=1))
-    print(f"wrote {RESULTS / 'kv_tiers.json'}\n")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.json}\n")
     print(f"ran on: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch threads 1; "
           f"part 2 = tiny MoE float32, trace blocks 512 -> 16 tokens, prompts <= 1024 tokens")
     print(f"part 1: {len(rows)} requests, {engine_only['prompt_tokens']:,} prompt tokens; KV mismatches "

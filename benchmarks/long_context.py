@@ -19,8 +19,9 @@ replica's compute (coordination: one actor call per span-layer, per-layer KV thr
 object store). The ideal speed-up of the layer wavefront with C spans and L layers is
 ``C * L / (C + L - 1)`` (equal spans, free transfers).
 
-Writes ``benchmarks/results/long_context.json``; prints a table last. Two replicas on a 2-core
-machine shared with other work: the ratio is bounded by the free cores, not by the scheme.
+Writes ``benchmarks/results/long_context.json`` (``--json``); prints a table last. Two replicas
+on a 2-core machine shared with other work: the ratio is bounded by the free cores, not by the
+scheme.
 """
 
 from __future__ import annotations
@@ -147,6 +148,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--preset", default="small")
+    parser.add_argument("--json", type=Path, default=RESULTS / "long_context.json", help="where the results go")
     args = parser.parse_args()
     lengths = [1024, 2048] if args.quick else [1024, 2048, 3072]
     repeats = 2 if args.quick else 3
@@ -179,8 +181,8 @@ def main() -> None:
             "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0], "preset": args.preset,
             "num_layers": num_layers, "replicas": 2, "threads_per_replica": 1, "repeats": repeats,
             "ideal_speedup": ideal, "elapsed_s": elapsed}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "long_context.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"\nLong-context prefill, preset {args.preset} ({num_layers} layers), 2 replica processes x 1 thread, "
           f"{os.cpu_count()} cores (load avg {meta['load_avg_1m']:.1f}); median of {repeats} runs")
     print(f"{'prompt':>7} {'spans':>22} {'single TTFT':>12} {'split TTFT':>11} {'speed-up':>9} {'ideal':>6} "

@@ -1,0 +1,44 @@
+"""The quick runs of the benchmarks that start a Ray cluster of their own (see
+tests/unit/test_benchmarks_quick.py for the rest and for the --quick/--json checks).
+
+They run in the integration session, after the shared cluster fleet is gone: two Ray clusters
+on one host confuse Ray Train's discovery, and each of these starts its own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _catalogue():
+    spec = importlib.util.spec_from_file_location("benchmarks_common", REPO / "benchmarks" / "common.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CATALOGUE = _catalogue()
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("script", [p for p in CATALOGUE.benchmark_scripts() if CATALOGUE.starts_own_ray_cluster(p)],
+                         ids=lambda p: p.stem)
+def test_quick_run_with_its_own_cluster(script, tmp_path):
+    out = tmp_path / f"{script.stem}.json"
+    options = CATALOGUE.declared_options(script)
+    argv = [sys.executable, str(script), "--quick"] + (["--json", str(out)] if "--json" in options else [])
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=850)
+    assert proc.returncode == 0, (f"{script.name} --quick exited {proc.returncode}:\n"
+                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    if "--json" in options:
+        assert json.loads(out.read_text()), f"{script.name} --quick wrote an empty JSON"
