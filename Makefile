@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup vllm demo test test-unit test-cluster test-vllm test-integration bench clean
+.PHONY: setup vllm demo test test-unit test-cluster test-vllm test-integration bench bench-quick clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -60,9 +60,16 @@ test-vllm: setup vllm
 test-integration: setup
 	$(PY) -m pytest tests/integration -q
 
+# Every script in benchmarks/ (common.py is their shared helper): full runs (tens of minutes on
+# 2 cores) or quick ones (what the tests run). Each prints its table and writes its JSON (and
+# plots) under benchmarks/results/.
+BENCHMARKS := $(filter-out benchmarks/common.py,$(sort $(wildcard benchmarks/*.py)))
+
 bench: setup
-	$(PY) benchmarks/placement.py
-	$(PY) benchmarks/fp8_parity.py
+	set -e; for b in $(BENCHMARKS); do echo "== $$b"; $(PY) $$b; done
+
+bench-quick: setup
+	set -e; for b in $(BENCHMARKS); do echo "== $$b --quick"; $(PY) $$b --quick; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
