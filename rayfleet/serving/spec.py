@@ -6,10 +6,8 @@ Design decisions:
 - The model is either a preset plus a seed (tests, demos) or a checkpoint URI written by
   training (``rayfleet.storage.model_registry``); exactly one of the two.
 - Pools are explicit: ``colocated`` for ``mode: colocated``; ``prefill`` and ``decode`` for
-  ``mode: disaggregated``. Each engine replica is its own one-replica Serve deployment
-  (``prefill-0``, ``decode-1``, ...): the router must address a *specific* replica (the one
-  holding a prefix, the one with free KV), which a Serve handle to a multi-replica deployment
-  cannot do without a custom request router. Scaling a pool means adding deployments.
+  ``mode: disaggregated``. Each pool is one Serve deployment with ``replicas`` .. ``max_replicas``
+  replicas, routed by rayfleet's request router (``deploy.deployments``).
 - Pydantic errors become ``SpecError`` naming the dotted field, the value and the fix.
 """
 
@@ -76,10 +74,27 @@ class ModelSource(_Strict):
 class PoolSpec(_Strict):
     """Engine replicas of one role and what each reserves on the fleet."""
 
-    replicas: int = Field(1, ge=1, le=64)
-    accelerators_per_replica: int = Field(1, ge=0)  # Ray ``num_gpus``; 0 runs on CPU resources only
-    accelerator_type: str | None = None  # node label ray.io/accelerator-type, e.g. H100
+    replicas: int = Field(1, ge=1, le=64)  # Serve autoscaling's floor (the pool is one deployment)
+    max_replicas: int | None = Field(None, ge=1, le=64)  # Serve may scale up to this alone (None: replicas)
+    target_ongoing_requests: float = Field(4.0, gt=0)  # per replica, Serve autoscaling's target
+    accelerators_per_replica: int = Field(1, ge=0)  # the catalogue's Ray resource (GPU/XPU/NPU); 0: CPU only
+    accelerator_type: str | None = None  # catalogue name (H100, P800, 910B); node label rayfleet.io/accelerator-type
     num_cpus: float = Field(0.0, ge=0)  # CPU resource per replica (fake-GPU fleets declare few)
+
+    @model_validator(mode="after")
+    def _known_accelerator_and_bounds(self) -> "PoolSpec":
+        from rayfleet.platform.catalogue import UnknownAcceleratorError, accelerator_names, get_accelerator
+
+        if self.accelerator_type is not None:
+            try:
+                get_accelerator(self.accelerator_type)
+            except UnknownAcceleratorError:
+                raise SpecError("accelerator_type", self.accelerator_type, "is not in the accelerator catalogue",
+                                f"use one of {', '.join(accelerator_names())}") from None
+        if self.max_replicas is not None and self.max_replicas < self.replicas:
+            raise SpecError("max_replicas", self.max_replicas, f"is below replicas={self.replicas}",
+                            f"set max_replicas >= {self.replicas} (or leave it out)")
+        return self
 
 
 class EngineSpec(_Strict):

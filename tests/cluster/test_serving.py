@@ -1,12 +1,15 @@
 """Serving on the shared local fleet, over HTTP: a colocated and a disaggregated app of the
 tiny model (float64, greedy), and the same two with the prefix cache off, deployed once for the
-module.
+module. Each pool is one Serve deployment routed by rayfleet's request router (no router
+deployment).
 
 Checks: greedy tokens equal a single in-process engine's, streaming and not, with the prefix
 cache (on a hit too) and without it; bad input gets 400/404 in both modes; a client that
 disconnects mid-stream leaves no blocks held; a decode replica killed mid-stream is resumed
 elsewhere with the same tokens; a killed prefill replica is routed around; /metrics and
-/v1/models answer; the OpenAI client works. One app is deployed through ``fleet.serve``.
+/v1/models answer, and the same metrics reach Ray's Prometheus endpoint under vLLM's names;
+the OpenAI client works; a repeated prompt goes to the prefill replica that cached it. One app
+is deployed through ``fleet.serve``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,15 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 2, "rayfleet serves
 MAX_TOKENS = 12
 
 
+def _http(port: int, route_prefix: str = "/") -> dict:
+    from rayfleet.serving.spec import HttpSpec
+
+    http = {"port": port, "route_prefix": route_prefix}
+    if "auth" in HttpSpec.model_fields:  # these tests speak to the app without API keys
+        http["auth"] = "disabled"
+    return http
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -41,22 +53,22 @@ def apps(local_fleet):
     from rayfleet.serving.deploy.deployer import deploy
 
     port = _free_port()
-    common = {"model": MODEL, "engine": ENGINE, "http": {"port": port}, "request_timeout_s": 30}
+    common = {"model": MODEL, "engine": ENGINE, "http": _http(port), "request_timeout_s": 30}
     pool = {"replicas": 1, "accelerators_per_replica": 1, "accelerator_type": "H100"}
     colocated = deploy({**common, "name": "test-colo", "mode": "colocated", "colocated": pool,
-                        "http": {"port": port, "route_prefix": "/colo"}})
+                        "http": _http(port, "/colo")})
     disagg = deploy({**common, "name": "test-pd", "mode": "disaggregated",
                      "prefill": {**pool, "replicas": 2}, "decode": {**pool, "replicas": 2},
-                     "kv_transfer": {"lease_s": 20}, "http": {"port": port, "route_prefix": "/pd"}})
+                     "kv_transfer": {"lease_s": 20}, "http": _http(port, "/pd")})
     no_cache = {**common, "engine": {**ENGINE, "enable_prefix_caching": False}}
     # Through the SDK entry point (``fleet.serve`` is ``deploy`` on the connected fleet), asking
     # for another port: Serve's one proxy keeps its port, and the URL must say so (regression:
     # the URL was built from the spec, and the deploy waited on a port nobody listened on).
     colocated_nc = local_fleet.sdk.serve({**no_cache, "name": "test-colo-nocache", "mode": "colocated",
-                                          "colocated": pool, "http": {"port": _free_port(), "route_prefix": "/colo-nc"}})
+                                          "colocated": pool, "http": _http(_free_port(), "/colo-nc")})
     assert colocated_nc.url == colocated.url.removesuffix("/colo") + "/colo-nc", (colocated.url, colocated_nc.url)
     disagg_nc = deploy({**no_cache, "name": "test-pd-nocache", "mode": "disaggregated", "prefill": pool,
-                        "decode": pool, "http": {"port": port, "route_prefix": "/pd-nc"}})
+                        "decode": pool, "http": _http(port, "/pd-nc")})
     served = {"colocated": colocated, "disaggregated": disagg,
               "colocated-nocache": colocated_nc, "disaggregated-nocache": disagg_nc}
     try:
@@ -158,11 +170,12 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(apps, mode):
     _no_leaks(served)
 
 
-def _replica_actor(app: str, deployment: str):
+def _replica_actor(app: str, deployment: str, replica_id: str = ""):
+    """The Serve replica actor of ``deployment`` (a pool) with ``replica_id`` (any if empty)."""
     import ray
 
-    # Exact prefix: "test-pd" is a substring of "test-pd-nocache", whose replicas share names.
-    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
+    # Exact prefix: "test-pd" is a substring of "test-pd-nocache", whose pools share names.
+    prefix = f"SERVE_REPLICA::{app}#{deployment}#{replica_id}"
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if actor["namespace"] == "serve" and actor["name"].startswith(prefix):
             return ray.get_actor(actor["name"], namespace="serve")
@@ -187,10 +200,10 @@ def test_decode_replica_killed_mid_stream_resumes_with_same_tokens(apps, referen
         tokens += event["choices"][0]["token_ids"]
         if killed is None and len(tokens) >= 5:
             usage = served.block_usage()
-            busy = [n for n, u in usage.items() if n.startswith("decode") and u and u["num_requests"]]
+            busy = [n for n, u in usage.items() if n.startswith("decode/") and u and u["num_requests"]]
             assert busy, usage
             killed = busy[0]
-            ray.kill(_replica_actor("test-pd", killed), no_restart=True)
+            ray.kill(_replica_actor("test-pd", "decode", killed.split("/", 1)[1]), no_restart=True)
     assert killed is not None
     assert tokens == expected  # greedy: the resumed continuation is the same text
     resumes = [line for line in requests.get(served.url + "/metrics").text.splitlines()
@@ -203,7 +216,7 @@ def test_prefill_replica_killed_requests_still_served(apps, reference):
     import ray
 
     served = apps["disaggregated"]
-    ray.kill(_replica_actor("test-pd", "prefill-0"), no_restart=True)
+    ray.kill(_replica_actor("test-pd", "prefill"), no_restart=True)
     for prompt in PROMPTS[:2]:
         tokens, _ = _complete(served.url, prompt, stream=False)
         assert tokens == reference(prompt)
@@ -232,3 +245,41 @@ def test_models_health_metrics_and_openai_client(apps, reference):
                  "rayfleet:prefix_cache_queries_total", "rayfleet:prefix_cache_hits_total",
                  "rayfleet:kv_cache_usage_perc"):
         assert name in text, name
+
+
+def test_each_pool_is_one_deployment_and_a_repeated_prefix_returns_to_its_replica(apps):
+    served = apps["disaggregated"]
+    assert set(served.status()["deployments"]) == {"ingress", "prefill", "decode"}  # no router deployment
+    usage = served.block_usage()
+    assert sum(n.startswith("prefill/") for n in usage) == 2 and sum(n.startswith("decode/") for n in usage) == 2
+    prompt = "a shared system prompt that both prefill replicas could serve, " * 3
+    _complete(served.url, prompt, stream=False)
+    # Wait until the replicas have published their caches (record_routing_stats), then the
+    # same prompt must hit: the request router sends it where its blocks are.
+    time.sleep(1.5)
+    for _ in range(3):
+        _, data = _complete(served.url, prompt, stream=False)
+        assert data["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prompt) // 8 * 8 - 8, data["usage"]
+    _no_leaks(served)
+
+
+def test_request_metrics_reach_rays_prometheus_endpoint_with_vllm_names(apps, local_fleet):
+    import ray
+
+    served = apps["colocated"]
+    _complete(served.url, PROMPTS[1], stream=False)
+    ports = {n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]}
+
+    def scraped():
+        text = ""
+        for port in ports:
+            try:
+                text += requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+            except requests.RequestException:
+                pass
+        wanted = ("ray_vllm_time_to_first_token_seconds_bucket", "ray_vllm_request_success_total",
+                  "ray_vllm_kv_cache_usage_perc")
+        return all(w in text for w in wanted) and text
+    text = wait_until(scraped, timeout_s=60, interval_s=2, what="Ray's metrics agents to export the serving metrics")
+    success = [line for line in text.splitlines() if line.startswith("ray_vllm_request_success_total")]
+    assert any('finished_reason="length"' in line and 'model_name="tiny"' in line for line in success), success

@@ -5,17 +5,19 @@ only gathers and acts, so it stays thin:
 - Every ``interval_s`` it builds a ``ServeObservation`` from what the app itself measures — the
   ingress's requests in flight and waiting for a first token (queue depth) and its recent TTFTs
   (p95 over ``window_s`` against ``ttft_slo_s``), the router's polled KV usage — and reports it.
-  Serve's own autoscaler cannot scale these pools (each engine replica is its own one-replica
-  deployment, see ``spec``), so *desired* replicas come from the same rule Serve's uses:
+  The pool is one Serve deployment that Serve autoscales only within bounds this shell moves
+  (``pool_scaling``), so *desired* replicas come from the same rule Serve's uses:
   ``ceil(in flight / target_ongoing_requests)`` within ``[pool replicas, max_replicas]``
   (``desired_replicas``, pure).
-- ``ScaleServe`` adding replicas: each one is an ``engine_application`` pinned to the node the
-  policy freed (its Ray resource request waits there until the training job has stepped off
-  the accelerator), then the ingress and the router learn of it. The time from the decision to
-  the router's first successful poll is the *handover time*, recorded as an event.
-- ``ScaleServe`` removing replicas: only the autoscaler's own replicas go (newest first on the
-  named nodes); each is drained — no new routes, wait until its requests finish — before it is
-  deleted, so a scale-down fails no request.
+- ``ScaleServe`` adding replicas: once the accelerator the policy freed is free (the training
+  job steps off it after its current step), the pool deployment's bounds are raised by one and
+  Serve starts the replica (placed by the pool's accelerator resource and labels, so on a free
+  accelerator of that type: the freed one unless another is free). The time from the decision
+  to the replica RUNNING in Serve is the *handover time*, recorded as an event.
+- ``ScaleServe`` removing replicas: only as many as the autoscaler lent; the bounds are lowered
+  and Serve drains the replica it stops (no new routes, its requests finish within
+  ``graceful_shutdown_timeout_s``; what is left resumes elsewhere), so a scale-down fails no
+  request. Serve picks which replica stops, so the freed node may not be the named one.
 The shell is a Ray actor (``num_cpus=0``, on the head node) so that it outlives a notebook
 cell but not the driver that started it.
 """
@@ -144,9 +146,8 @@ class ServeShell(AutoscalerShellBase):
         super().__init__(RayChannel(get_controller(), timeout_s=10), inbox=self.spec.name,
                          subject=f"serve:{self.spec.name}", interval_s=self.config.interval_s, log=log.warning,
                          thread_name="serve-shell")
-        self.router = serve.get_deployment_handle("router", app_name=self.spec.name)
         self.ingress = serve.get_deployment_handle("ingress", app_name=self.spec.name)
-        self.base_nodes = _replica_nodes(self.spec.name, self.spec.replica_names()[self.role])
+        self.base_nodes = _replica_nodes(self.spec.name, self.role)
         self.lent: list[LentReplica] = []
         self._lock = threading.Lock()
         self.last_observation: ServeObservation | None = None
@@ -170,7 +171,7 @@ class ServeShell(AutoscalerShellBase):
 
     def observe(self) -> ServeObservation:
         load = self.ingress.load.remote(self.config.window_s).result(timeout_s=10)
-        states = self.router.replica_states.remote().result(timeout_s=10)
+        states = self.ingress.replica_states.remote().result(timeout_s=10)
         kv = {name: 1.0 - s.snapshot.num_free_blocks / max(1, s.snapshot.num_total_blocks) for name, s in states.items()}
         with self._lock:
             lent = list(self.lent)
@@ -191,7 +192,7 @@ class ServeShell(AutoscalerShellBase):
             with self._lock:
                 index = len(self.spec.replica_names()[self.role]) + len(self.lent)
                 name = f"{self.role}-{index}"
-                replica = LentReplica(name=name, app_name=f"{self.spec.name}--{name}", node=node, decided_at=decided_at)
+                replica = LentReplica(name=name, app_name=self.spec.name, node=node, decided_at=decided_at)
                 self.lent.append(replica)
             threading.Thread(target=self._add, args=(replica,), daemon=True).start()
         for node in decision.remove_from_nodes:
@@ -204,25 +205,30 @@ class ServeShell(AutoscalerShellBase):
                 victim.removal_decided_at = decided_at
             threading.Thread(target=self._remove, args=(victim, decision.reason), daemon=True).start()
 
+    def _lent_bounds(self) -> int:
+        """Replicas of the pool the shell wants now: base + lent ones not being removed."""
+        with self._lock:
+            active = [r for r in self.lent if r.removal_decided_at is None and not r.error and r.placed_at is not None]
+        return len(self.base_nodes) + len(active)
+
+    def _set_bounds_and_wait(self, replicas: int, timeout_s: float) -> None:
+        from rayfleet.serving.deploy.pool_scaling import set_pool_bounds
+
+        set_pool_bounds(self.spec.name, self.role, min_replicas=replicas, max_replicas=replicas)
+        deadline = time.monotonic() + timeout_s
+        while _running_replicas(self.spec.name, self.role) != replicas:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the {self.role} pool did not reach {replicas} running replicas in {timeout_s:g}s")
+            time.sleep(0.25)
+
     def _add(self, replica: LentReplica) -> None:
-        from ray import serve
-
-        from rayfleet.serving.deploy.deployments import engine_application
-
         try:
-            # Start it only once the policy's freed accelerator is really free (the training job
-            # steps off it after its current step): a replica queued in Ray before that was seen
-            # to stay pending after the accelerator freed up.
+            # Raise the bounds only once the policy's freed accelerator is really free (the
+            # training job steps off it after its current step): a replica queued in Ray before
+            # that was seen to stay pending after the accelerator freed up.
             self._wait_for_room(replica.node, max(1, self.pool.accelerators_per_replica))
             replica.placed_at = time.time()
-            serve.run(engine_application(self.spec, self.role, replica.name, node=replica.node),
-                      name=replica.app_name, route_prefix=None)
-            self.ingress.add_replica.remote(replica.name, replica.app_name).result(timeout_s=60)
-            deadline = time.monotonic() + 60
-            while not self.router.add_replica.remote(self.role, replica.name, replica.app_name).result(timeout_s=60):
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the router could not poll the new replica for 60 s")
-                time.sleep(0.5)
+            self._set_bounds_and_wait(self._lent_bounds(), timeout_s=300)
         except Exception as exc:  # noqa: BLE001 - recorded; the policy sees no new replica
             replica.error = repr(exc)
             self.event("autoscaler_handover_failed", f"{replica.name} on {replica.node}: {exc!r}",
@@ -238,52 +244,54 @@ class ServeShell(AutoscalerShellBase):
         from rayfleet.platform.ray_compat import available_resources_per_node
 
         from rayfleet.platform import labels as L
+        from rayfleet.platform.catalogue import get_accelerator
 
+        resource = get_accelerator(self.pool.accelerator_type).ray_resource  # GPU, XPU or NPU
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not self._halt.is_set():
             ids = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and (n.get("Labels") or {}).get(L.NODE) == node]
-            free = available_resources_per_node().get(ids[0], {}).get("GPU", 0) if ids else 0
+            free = available_resources_per_node().get(ids[0], {}).get(resource, 0) if ids else 0
             if free >= count:
                 return
             time.sleep(0.25)
         raise TimeoutError(f"{count} accelerator(s) on {node} did not become free within {timeout_s:g}s")
 
     def _remove(self, replica: LentReplica, reason: str) -> None:
-        from ray import serve
-
-        deadline = time.monotonic() + self.config.drain_timeout_s
         try:
-            while self.router.drain_replica.remote(replica.name).result(timeout_s=30) > 0:
-                if time.monotonic() > deadline:
-                    break  # delete anyway: the ingress resumes what is left on other replicas
-                time.sleep(0.2)
-            serve.delete(replica.app_name)
-            self.router.forget_replica.remote(replica.name).result(timeout_s=30)
+            self._set_bounds_and_wait(self._lent_bounds(), timeout_s=self.config.drain_timeout_s + 30)
         except Exception as exc:  # noqa: BLE001
             replica.error = repr(exc)
             self.event("autoscaler_replica_remove_failed", f"{replica.name}: {exc!r}", {"replica": replica.name})
             return
         replica.removed_at = time.time()
         self.event("autoscaler_replica_removed",
-                    f"{replica.name} drained and removed from {replica.node} "
+                    f"{replica.name} drained and removed from the {self.role} pool "
                     f"{replica.removed_at - replica.removal_decided_at:.1f}s after the decision ({reason})",
                     {"replica": replica.name, "node": replica.node})
 
 
-def _replica_nodes(app_name: str, deployments: Sequence[str]) -> list[str]:
-    """rayfleet node of each named engine deployment's replica ('' when not found)."""
+def _replica_nodes(app_name: str, deployment: str) -> list[str]:
+    """rayfleet node of each running replica of the pool deployment ('' when not labelled)."""
     import ray
     from ray.util.state import list_actors
 
     from rayfleet.platform import labels as L
 
     node_of = {n["NodeID"]: (n.get("Labels") or {}).get(L.NODE, "") for n in ray.nodes()}
-    alive = list_actors(filters=[("state", "=", "ALIVE")], limit=10000)
-    out = []
-    for name in deployments:
-        cls = f"ServeReplica:{app_name}:{name}"
-        out.append(next((node_of.get(a.node_id, "") for a in alive if a.class_name == cls), ""))
-    return out
+    cls = f"ServeReplica:{app_name}:{deployment}"
+    alive = list_actors(filters=[("state", "=", "ALIVE"), ("class_name", "=", cls)], limit=10000)
+    return sorted(node_of.get(a.node_id, "") for a in alive)
+
+
+def _running_replicas(app_name: str, deployment: str) -> int:
+    """RUNNING replicas of ``deployment`` in Serve's status (0 if unknown)."""
+    from ray import serve
+
+    app = serve.status().applications.get(app_name)
+    status = app.deployments.get(deployment) if app is not None else None
+    if status is None:
+        return 0
+    return sum(n for state, n in (status.replica_states or {}).items() if str(getattr(state, "value", state)) == "RUNNING")
 
 
 @dataclass

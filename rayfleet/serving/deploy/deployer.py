@@ -11,8 +11,10 @@ Design decisions:
   waited for a health check that could never answer); an
   app is named ``spec.name`` and routed at ``spec.http.route_prefix`` (``/`` by default, so
   OpenAI clients need no path prefix; several apps on one proxy use distinct prefixes). Deploying a spec with the same name replaces that app.
+- Each pool's Serve autoscaling bounds start at the spec's ``replicas`` .. ``max_replicas``
+  (``pool_scaling``); the shared autoscaler moves them later.
 - ``deploy`` waits until the app is RUNNING and the ingress answers ``/health`` (the engines
-  have loaded and reported to the router), so the returned URL is usable at once; a failed
+  have loaded and published their state), so the returned URL is usable at once; a failed
   deployment raises ``ServeDeployError`` with Serve's message.
 """
 
@@ -134,10 +136,13 @@ def deploy(spec: ServeSpec | dict[str, Any] | str | Path, *, address: str | None
     health_path = "/health"
     if spec.engine.kind == "vllm":  # Ray Serve LLM's app (rayfleet.serving.vllm), same deploy path
         from rayfleet.serving.vllm.app import HEALTH_PATH as health_path, build_vllm_app as build_app
+    from rayfleet.serving.deploy.pool_scaling import set_pool_bounds
 
     # HeadOnly: the local fleet's nodes share one IP, so a proxy per node would fight for the port.
     serve.start(proxy_location="HeadOnly", http_options={"host": spec.http.host, "port": spec.http.port})
     deadline = time.monotonic() + timeout_s
+    for role, pool in spec.pools().items():  # Serve autoscales each pool within these (pool_scaling)
+        set_pool_bounds(spec.name, role, min_replicas=pool.replicas, max_replicas=pool.max_replicas or pool.replicas)
     try:
         serve.run(build_app(spec), name=spec.name, route_prefix=spec.http.route_prefix, blocking=False)
     except RuntimeError as exc:  # Serve raises RuntimeError when a deployment fails to start

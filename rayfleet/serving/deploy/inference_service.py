@@ -118,6 +118,7 @@ class InferenceService:
         finished = False
         self.num_in_flight += 1
         self.num_waiting_first_token += 1
+        finish_reason: str | None = None  # the engine's (stop/length); metrics label the rest "abort"
         try:
             while not finished:
                 attempt_prompt = prompt + generated
@@ -143,6 +144,7 @@ class InferenceService:
                             finished = delta.finish_reason is not None
                             yield delta
                             if finished:
+                            finish_reason = delta.finish_reason
                                 break
                     if not finished:
                         raise ReplicaUnavailableError("?", "stream ended without a finish")
@@ -164,7 +166,7 @@ class InferenceService:
                 self.num_waiting_first_token -= 1
             if self.metrics is not None:
                 self.metrics.observe_end(time.monotonic() - start, len(prompt), len(generated),
-                                         "finished" if finished else "aborted")
+                                         finish_reason if finished else None)
 
     async def _attempt(self, rid: str, prompt: list[int], params: SamplingParams, salt: str | None,
                        exclude: tuple[str, ...], original_prompt_len: int) -> AsyncIterator[Delta]:
@@ -288,3 +290,7 @@ class InferenceService:
             except ReplicaUnavailableError:
                 out[name] = None
         return out
+            by_replica = getattr(client, "block_usage_by_replica", None)
+            if by_replica is not None:  # a pool deployment: one entry per replica
+                out.update(await by_replica())
+                continue

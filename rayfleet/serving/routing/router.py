@@ -1,4 +1,5 @@
-"""The router: ``RouterCore`` (plain class) and ``Router`` (its async shell, a Serve deployment).
+"""The router: ``RouterCore`` (plain class) and ``Router`` (its async shell, in-process apps);
+``PoolRouterCore`` ranks the replicas of one pool deployment for Serve's request router.
 
 Design decisions:
 - ``RouterCore`` keeps the last ``ReplicaSnapshot`` of every engine replica and a
@@ -22,6 +23,16 @@ Design decisions:
   one) and every ``idle_poll_interval_s`` otherwise, woken at once by the next route: an idle
   app with ten polls a second per replica kept a core of a small machine a third busy, and an
   idle replica has nothing new to say (a dead one is still found within the idle interval).
+- Deployed apps route without a router deployment: each pool is one Serve deployment and
+  ``PoolRouterCore`` (driven by ``request_router.PrefixLoadRequestRouter`` inside the caller's
+  handle) ranks that pool's replicas per call from their published routing stats
+  (``ROUTING_STATS_KEYS``: a snapshot and the full set of cached block hashes, with a version)
+  and a ``RouteHint`` the caller attaches to the call (the prompt's block hashes, computed once
+  by the caller; a pinned replica for calls that must reach one replica). Stats are a state,
+  not an event stream, because Serve hands the same stats to every caller's router; the hash
+  set is diffed against what this core knew (published plus booked), so an update costs
+  O(cached blocks) in C set operations. Between two publications the core books routed work
+  exactly as ``RouterCore`` does.
 """
 
 from __future__ import annotations
@@ -29,6 +40,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -41,7 +54,8 @@ from rayfleet.serving.routing.prefix_index import PrefixIndex, ReplicaId
 from rayfleet.serving.deploy.replica_client import ReplicaClient
 from rayfleet.serving.routing.policy import ReplicaSnapshot, RouterPolicy
 
-__all__ = ["RoutePlan", "RouterCore", "Router"]
+__all__ = ["RoutePlan", "RouterCore", "Router", "RouteHint", "PoolRouterCore", "ROUTING_STATS_KEYS",
+           "register_pool_router", "pool_router"]
 
 log = logging.getLogger(__name__)
 
@@ -235,3 +249,135 @@ class Router:
         """Serve health check: the poll loop must be alive once started."""
         if self._task is not None and self._task.done() and self._task.exception() is not None:
             raise RuntimeError(f"router poll loop died: {self._task.exception()!r}")
+
+
+# -- pools as Serve deployments --------------------------------------------------------------------
+
+ROUTING_STATS_KEYS = ("version", "num_total_blocks", "num_free_blocks", "num_active_blocks", "num_queued_blocks",
+                      "num_running_requests", "max_num_seqs", "block_hashes")
+"""What a replica's ``record_routing_stats`` publishes for ``PoolRouterCore`` (extra keys are
+ignored): a ``version`` that changes with every publication, the ``ReplicaSnapshot`` numbers, and
+``block_hashes``, every block hash its prefix cache holds (any engine: only equality matters)."""
+
+
+@dataclass(frozen=True)
+class RouteHint:
+    """What a pool's router needs to know about one call (passed as the ``route`` keyword).
+
+    ``block_hashes``/``num_prompt_blocks`` rank a prefill/colocated pool; ``num_blocks_needed``
+    (prompt plus room to generate) ranks a decode pool. ``replica`` pins the call to one replica
+    (KV release, abort, spans, per-replica usage); ``avoid`` names replicas that just failed
+    this request (skipped while another replica exists)."""
+
+    block_hashes: tuple[Any, ...] = ()
+    num_prompt_blocks: int = 0
+    num_blocks_needed: int = 0
+    replica: str | None = None
+    avoid: tuple[str, ...] = ()
+
+
+class PoolRouterCore:
+    """Ranks the replicas of one pool (``role``: prefill, decode or colocated). Plain class."""
+
+    def __init__(self, *, role: str, policy: RouterPolicy = RouterPolicy(), mode: Mode = "prefix_aware") -> None:
+        if role not in ("prefill", "decode", "colocated"):
+            raise SpecError("request_router_kwargs.role", role, "is not a pool role",
+                            "use prefill, decode or colocated")
+        self.role = role
+        self.policy = policy
+        self.mode = mode
+        self.index = PrefixIndex()
+        self.snapshots: dict[ReplicaId, ReplicaSnapshot] = {}
+        self.stats: dict[ReplicaId, Mapping[str, Any]] = {}  # last applied publication per replica
+        self._known: dict[ReplicaId, set] = {}  # hashes indexed per replica (published + booked)
+        self._rr = itertools.count()
+
+    def observe(self, replica: str, stats: Mapping[str, Any] | None) -> bool:
+        """Apply ``replica``'s published stats if their version is new; True if applied."""
+        rid = ReplicaId(replica)
+        if not stats or "version" not in stats:
+            self.snapshots.setdefault(rid, self._unknown(rid))
+            return False
+        if rid in self.stats and self.stats[rid].get("version") == stats["version"]:
+            return False
+        self.stats[rid] = stats
+        self.snapshots[rid] = ReplicaSnapshot(
+            rid, int(stats["num_total_blocks"]), int(stats["num_free_blocks"]), int(stats["num_active_blocks"]),
+            int(stats.get("num_queued_blocks", 0)), int(stats.get("num_running_requests", 0)),
+            int(stats.get("max_num_seqs", 0)))
+        new = set(stats.get("block_hashes", ()))
+        known = self._known.get(rid, set())
+        self.index.remove_blocks(rid, known - new)
+        self.index.add_blocks(rid, new - known)
+        self._known[rid] = new
+        return True
+
+    def _unknown(self, rid: ReplicaId) -> ReplicaSnapshot:
+        # A replica that has not published yet (just started): as roomy as the roomiest known one.
+        total = max((s.num_total_blocks for s in self.snapshots.values()), default=1 << 30)
+        return ReplicaSnapshot(rid, total, total, 0)
+
+    def retain(self, replicas: Sequence[str]) -> None:
+        """Forget replicas that left the pool (Serve stopped or replaced them)."""
+        keep = set(replicas)
+        for rid in [r for r in self.snapshots if r not in keep]:
+            self.snapshots.pop(rid, None)
+            self.stats.pop(rid, None)
+            self._known.pop(rid, None)
+            self.index.remove_replica(rid)
+
+    def rank(self, replicas: Sequence[str], hint: RouteHint | None) -> list[list[str]]:
+        """Ranked tiers of ``replicas`` for one call (best first, one replica per tier), and the
+        routed work booked on the first. A pinned replica that is not in ``replicas`` gives
+        ``[]``: the caller decides (Serve's router must not wait for it)."""
+        hint = hint or RouteHint()
+        if hint.replica is not None:
+            return [[hint.replica]] if hint.replica in replicas else []
+        names = [n for n in replicas if n not in hint.avoid] or list(replicas)
+        for n in names:
+            self.snapshots.setdefault(ReplicaId(n), self._unknown(ReplicaId(n)))
+        snaps = [self.snapshots[ReplicaId(n)] for n in names]
+        if self.mode == "round_robin":
+            start = next(self._rr) % max(1, len(names))
+            return [[n] for n in names[start:] + names[:start]]
+        if self.role == "decode":
+            ranked = [s.replica_id for s in self.policy.choose_decode(
+                snaps, num_blocks_needed=hint.num_blocks_needed).ranked]
+            if ranked:
+                self._book_decode(ranked[0], hint.num_blocks_needed)
+        else:
+            hashes = list(hint.block_hashes)
+            decision = self.policy.choose_prefill(snaps, hashes, self.index,
+                                                  num_prompt_blocks=max(hint.num_prompt_blocks, len(hashes)),
+                                                  max_ranked=len(snaps))
+            ranked = [s.replica_id for s in decision.ranked]
+            if ranked:
+                self._book_prefill(ranked[0], hashes, max(hint.num_prompt_blocks, len(hashes)))
+        return [[str(r)] for r in ranked]
+
+    def _book_prefill(self, rid: ReplicaId, hashes: list, num_blocks: int) -> None:
+        snap = self.snapshots[rid]
+        hit = self.index.match_prefix(hashes).get(rid, 0) if hashes else 0
+        self.snapshots[rid] = replace(snap, num_queued_blocks=snap.num_queued_blocks + num_blocks - hit)
+        if hashes:
+            self.index.add_blocks(rid, hashes)
+            self._known.setdefault(rid, set()).update(hashes)
+
+    def _book_decode(self, rid: ReplicaId, needed: int) -> None:
+        d = self.snapshots[rid]
+        self.snapshots[rid] = replace(d, num_free_blocks=d.num_free_blocks - needed,
+                                      num_active_blocks=d.num_active_blocks + needed,
+                                      num_running_requests=d.num_running_requests + 1)
+
+
+_POOL_ROUTERS: "weakref.WeakValueDictionary[tuple[str, str], Any]" = weakref.WeakValueDictionary()
+
+
+def register_pool_router(app_name: str, deployment: str, request_router: Any) -> None:
+    """This process's request router of a pool deployment (``request_router`` registers itself)."""
+    _POOL_ROUTERS[(app_name, deployment)] = request_router
+
+
+def pool_router(app_name: str, deployment: str) -> Any:
+    """The registered request router of ``app_name``/``deployment`` in this process, or None."""
+    return _POOL_ROUTERS.get((app_name, deployment))

@@ -1,18 +1,21 @@
-"""The Serve deployments in ``_local_testing_mode`` (in-process, no Ray cluster): engine
-replicas, the router deployment and the Serve-handle clients give a single engine's tokens in
-both modes; replica options reserve accelerators as the spec says."""
+"""The Serve deployments in ``_local_testing_mode`` (in-process, no Ray cluster): pool
+deployments driven through ``PoolClient``s give a single engine's tokens in both modes, with the
+P/D pairing (the KV lease released on the prefill replica that granted it); pinned calls refuse
+a replica they do not name; pool options reserve the catalogue's accelerator resource."""
 
 from __future__ import annotations
 
 import pytest
 from ray import serve
 
-from rayfleet.serving.deploy.deployments import (EngineReplica, RouterDeployment, _RouterClient, build_app,
-                                          replica_options)
-from rayfleet.serving.engine.async_engine import load_engine
-from rayfleet.serving.deploy.replica_client import ServeReplicaClient
-from rayfleet.serving.engine.sampling import SamplingParams
+from rayfleet.serving.deploy.deployments import (EngineReplica, build_app, pool_deployment_options,
+                                                 replica_options)
 from rayfleet.serving.deploy.inference_service import InferenceService
+from rayfleet.serving.deploy.pool_client import FailedReplicas, PoolClient, PoolRouter
+from rayfleet.serving.engine.async_engine import load_engine
+from rayfleet.serving.engine.sampling import SamplingParams
+from rayfleet.serving.errors import ReplicaUnavailableError
+from rayfleet.serving.routing.router import RouteHint
 from rayfleet.serving.spec import PoolSpec, ServeSpec
 
 MODEL = {"preset": "tiny", "seed": 4, "dtype": "float64", "overrides": {"max_seq_len": 128, "init_std": 0.1}}
@@ -21,11 +24,14 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
 class ServiceProbe:
-    """Test-side ingress stand-in: an InferenceService over the Serve handles it is bound to."""
+    """Test-side ingress stand-in: an InferenceService over pool clients of the bound pools."""
 
-    def __init__(self, router, handles, mode: str) -> None:
-        self.service = InferenceService(router=_RouterClient(router), mode=mode,
-                                        clients={n: ServeReplicaClient(n, h) for n, h in handles.items()})
+    def __init__(self, pools, mode: str) -> None:
+        failed = FailedReplicas()
+        clients = {role: PoolClient(role, h, block_size=4, model_id="tiny", failed=failed) for role, h in pools.items()}
+        self.clients = clients
+        self.service = InferenceService(router=PoolRouter(clients, mode=mode, max_prefill_retries=1), mode=mode,
+                                        clients=clients)
 
     async def complete(self, prompt: list[int]) -> list[int]:
         tokens = []
@@ -36,28 +42,37 @@ class ServiceProbe:
     async def usage(self) -> dict:
         return {n: u.__dict__ for n, u in (await self.service.block_usage()).items()}
 
+    async def leases_remembered(self) -> int:
+        return sum(len(c.handoff_to_replica) for c in self.clients.values())
+
+    async def pinned_elsewhere(self) -> str:
+        try:
+            await self.clients[next(iter(self.clients))].call("block_usage", route=RouteHint(replica="gone"))
+        except ReplicaUnavailableError as exc:
+            return exc.replica
+        return ""
+
 
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 def test_serve_handles_path_matches_single_engine(mode):
     spec = ServeSpec.parse({"model": MODEL, "mode": mode, "engine": {"block_size": 4, "num_blocks": 48},
                             "kv_transfer": {"transport": "local"}})
-    config = spec.engine_config()
+    config = spec.engine_config(model_id="tiny")
     reference = [list(r.output_token_ids) for r in load_engine(
         preset_name="tiny", seed=4, checkpoint=None, dtype="float64", overrides=MODEL["overrides"],
         config=config).generate(PROMPTS, GREEDY)]
     model = {"checkpoint": None, **MODEL}
-    handles = {n: serve.deployment(EngineReplica).options(name=n).bind(
-        name=n, model=model, config=config, transport="local", lease_s=5)
-        for names in spec.replica_names().values() for n in names}
-    router = serve.deployment(RouterDeployment).options(name="router").bind(
-        handles, roles=spec.replica_names(), mode="prefix_aware", load_weight=0.5, block_size=4,
-        model_id=config.model_id, num_blocks=48, poll_interval_s=0.05)
-    probe = serve.run(serve.deployment(ServiceProbe).bind(router, handles, mode), name=f"probe-{mode}",
+    pools = {role: serve.deployment(EngineReplica).options(name=role).bind(
+        role=role, model=model, config=config, transport="local", lease_s=5) for role in spec.pools()}
+    probe = serve.run(serve.deployment(ServiceProbe).bind(pools, mode), name=f"probe-{mode}",
                       _local_testing_mode=True)
     assert [probe.complete.remote(p).result() for p in PROMPTS] == reference
     usage = probe.usage.remote().result()
-    assert set(usage) == set(handles)
-    assert all(u["num_free_blocks"] == u["num_blocks"] and not u["num_requests"] for u in usage.values())
+    assert {n.split("/")[0] for n in usage} == set(spec.pools())
+    assert all(u["num_free_blocks"] == u["num_blocks"] and not u["num_requests"] and not u["num_leases"]
+               for u in usage.values())
+    assert probe.leases_remembered.remote().result() == 0  # every prefill lease released where granted
+    assert probe.pinned_elsewhere.remote().result() == "gone"  # the replica refused a pin to another
 
 
 def test_whole_app_builds_in_local_testing_mode():
@@ -67,16 +82,38 @@ def test_whole_app_builds_in_local_testing_mode():
     assert handle.deployment_name == "ingress"
 
 
-def test_replica_options_reserve_accelerators():
+def test_replica_options_reserve_the_catalogue_resource_of_any_accelerator():
+    label = "rayfleet.io/accelerator-type"
     one = replica_options(PoolSpec(accelerators_per_replica=1, accelerator_type="H100", num_cpus=0.1))
-    assert one["ray_actor_options"] == {"num_cpus": 0.1, "num_gpus": 1,
-                                        "label_selector": {"ray.io/accelerator-type": "H100"}}
+    assert one["ray_actor_options"] == {"num_cpus": 0.1, "num_gpus": 1, "label_selector": {label: "H100"}}
     tp = replica_options(PoolSpec(accelerators_per_replica=4, accelerator_type="H100"))
     assert len(tp["placement_group_bundles"]) == 4 and tp["placement_group_strategy"] == "STRICT_PACK"
     assert tp["ray_actor_options"] == {"num_cpus": 0.0, "num_gpus": 1}  # fits bundle 0
-    assert tp["placement_group_bundle_label_selector"] == [{"ray.io/accelerator-type": "H100"}] * 4
+    assert tp["placement_group_bundle_label_selector"] == [{label: "H100"}] * 4
+    xpu = replica_options(PoolSpec(accelerators_per_replica=2, accelerator_type="p800"))  # Kunlun: XPU, not GPU
+    assert xpu["ray_actor_options"] == {"num_cpus": 0.0, "resources": {"XPU": 1}}
+    assert xpu["placement_group_bundles"] == [{"XPU": 1.0}, {"XPU": 1.0}]
+    assert xpu["placement_group_bundle_label_selector"] == [{label: "P800"}] * 2
+    npu = replica_options(PoolSpec(accelerators_per_replica=1, accelerator_type="910B"))
+    assert npu["ray_actor_options"]["resources"] == {"NPU": 1} and "num_gpus" not in npu["ray_actor_options"]
     cpu = replica_options(PoolSpec(accelerators_per_replica=0))
-    assert "num_gpus" not in cpu["ray_actor_options"]
+    assert "num_gpus" not in cpu["ray_actor_options"] and "resources" not in cpu["ray_actor_options"]
+
+
+def test_a_pool_is_one_autoscaled_deployment_routed_by_the_prefix_load_router():
+    from rayfleet.serving.routing.request_router import PrefixLoadRequestRouter
+
+    spec = ServeSpec.parse({"model": MODEL, "mode": "disaggregated", "prefill": {"replicas": 3, "max_replicas": 5},
+                            "router": {"load_weight": 0.25}})
+    options = pool_deployment_options(spec, "prefill")
+    assert options["name"] == "prefill" and "num_replicas" not in options
+    scaling = options["autoscaling_config"]
+    assert scaling["min_replicas"] == 3 and scaling["initial_replicas"] == 3
+    assert scaling["policy"]["policy_function"].endswith("pool_scaling:bounded_pool_policy")
+    router = options["request_router_config"]
+    assert router.request_router_class in (PrefixLoadRequestRouter,
+                                           f"{PrefixLoadRequestRouter.__module__}.PrefixLoadRequestRouter")
+    assert router.request_router_kwargs == {"role": "prefill", "load_weight": 0.25, "mode": "prefix_aware"}
 
 
 def test_generated_serve_config_validates_and_its_builder_builds(capsys):

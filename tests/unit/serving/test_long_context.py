@@ -146,45 +146,58 @@ def test_served_long_prompt_is_split_and_generates_the_single_engine_tokens(mode
 
 
 class _SplitProbe:
-    """Test-side ingress: an InferenceService over Serve handles (``_local_testing_mode``)."""
+    """Test-side ingress (``_local_testing_mode``): an InferenceService whose router plans spans
+    over replicas of Serve deployments reached by pinned calls (as the deployed ingress does)."""
 
-    def __init__(self, router, handles) -> None:
-        from rayfleet.serving.deploy.deployments import _RouterClient
-        from rayfleet.serving.deploy.replica_client import ServeReplicaClient
+    def __init__(self, pools, long_prefill) -> None:
+        self.pools, self.long_prefill, self.service = pools, long_prefill, None
+
+    async def _ready(self):
         from rayfleet.serving.deploy.inference_service import InferenceService
+        from rayfleet.serving.deploy.pool_client import PoolClient
+        from rayfleet.serving.routing.policy import RouterPolicy
+        from rayfleet.serving.routing.router import RouteHint, Router, RouterCore
 
-        self.service = InferenceService(router=_RouterClient(router), mode="disaggregated",
-                                        clients={n: ServeReplicaClient(n, h) for n, h in handles.items()})
+        if self.service is None:
+            clients, roles = {}, {}
+            for name, handle in self.pools.items():
+                pool = PoolClient(name, handle, block_size=BS, model_id="tiny")
+                replica, _ = await pool.call("block_usage", route=RouteHint())
+                clients[replica] = pool.pinned(replica)
+                roles.setdefault(name.split("-")[0], []).append(replica)
+            core = RouterCore(roles=roles, policy=RouterPolicy(), block_size=BS, model_id="tiny", num_blocks_hint=64,
+                              long_prefill=self.long_prefill)
+            self.service = InferenceService(router=Router(clients, core, poll_interval_s=0.05),
+                                            mode="disaggregated", clients=clients)
+        return self.service
 
     async def complete(self, prompt: list[int]) -> list[int]:
         tokens = []
-        async for delta in self.service.stream(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)):
+        async for delta in (await self._ready()).stream(prompt, SamplingParams(max_tokens=6, temperature=0,
+                                                                               ignore_eos=True)):
             tokens += delta.token_ids
         return tokens
 
     async def num_spans(self, prompt: list[int]) -> int:
-        return len((await self.service.router.route(prompt, 6)).spans)
+        return len((await (await self._ready()).router.route(prompt, 6)).spans)
 
 
 def test_split_prefill_through_serve_handles_matches_single_engine():
     from ray import serve
 
-    from rayfleet.serving.deploy.deployments import EngineReplica, RouterDeployment
+    from rayfleet.serving.deploy.deployments import EngineReplica
     from rayfleet.serving.spec import ServeSpec
 
     spec = ServeSpec.parse(_spec("disaggregated"))
-    config = spec.engine_config()
+    config = spec.engine_config(model_id="tiny")
     prompt = _prompt(300, seed=4)
     reference = LLMEngine(build_model(preset("tiny", **MODEL["overrides"]), seed=5, dtype=torch.float64),
                           config).generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     model = {"checkpoint": None, **MODEL}
-    handles = {n: serve.deployment(EngineReplica).options(name=n).bind(
-        name=n, model=model, config=config, transport="local", lease_s=5)
+    pools = {n: serve.deployment(EngineReplica).options(name=n).bind(
+        role=n.split("-")[0], model=model, config=config, transport="local", lease_s=5)
         for names in spec.replica_names().values() for n in names}
-    router = serve.deployment(RouterDeployment).options(name="router").bind(
-        handles, roles=spec.replica_names(), mode="prefix_aware", load_weight=0.5, block_size=BS,
-        model_id=config.model_id, num_blocks=64, poll_interval_s=0.05, long_prefill=spec.long_prefill_policy())
-    probe = serve.run(serve.deployment(_SplitProbe).bind(router, handles), name="probe-split",
+    probe = serve.run(serve.deployment(_SplitProbe).bind(pools, spec.long_prefill_policy()), name="probe-split",
                       _local_testing_mode=True)
-    assert probe.num_spans.remote(prompt).result() >= 2  # the router deployment splits this prompt
+    assert probe.num_spans.remote(prompt).result() >= 2  # the router splits this prompt
     assert probe.complete.remote(prompt).result() == list(reference[0].output_token_ids)

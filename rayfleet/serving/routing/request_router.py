@@ -1,0 +1,89 @@
+"""``PrefixLoadRequestRouter``: rayfleet's prefix+load policy as a Ray Serve ``RequestRouter``.
+
+Configure a pool deployment with
+``request_router_config=RequestRouterConfig(request_router_class=PrefixLoadRequestRouter,
+request_router_kwargs={"role": "prefill", "load_weight": 0.5}, request_routing_stats_period_s=...)``.
+Serve builds one instance per deployment in every process that holds a handle to it and calls
+``choose_replicas`` there, so routing costs no extra hop and no router deployment.
+
+Design decisions:
+- Thin shell over ``router.PoolRouterCore`` (pure, unit-tested): it feeds the core each
+  candidate's ``routing_stats`` (published by the replica's ``record_routing_stats``, schema in
+  ``router.ROUTING_STATS_KEYS``), reads the call's ``RouteHint`` (keyword ``route`` by default,
+  or any positional ``RouteHint``), and returns one-replica tiers best first. Serve then sends
+  to the first tier whose replica accepts (queue below ``max_ongoing_requests``), so a
+  full or dead best replica falls through to the next.
+- Generic: any engine whose replicas publish those stats and whose callers attach a
+  ``RouteHint`` can use it (the Serve LLM pools reuse it with their own block hashes).
+- No ``FIFOMixin``: Serve's FIFO matching hands a chosen replica to the *oldest* pending
+  request, which would send a pinned call (a KV release) to another call's replica. Without it
+  Serve matches the chosen replica to exactly the request it was chosen for.
+- Never raises and never returns nothing: an exception inside ``choose_replicas`` leaves the
+  request waiting forever in Serve's routing loop, and so does an empty ranking; both fall back
+  to all candidates (Serve's least-queue choice). A pinned replica that left the pool gets the
+  same fallback: the replica that receives the call sees it is not the target and raises
+  ``ReplicaUnavailableError``, which the caller handles like a dead replica.
+- ``for_deployment(app, name)`` finds this process's instance (the ingress reads replica stats
+  from it for ``/metrics``, ``/health`` and per-replica calls); instances register themselves in
+  ``router``'s registry: Serve pickles this module *by value* into every handle, so a registry
+  here would be a separate copy per unpickling, invisible to a normal import.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from rayfleet.serving.routing.policy import RouterPolicy
+from rayfleet.serving.routing import router as _router
+from rayfleet.serving.routing.router import PoolRouterCore, RouteHint
+
+__all__ = ["PrefixLoadRequestRouter"]
+
+log = logging.getLogger(__name__)
+
+class PrefixLoadRequestRouter(RequestRouter):
+    """Serve request router for one pool deployment (see module doc)."""
+
+    def initialize_state(self, *, role: str = "prefill", load_weight: float = 0.5, mode: str = "prefix_aware",
+                         hint_kwarg: str = "route", **_: Any) -> None:
+        self.core = PoolRouterCore(role=role, policy=RouterPolicy(load_weight=load_weight), mode=mode)
+        self.hint_kwarg = hint_kwarg
+        self.num_fallbacks = 0  # choose_replicas calls answered with every candidate (errors, lost pins)
+        _router.register_pool_router(self._deployment_id.app_name, self._deployment_id.name, self)
+
+    @classmethod
+    def for_deployment(cls, app_name: str, deployment: str) -> "PrefixLoadRequestRouter | None":
+        return _router.pool_router(app_name, deployment)
+
+    def replica_stats(self) -> dict[str, dict[str, Any]]:
+        """Latest published routing stats of every running replica of the pool, by replica id."""
+        # A copy first: Serve may run this router on its own event-loop thread.
+        return {r.replica_id.unique_id: dict(r.routing_stats or {}) for r in list(self._replicas.values())}
+
+    def _hint(self, pending_request: PendingRequest | None) -> RouteHint | None:
+        if pending_request is None:
+            return None
+        hint = (pending_request.kwargs or {}).get(self.hint_kwarg)
+        if isinstance(hint, RouteHint):
+            return hint
+        return next((a for a in pending_request.args or () if isinstance(a, RouteHint)), None)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        try:
+            by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+            self.core.retain(list(by_id))
+            for uid, replica in by_id.items():
+                self.core.observe(uid, replica.routing_stats)
+            tiers = [[by_id[u] for u in tier if u in by_id] for tier in self.core.rank(list(by_id),
+                                                                                      self._hint(pending_request))]
+            tiers = [t for t in tiers if t]
+            if tiers:
+                return tiers
+        except Exception:  # noqa: BLE001 - an exception here would hang the request (module doc)
+            log.exception("PrefixLoadRequestRouter: ranking failed; routing to any replica")
+        self.num_fallbacks += 1
+        return [list(candidate_replicas)]

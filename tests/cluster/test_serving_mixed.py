@@ -1,0 +1,115 @@
+"""Serving on a mixed fleet: a disaggregated app with its prefill pool on the shared fleet's H100
+nodes and its decode pool on a Kunlun P800 node (``XPU`` resources, from the catalogue), added
+to the fleet for this module. Greedy tokens equal one in-process engine's; each pool's replicas
+sit on nodes of their accelerator type; moving the decode pool's bounds (what the shared
+autoscaler does when it lends or reclaims an accelerator) makes Serve start a second P800
+replica, which serves, and drain it again.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import requests
+
+from .conftest import wait_until
+
+pytestmark = pytest.mark.cluster
+
+MODEL = {"preset": "tiny", "seed": 5, "dtype": "float64", "overrides": {"max_seq_len": 512, "init_std": 0.1}}
+ENGINE = {"block_size": 8, "num_blocks": 96, "max_num_seqs": 4, "max_num_batched_tokens": 128}
+P800_NODE = "n0100"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def mixed_app(local_fleet):
+    from ray import serve
+
+    from rayfleet.platform.topology import NodeTopology
+    from rayfleet.serving.deploy.deployer import deploy
+    from rayfleet.serving.spec import HttpSpec
+
+    # The shared fleet is all H100: one P800 node (2 XPUs) joins it for this module (and stays:
+    # conftest runs this module after the fleet tests that list exact nodes).
+    if all(n.accelerator_type != "P800" for n in local_fleet.fleet.topology.nodes):
+        local_fleet.fleet.add_node(NodeTopology(name=P800_NODE, accelerator_type="P800", num_accelerators=2,
+                                                rack="r09", block="b9", nvlink_domain=f"sn-{P800_NODE}"))
+    http = {"port": _free_port(), "route_prefix": "/mixed"}
+    if "auth" in HttpSpec.model_fields:
+        http["auth"] = "disabled"
+    served = deploy({"name": "test-mixed", "mode": "disaggregated", "model": MODEL, "engine": ENGINE,
+                     "prefill": {"replicas": 1, "accelerator_type": "H100"},
+                     "decode": {"replicas": 1, "accelerator_type": "P800"},
+                     "http": http, "request_timeout_s": 30})
+    try:
+        yield served
+    finally:
+        served.shutdown()
+        serve.shutdown()
+
+
+def _complete(url: str, prompt: str, max_tokens: int = 10) -> list[int]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    resp = requests.post(url + "/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["token_ids"]
+
+
+def _reference(prompt: str, max_tokens: int = 10) -> list[int]:
+    from rayfleet.serving.engine.async_engine import load_engine
+    from rayfleet.serving.engine.sampling import SamplingParams
+    from rayfleet.serving.openai_api.app import encode_completion_prompt
+    from rayfleet.serving.spec import ServeSpec
+
+    spec = ServeSpec.parse({"model": MODEL, "engine": ENGINE})
+    m = spec.model
+    engine = load_engine(preset_name=m.preset, seed=m.seed, checkpoint=None, dtype=m.dtype, overrides=m.overrides,
+                         config=spec.engine_config())
+    (result,) = engine.generate([encode_completion_prompt(prompt)],
+                                SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    return list(result.output_token_ids)
+
+
+def _pool_accelerators(app: str, pool: str) -> list[str]:
+    """Accelerator type label of the node of each live replica of ``pool``."""
+    import ray
+    from ray.util.state import list_actors
+
+    from rayfleet.platform import labels as L
+
+    node_type = {n["NodeID"]: (n.get("Labels") or {}).get(L.ACCELERATOR_TYPE, "") for n in ray.nodes()}
+    actors = list_actors(filters=[("state", "=", "ALIVE"), ("class_name", "=", f"ServeReplica:{app}:{pool}")])
+    return sorted(node_type.get(a.node_id, "") for a in actors)
+
+
+def test_prefill_on_h100_decode_on_p800_gives_single_engine_tokens(mixed_app):
+    assert _pool_accelerators("test-mixed", "prefill") == ["H100"]
+    assert _pool_accelerators("test-mixed", "decode") == ["P800"]
+    for prompt in ("mixed fleets serve one model", "hi"):
+        assert _complete(mixed_app.url, prompt) == _reference(prompt)
+
+
+def test_moving_the_decode_pool_bounds_lends_and_reclaims_a_p800(mixed_app):
+    from rayfleet.serving.deploy.pool_scaling import get_pool_bounds, set_pool_bounds
+
+    assert get_pool_bounds("test-mixed", "decode") == (1, 1)  # written by deploy from the spec
+    set_pool_bounds("test-mixed", "decode", min_replicas=2, max_replicas=2)  # the autoscaler lends one
+    wait_until(lambda: _pool_accelerators("test-mixed", "decode") == ["P800", "P800"], timeout_s=120, interval_s=1,
+               what="Serve to start a second decode replica on the P800 node")
+    wait_until(lambda: sum(n.startswith("decode/") for n in mixed_app.block_usage()) == 2, timeout_s=60,
+               interval_s=1, what="the ingress's request router to see both decode replicas")
+    prompt = "lent accelerators serve too"
+    for _ in range(4):  # the new replica has the most free KV, so it takes decodes at once
+        assert _complete(mixed_app.url, prompt) == _reference(prompt)
+    set_pool_bounds("test-mixed", "decode", min_replicas=1, max_replicas=1)  # and reclaims it
+    wait_until(lambda: _pool_accelerators("test-mixed", "decode") == ["P800"], timeout_s=120, interval_s=1,
+               what="Serve to drain and stop the lent decode replica")
+    assert _complete(mixed_app.url, prompt) == _reference(prompt)

@@ -1,0 +1,128 @@
+"""Pools as Serve deployments, the Ray-free parts: ``PoolRouterCore`` ranking replicas from
+their published routing stats (prefix + load, P/D decode by free KV, booking between
+publications, pins, avoided replicas), the autoscaling bounds clamp, failed-replica memory and
+vLLM's finished_reason labels."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from rayfleet.errors import SpecError
+from rayfleet.serving.deploy.pool_client import FailedReplicas
+from rayfleet.serving.deploy.pool_scaling import clamp_to_bounds
+from rayfleet.serving.engine.block_hash import hash_full_blocks, root_block_hash
+from rayfleet.serving.openai_api.metrics import ServingMetrics, finished_reason_label
+from rayfleet.serving.routing.policy import RouterPolicy
+from rayfleet.serving.routing.router import PoolRouterCore, RouteHint
+
+BLOCK = 4
+PROMPT = list(range(1, 33))  # 8 full blocks
+HASHES = tuple(hash_full_blocks(PROMPT, block_size=BLOCK, root=root_block_hash(model_id="tiny")))
+
+
+def stats(version: int, *, free: int = 100, active: int = 0, queued: int = 0, hashes=(), running: int = 0) -> dict:
+    return {"version": version, "num_total_blocks": 100, "num_free_blocks": free, "num_active_blocks": active,
+            "num_queued_blocks": queued, "num_running_requests": running, "max_num_seqs": 8,
+            "block_hashes": tuple(hashes)}
+
+
+def hint(hashes=HASHES) -> RouteHint:
+    return RouteHint(block_hashes=tuple(hashes), num_prompt_blocks=len(hashes) + 1, num_blocks_needed=12)
+
+
+def test_prefill_pool_ranks_the_replica_that_published_the_prefix_first():
+    core = PoolRouterCore(role="prefill", policy=RouterPolicy(load_weight=0.5))
+    core.observe("a", stats(1))
+    core.observe("b", stats(1, hashes=HASHES))
+    assert core.rank(["a", "b"], hint()) == [["b"], ["a"]]
+    # Its publication drops the prefix (evicted): the booked copy is dropped too, "a" is idle.
+    core.observe("b", stats(2, hashes=(), queued=40))
+    assert core.rank(["a", "b"], hint())[0] == ["a"]
+
+
+def test_same_version_is_not_reapplied_so_bookings_survive_until_the_next_publication():
+    core = PoolRouterCore(role="prefill")
+    for r in ("a", "b"):
+        core.observe(r, stats(1))
+    firsts = Counter(core.rank(["a", "b"], hint(tuple(hash_full_blocks([i] * 32, block_size=BLOCK,
+                                                                       root=root_block_hash())))) [0][0]
+                     for i in range(10))
+    assert firsts == {"a": 5, "b": 5}  # booked queue alternates distinct prompts
+    assert not core.observe("a", stats(1))  # same version: no reset of the booked load
+    assert core.snapshots["a"].num_queued_blocks > 0
+    # Broken variant: re-applying the publication before every route sends the burst to one replica.
+    frozen = PoolRouterCore(role="prefill")
+    picks = set()
+    for i in range(10):
+        for r in ("a", "b"):
+            frozen.stats.pop(r, None)
+            frozen._known.pop(r, None)
+            frozen.index.remove_replica(r)
+            frozen.observe(r, stats(1))
+        picks.add(frozen.rank(["a", "b"], hint(tuple(hash_full_blocks([i] * 32, block_size=BLOCK,
+                                                                        root=root_block_hash()))))[0][0])
+    assert picks == {"a"}
+
+
+def test_decode_pool_ranks_by_free_kv_and_books_the_request():
+    core = PoolRouterCore(role="decode")
+    core.observe("d0", stats(1, free=30))
+    core.observe("d1", stats(1, free=90))
+    assert core.rank(["d0", "d1"], RouteHint(num_blocks_needed=50)) == [["d1"], ["d0"]]
+    assert core.snapshots["d1"].num_free_blocks == 40 and core.snapshots["d1"].num_running_requests == 1
+    assert core.rank(["d0", "d1"], RouteHint(num_blocks_needed=35)) == [["d1"], ["d0"]]  # d0 lacks 35
+    assert core.rank(["d0", "d1"], RouteHint(num_blocks_needed=20))[0] == ["d0"]  # now d0 has more room
+
+
+def test_pins_avoids_unknown_replicas_and_departures():
+    core = PoolRouterCore(role="prefill")
+    core.observe("a", stats(1, hashes=HASHES))
+    core.observe("b", stats(1))
+    assert core.rank(["a", "b"], RouteHint(replica="b")) == [["b"]]
+    assert core.rank(["a", "b"], RouteHint(replica="gone")) == []  # the caller falls back; the replica refuses
+    assert core.rank(["a", "b"], RouteHint(block_hashes=HASHES, num_prompt_blocks=9, avoid=("a",))) == [["b"]]
+    assert core.rank(["a"], RouteHint(block_hashes=HASHES, num_prompt_blocks=9, avoid=("a",))) == [["a"]]
+    # A replica that has not published yet is ranked (as roomy as the others), not skipped.
+    assert sorted(t[0] for t in core.rank(["a", "b", "new"], hint())) == ["a", "b", "new"]
+    core.retain(["b"])  # "a" left the pool: its prefix is forgotten
+    assert "a" not in core.snapshots and "a" not in core.index.match_prefix(list(HASHES))
+
+
+def test_round_robin_mode_rotates_and_a_bad_role_is_a_spec_error():
+    core = PoolRouterCore(role="colocated", mode="round_robin")
+    assert [core.rank(["a", "b", "c"], hint())[0][0] for _ in range(4)] == ["a", "b", "c", "a"]
+    with pytest.raises(SpecError, match="role"):
+        PoolRouterCore(role="router")
+
+
+def test_bounds_clamp_serve_rule_and_hold_the_floor_without_bounds():
+    assert clamp_to_bounds(3.4, current=1, bounds=(1, 8), base=1) == 4
+    assert clamp_to_bounds(3.4, current=1, bounds=(1, 2), base=1) == 2  # the shared autoscaler's ceiling
+    assert clamp_to_bounds(0.0, current=3, bounds=(3, 3), base=1) == 3  # a lent replica is kept
+    assert clamp_to_bounds(9.0, current=1, bounds=None, base=1) == 1  # no bounds: the spec's replicas
+
+
+def test_failed_replicas_are_avoided_for_a_while():
+    now = [0.0]
+    failed = FailedReplicas(avoid_s=10, clock=lambda: now[0])
+    failed.add("r1")
+    now[0] = 5
+    failed.add("r2")
+    assert failed.current() == ("r1", "r2")
+    now[0] = 12
+    assert failed.current() == ("r2",)
+
+
+def test_finished_reason_uses_vllm_label_values():
+    assert [finished_reason_label(r) for r in ("stop", "length", None, "abort", "error")] == \
+        ["stop", "length", "abort", "abort", "abort"]
+    metrics = ServingMetrics("tiny")
+    metrics.observe_end(0.1, 3, 2, "stop")
+    metrics.observe_end(0.1, 3, 2, "length")
+    metrics.observe_end(0.1, 3, 0, None)
+    text = metrics.render({}).decode()
+    for reason in ("stop", "length", "abort"):
+        assert f'rayfleet:request_success_total{{finished_reason="{reason}",model_name="tiny"}} 1.0' in text
+    assert "finished_reason=\"finished\"" not in text
