@@ -1,0 +1,125 @@
+"""Routing at real prompt lengths and pool sizes: the overload term, the recent-work ledger, one
+prefix walk per decision, and trace replays in the Mooncake format."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from rayfleet.errors import SpecError
+from rayfleet.serving.engine.block_hash import hash_full_blocks, root_block_hash
+from rayfleet.serving.routing.policy import ReplicaSnapshot, RouterPolicy
+from rayfleet.serving.routing.prefix_index import PrefixIndex, ReplicaId
+from rayfleet.serving.routing.recent_work import RecentWorkLedger
+from rayfleet.serving.routing.router import RouterCore
+from rayfleet.serving.routing.trace_replay import (TraceRequest, infinite_cache_bound, chain_block_hashes,
+                                                   multi_turn_trace, read_mooncake_trace, replay_routing)
+
+BLOCK = 16
+ROOT = root_block_hash(model_id="tiny")
+
+
+def snap(rid: str, recent: float, load: int = 0) -> ReplicaSnapshot:
+    return ReplicaSnapshot(ReplicaId(rid), 1000, 1000, load, recent_work_blocks=recent)
+
+
+def test_overload_term_worked_example():
+    """10-block prompt, r0 caches all 10 but has done 80 blocks of recent work, r1 nothing
+    cached and 20 blocks. Pool mean after this request: (100 + 10) / 2 = 55; one request (10
+    blocks) over the mean is free.
+    r0: to_prefill 0, over = (80 + 0 - 55 - 10) / 55 = 3/11, cost = 0 + 4 * 10 * 3/11 = 10.9.
+    r1: to_prefill 10, over = (20 + 10 - 55 - 10) / 55 < 0 -> 0, cost = 10. r1 wins."""
+    index = PrefixIndex()
+    prompt = hash_full_blocks(list(range(10 * BLOCK)), block_size=BLOCK, root=ROOT)
+    index.add_blocks(ReplicaId("r0"), prompt)
+    policy = RouterPolicy(load_weight=0.0, overload_weight=4.0)
+    decision = policy.choose_prefill([snap("r0", 80), snap("r1", 20)], prompt, index)
+    assert decision.replica_id == "r1"
+    assert decision.ranked[0].cost == pytest.approx(10.0)
+    assert decision.ranked[1].cost == pytest.approx(120 / 11)
+    # At 60 blocks r0 is within one request of the mean (45 + 10 + 5): the prefix decides.
+    assert policy.choose_prefill([snap("r0", 60), snap("r1", 20)], prompt, index).replica_id == "r0"
+    # Broken variant: without the term the cached replica wins however overloaded it is.
+    assert RouterPolicy(load_weight=0.0, overload_weight=0.0).choose_prefill(
+        [snap("r0", 6000), snap("r1", 20)], prompt, index).replica_id == "r0"
+
+
+def test_router_policy_refuses_nan_weights():
+    with pytest.raises(SpecError, match="overload_weight"):
+        RouterPolicy(overload_weight=float("nan"))
+
+
+def test_recent_work_ledger_decays_exponentially():
+    ledger = RecentWorkLedger(memory_s=10.0)
+    ledger.add("a", 100.0, now=0.0)
+    assert ledger.value("a", 0.0) == pytest.approx(100.0)
+    assert ledger.value("a", 10.0) == pytest.approx(100.0 / math.e)
+    ledger.add("a", 50.0, now=10.0)
+    assert ledger.value("a", 10.0) == pytest.approx(100.0 / math.e + 50.0)
+    assert ledger.value("b", 5.0) == 0.0
+    ledger.forget("a")
+    assert ledger.value("a", 10.0) == 0.0
+    with pytest.raises(SpecError, match="load_memory_s"):
+        RecentWorkLedger(0)
+
+
+def test_route_walks_the_prefix_once_and_books_only_new_blocks():
+    core = RouterCore(roles={"colocated": ["r0", "r1"]}, block_size=BLOCK, model_id="tiny")
+    walks = []
+    original = core.index.match_prefix
+    core.index.match_prefix = lambda hashes: walks.append(len(hashes)) or original(hashes)
+    added = []
+    original_add = core.index.add_blocks
+    core.index.add_blocks = lambda rid, hashes: added.append(len(list(hashes))) or original_add(rid, hashes)
+    prompt = list(range(8 * BLOCK))
+    first = core.route(prompt, max_tokens=4, now_s=0.0).first[0]
+    again = core.route(prompt + list(range(1000, 1000 + 2 * BLOCK)), max_tokens=4, now_s=1.0).first[0]
+    assert again == first  # the cached prefix wins on an otherwise idle pool
+    assert walks == [8, 10]  # one walk per decision
+    assert added == [8, 2]  # the second request indexes only the 2 blocks the replica lacked
+    assert core.recent_work.value(first, 1.0) > 0
+
+
+def test_route_accepts_precomputed_hashes():
+    core = RouterCore(roles={"colocated": ["r0", "r1"]}, block_size=BLOCK, model_id="tiny")
+    prompt = list(range(4 * BLOCK))
+    hashes = hash_full_blocks(prompt, block_size=BLOCK, root=root_block_hash(model_id="tiny"))
+    rid = core.route(prompt, max_tokens=2, block_hashes=hashes).first[0]
+    assert core.index.match_prefix(hashes) == {rid: 4}
+
+
+def test_mooncake_trace_reader_and_bound(tmp_path):
+    rows = [{"timestamp": 0, "input_length": 1024, "output_length": 5, "hash_ids": [1, 2]},
+            {"timestamp": 1000, "input_length": 1536, "output_length": 5, "hash_ids": [1, 2, 3]},
+            {"timestamp": 2000, "input_length": 512, "output_length": 5, "hash_ids": [2]}]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    trace = read_mooncake_trace(path)
+    assert [r.arrival_s for r in trace] == [0.0, 1.0, 2.0]
+    root = root_block_hash(model_id="x")
+    # Block ids chain: [2] alone is not the second block of [1, 2], so it does not hit.
+    assert infinite_cache_bound(chain_block_hashes(r.block_ids, root) for r in trace) == pytest.approx(2 / 6)
+    path.write_text('{"timestamp": 0, "input_length": 5}\n')
+    with pytest.raises(SpecError, match="hash_ids"):
+        read_mooncake_trace(path)
+
+
+def test_replay_on_conversations_keeps_hits_and_balance():
+    """Multi-turn conversations at 8 replicas: near the hit bound, balanced; round robin (the
+    baseline) is far below the bound, and prefix routing without the overload term piles work."""
+    trace = multi_turn_trace(num_conversations=120, turns=5, seed=1)
+    distinct = len({b for r in trace for b in r.block_ids})
+    kw = dict(num_replicas=8, cache_blocks=-(-2 * distinct // 8))
+    ours = replay_routing(trace, policy=RouterPolicy(), **kw)
+    rr = replay_routing(trace, policy=None, **kw)
+    assert ours.share_of_bound >= 0.95, ours
+    assert ours.load_max_mean <= 1.15, ours
+    assert rr.share_of_bound < 0.6, rr
+    assert ours.hit_rate > rr.hit_rate
+
+
+def test_replay_refuses_empty_pools():
+    with pytest.raises(SpecError):
+        replay_routing([TraceRequest(0.0, 512, 1, (1,))], policy=None, num_replicas=0, cache_blocks=4)
