@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from rayfleet.serving.routing.long_prefill import LongPrefillPolicy
 
 __all__ = ["ModelSource", "PoolSpec", "EngineSpec", "VLLMSpec", "RouterSpec", "KVTransferSpec", "KVCacheSpec", "DiskTierSpec", "LongContextSpec",
-           "ExpertBalancingSpec", "HttpSpec",
+           "ExpertBalancingSpec", "HttpSpec", "ApiKeysSpec", "HttpLimitsSpec",
            "ServeSpec", "load_serve_spec"]
 
 
@@ -110,6 +110,7 @@ class EngineSpec(_Strict):
     max_model_len: int | None = Field(None, ge=2)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    max_queued_requests: int = Field(256, ge=1)  # waiting requests per replica; more: 429 Retry-After
 
 
 class VLLMSpec(_Strict):
@@ -224,10 +225,45 @@ class KVCacheSpec(_Strict):
         return self.host_blocks > 0 or self.disk is not None
 
 
+class ApiKeysSpec(_Strict):
+    """Where the ingress reads its API keys: environment variables (by name) and/or a file of one
+    key per line. Never the keys themselves: specs are logged and dumped."""
+
+    env: list[str] = Field(default_factory=lambda: ["RAYFLEET_API_KEY"])
+    file: str | None = None
+
+    @model_validator(mode="after")
+    def _names_not_keys(self) -> "ApiKeysSpec":
+        import re
+
+        for name in self.env:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise SpecError("http.api_keys.env", "<redacted>", "holds names of environment variables, and "
+                                "this is not one (a key pasted inline would be logged with the spec)",
+                                "put the key in an environment variable and list its name, e.g. RAYFLEET_API_KEY")
+        return self
+
+
+class HttpLimitsSpec(_Strict):
+    """Bounds on what one client can ask of the app (over them: 413, 400 or 429)."""
+
+    max_body_bytes: int = Field(1 << 20, ge=1024)  # 413 above
+    max_concurrent_requests: int = Field(256, ge=1)  # engine requests (prompts x n) in flight per app; 429
+    max_stop_sequences: int = Field(4, ge=0, le=64)  # OpenAI's limit is 4
+    max_stop_chars: int = Field(128, ge=1, le=4096)  # each stop string, in characters
+    max_n: int = Field(16, ge=1, le=256)
+    max_batch_prompts: int = Field(64, ge=1, le=4096)  # prompts in one completion request
+    retry_after_s: int = Field(1, ge=1)  # Retry-After of a 429
+
+
 class HttpSpec(_Strict):
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # loopback by default: exposing the API is a deliberate choice
     port: int = Field(8000, ge=0, le=65535)
     route_prefix: str = Field("/", pattern=r"^/([A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*)?$")  # several apps share a port
+    # Bearer keys on every route but /health (/metrics included). Off only when said so.
+    auth: Literal["api_key", "disabled"] = "api_key"
+    api_keys: ApiKeysSpec = Field(default_factory=ApiKeysSpec)
+    limits: HttpLimitsSpec = Field(default_factory=HttpLimitsSpec)
 
 
 class ServeSpec(_Strict):
@@ -294,6 +330,7 @@ class ServeSpec(_Strict):
                             max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
                             enable_prefix_caching=e.enable_prefix_caching,
                             enable_chunked_prefill=e.enable_chunked_prefill, enable_kv_events=True,
+                            max_num_waiting=e.max_queued_requests,
                             model_id=model_id or self.model.served_name,
                             vocab_limit=ByteTokenizer().vocab_size)
 

@@ -38,7 +38,7 @@ class LocalServing:
     def app(self) -> Any:
         from rayfleet.serving.openai_api.app import build_openai_app
 
-        return build_openai_app(self.service, model_name=self.spec.model.served_name)
+        return build_openai_app(self.service, model_name=self.spec.model.served_name, http=self.spec.http)
 
     def shutdown(self) -> None:
         for engine in self.engines.values():

@@ -1,31 +1,31 @@
 """The OpenAI-compatible HTTP API (FastAPI), served through the Serve ingress deployment.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` gives
-server-sent events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus text).
+server-sent events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}``,
+``GET /health`` (no key), ``GET /metrics`` (Prometheus text), ``GET /v1/block_usage``.
 
 Design decisions:
-- ``build_openai_app(service, model_name)`` builds the app around an ``InferenceService``;
-  the Serve ingress (``deployments``) and unit tests (Starlette's TestClient) use the same app.
-- Bodies are parsed and validated here, not by FastAPI's automatic 422: OpenAI clients expect
-  400 with ``{"error": {"message", "type", "param", "code"}}``; an unknown model is 404.
-  A prompt that leaves no room for one token in the context (``len >= max_model_len``) is a
-  400; ``max_tokens`` beyond the context ends the request with ``finish_reason="length"``.
+- ``build_openai_app(service, model_name=..., http=...)`` builds the app around an
+  ``InferenceService``; the Serve ingress (``deployments``) and unit tests (Starlette's
+  TestClient, the official ``openai`` client over it) use the same app.
+- Hardened edge, in this order: bearer key (``auth``; every route but ``/health``), body size
+  (413, read in bounded pieces, never trusted from ``Content-Length`` alone), JSON, schema
+  (``schemas``: strict types and OpenAI ranges, 400 naming the parameter), parameters the
+  server cannot honour (400 naming them), model (404), deployment limits (stop strings, ``n``,
+  batch size), context (prompt + ``max_tokens`` beyond the context is a 400, never a silent
+  clamp), then the app's bound on engine requests in flight (429 with ``Retry-After``; each
+  replica bounds its own queue too). Every error has OpenAI's shape (``errors``).
 - Tokenization is the model's ``ByteTokenizer``: a completion prompt is BOS + its UTF-8 bytes
   (or a list of token ids, used as given); a chat is BOS + ``<|role|>\\ncontent\\n`` per message
-  + ``<|assistant|>\\n``. Text is decoded incrementally so a UTF-8 character split across
-  tokens is emitted whole. Engines never sample ids the tokenizer cannot decode (``sampling``).
-- Extensions (as in vLLM): ``top_k``, ``ignore_eos``, ``cache_salt``, and ``return_token_ids``
-  (adds ``token_ids`` to each choice, used by exactness tests).
-- A client that disconnects mid-stream cancels the response generator; closing the service's
-  stream aborts the request on its replica, which frees its blocks.
+  + ``<|assistant|>\\n``. Choices run through ``generation`` (n, batches, stop strings
+  excluded, logprobs) and are shaped by ``responses``.
+- A client that disconnects mid-stream cancels the response generator, which cancels every
+  choice; closing the service's streams aborts the requests on their replicas (blocks freed).
 """
 
 from __future__ import annotations
 
-import codecs
 import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -33,217 +33,251 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 
-from rayfleet.errors import RayfleetError, SpecError
+from rayfleet.errors import SpecError
 from rayfleet.models import ByteTokenizer
+from rayfleet.serving.deploy.inference_service import InferenceService
 from rayfleet.serving.engine.sampling import SamplingParams
-from rayfleet.serving.deploy.inference_service import Delta, InferenceService, ServiceUnavailableError
+from rayfleet.serving.openai_api import responses as R
+from rayfleet.serving.openai_api.auth import ApiKeyMiddleware, resolve_api_keys
+from rayfleet.serving.openai_api.errors import APIError, error_response, install_error_handlers
+from rayfleet.serving.openai_api.generation import (ChoiceEvent, ChoiceJob, ChoiceResult, choice_params, run_choices,
+                                                    service_error, stream_choices)
+from rayfleet.serving.openai_api.schemas import ChatCompletionRequest, CompletionRequest, first_error
+from rayfleet.serving.spec import HttpLimitsSpec, HttpSpec
 
 __all__ = ["build_openai_app", "encode_completion_prompt", "encode_chat", "APIError"]
 
 _TOKENIZER = ByteTokenizer()
 
-log = logging.getLogger(__name__)
 
-
-def _internal_error(rid: str, exc: BaseException) -> "APIError":
-    """An unexpected failure as an OpenAI-style 500 that names it (logged with its traceback),
-    instead of Starlette's bare ``Internal Server Error`` text."""
-    log.error("request %s failed unexpectedly", rid, exc_info=exc)
-    return APIError(500, f"request {rid} failed: {type(exc).__name__}: {exc}", type_="internal_server_error")
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def encode_completion_prompt(prompt: Any) -> list[int]:
-    """BOS + UTF-8 bytes of a string prompt; a list of ints is used as given."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
+def encode_completion_prompt(prompt: str | list[int]) -> list[int]:
+    """BOS + UTF-8 bytes of a string prompt; a list of token ids is used as given."""
     if isinstance(prompt, str):
         return _TOKENIZER.encode(prompt, add_bos=True)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return list(prompt)
-    raise APIError(400, "prompt must be a non-empty string or a list of token ids (one prompt per request)",
-                   param="prompt")
+    return list(prompt)
 
 
-def encode_chat(messages: Any) -> list[int]:
-    """BOS + ``<|role|>\\ncontent\\n`` per message + ``<|assistant|>\\n`` (see module doc)."""
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "messages must be a non-empty list", param="messages")
+def encode_chat(messages: list[Any]) -> list[int]:
+    """BOS + ``<|role|>\\ncontent\\n`` per message + ``<|assistant|>\\n`` (see module doc).
+    Accepts ``ChatMessage`` models or plain dicts of the same shape."""
     parts = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, f"messages[{i}] needs a string role and content", param="messages")
-        content = m.get("content") or ""
-        if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        parts.append(f"<|{m['role']}|>\n{content}\n")
+    for m in messages:
+        role, content = (m["role"], m.get("content")) if isinstance(m, dict) else (m.role, m.content)
+        if isinstance(content, list):  # text parts (others are refused before this point)
+            content = "".join(p["text"] if isinstance(p, dict) else p.text for p in content)
+        parts.append(f"<|{role}|>\n{content or ''}\n")
     return _TOKENIZER.encode("".join(parts) + "<|assistant|>\n", add_bos=True)
 
 
-def _sampling(body: dict[str, Any], *, chat: bool) -> SamplingParams:
-    max_tokens = body.get("max_completion_tokens") if chat and "max_completion_tokens" in body else body.get(
-        "max_tokens", 16)
-    if max_tokens is None:
-        max_tokens = 16
-    if body.get("n", 1) != 1:
-        raise APIError(400, "only n=1 is supported", param="n")
+def _prompts(req: CompletionRequest) -> list[list[int]]:
+    p = req.prompt
+    if isinstance(p, str):
+        return [encode_completion_prompt(p)]
+    if p and isinstance(p[0], str):
+        return [encode_completion_prompt(s) for s in p]
+    if p and isinstance(p[0], int):
+        return [list(p)]
+    return [list(x) for x in p]
+
+
+class _Limits:
+    """The deployment limits (``http.limits``) and the app's engine requests in flight."""
+
+    def __init__(self, limits: HttpLimitsSpec) -> None:
+        self.spec = limits
+        self.in_flight = 0
+
+    def check_stop(self, stop: str | list[str] | None) -> tuple[str, ...]:
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        n, chars = self.spec.max_stop_sequences, self.spec.max_stop_chars
+        if len(stops) > n:
+            raise APIError(400, f"stop has {len(stops)} sequences; at most {n} are allowed", param="stop")
+        if any(len(s) > chars for s in stops):
+            raise APIError(400, f"a stop sequence is longer than {chars} characters", param="stop")
+        if any(not s for s in stops):
+            raise APIError(400, "a stop sequence is empty (it would stop at once); remove it", param="stop")
+        return stops
+
+    def admit(self, num: int, *, reserve: bool = True) -> None:
+        """Count ``num`` engine requests in (``reserve``; a stream counts itself once its body
+        starts, so a client gone before that leaks nothing); 429 when the app is full."""
+        limit = self.spec.max_concurrent_requests
+        if num > limit:
+            raise APIError(400, f"the request asks for {num} generations (prompts x n); at most {limit}",
+                           param="n")
+        if self.in_flight + num > limit:
+            raise APIError(429, f"the server is busy ({self.in_flight} generations in flight, limit {limit}); "
+                                "retry after a short wait", code="overloaded",
+                           headers={"Retry-After": str(self.spec.retry_after_s)})
+        if reserve:
+            self.in_flight += num
+
+
+def _sampling(req: CompletionRequest | ChatCompletionRequest, stops: tuple[str, ...], max_tokens: int,
+              num_logprobs: int | None) -> SamplingParams:
+    bias = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not key.lstrip("-").isdigit() or not 0 <= int(key) < _TOKENIZER.vocab_size:
+            raise APIError(400, f"logit_bias key {key[:20]!r} is not a token id in [0, {_TOKENIZER.vocab_size})",
+                           param="logit_bias")
+        bias[int(key)] = value
     try:
-        return SamplingParams(max_tokens=int(max_tokens), temperature=float(body.get("temperature", 1.0)),
-                              top_p=float(body.get("top_p", 1.0)), top_k=int(body.get("top_k", 0) or 0),
-                              seed=body.get("seed"), stop=tuple(_stop_list(body.get("stop"))),
-                              ignore_eos=bool(body.get("ignore_eos", False)))
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0), seed=req.seed,
+            stop=stops, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=bool(req.ignore_eos),
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            logit_bias=bias, logprobs=num_logprobs)
     except SpecError as exc:
         raise APIError(400, str(exc), param=exc.field) from None
-    except (TypeError, ValueError) as exc:
-        raise APIError(400, f"bad sampling parameter: {exc}") from None
 
 
-def _stop_list(stop: Any) -> list[str]:
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return stop
-    raise APIError(400, "stop must be a string or a list of strings", param="stop")
-
-
-def build_openai_app(service: InferenceService, *, model_name: str):
-    """The FastAPI app for ``service`` serving one model named ``model_name``."""
+def build_openai_app(service: InferenceService, *, model_name: str, http: HttpSpec | None = None) -> Any:
+    """The ASGI app for ``service`` serving one model named ``model_name``; ``http`` gives the
+    keys and limits (default ``HttpSpec()``: keys required, read from ``RAYFLEET_API_KEY``)."""
+    http = http or HttpSpec()
     app = FastAPI(title="rayfleet OpenAI-compatible API")
+    install_error_handlers(app)
     created = int(time.time())
+    limits = _Limits(http.limits)
 
-    @app.exception_handler(APIError)
-    async def _api_error(_request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    async def _parse(request: Request, *, chat: bool) -> tuple[dict[str, Any], list[int], SamplingParams]:
+    async def read_body(request: Request, schema: type) -> Any:
+        cap = http.limits.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > cap:
+            raise APIError(413, f"the body has {declared} bytes; at most {cap} are accepted", code="body_too_large")
+        data, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > cap:
+                raise APIError(413, f"the body exceeds {cap} bytes", code="body_too_large")
+            data.append(part)
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"malformed JSON body: {exc}") from None
+            body = json.loads(b"".join(data))
+        except (ValueError, RecursionError):
+            raise APIError(400, "the body is not valid JSON", code="invalid_json") from None
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object")
-        if body.get("model", model_name) != model_name:
-            raise APIError(404, f"model {body.get('model')!r} does not exist; this server serves {model_name!r}",
-                           param="model", code="model_not_found", type_="NotFoundError")
-        prompt = encode_chat(body.get("messages")) if chat else encode_completion_prompt(body.get("prompt"))
-        params = _sampling(body, chat=chat)
-        max_len = await service.max_model_len()
-        if len(prompt) >= max_len:
-            raise APIError(400, f"the prompt has {len(prompt)} tokens but the context is {max_len} tokens "
-                           "(room for at least one generated token is needed); shorten the prompt",
-                           param="messages" if chat else "prompt", code="context_length_exceeded")
-        bad = [t for t in prompt if not 0 <= t < _TOKENIZER.vocab_size]
-        if bad:
-            raise APIError(400, f"token ids {bad[:5]} are outside the tokenizer's [0, {_TOKENIZER.vocab_size})",
+        try:
+            req = schema.model_validate(body)
+        except ValidationError as exc:
+            param, message = first_error(exc)
+            raise APIError(400, message, param=param) from None
+        refusal = req.refusals()
+        if refusal is not None:
+            raise APIError(400, refusal[1], param=refusal[0], code="unsupported_parameter")
+        if req.model is not None and req.model != model_name:
+            raise APIError(404, f"the model {req.model[:100]!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+        return req
+
+    async def plan(req: Any, prompts: list[list[int]], *, chat: bool, rid: str,
+                   num_logprobs: int | None) -> list[ChoiceJob]:
+        n = req.n or 1
+        if n > http.limits.max_n:
+            raise APIError(400, f"n={n} is above this server's limit of {http.limits.max_n}", param="n")
+        if len(prompts) > http.limits.max_batch_prompts:
+            raise APIError(400, f"{len(prompts)} prompts in one request; at most {http.limits.max_batch_prompts}",
                            param="prompt")
-        salt = body.get("cache_salt")
-        if salt is not None and not isinstance(salt, str):
-            raise APIError(400, "cache_salt must be a string", param="cache_salt")
-        return body, prompt, params
+        stops = limits.check_stop(req.stop)
+        ctx = await service.max_model_len()
+        asked = req.effective_max_tokens if chat else req.max_tokens
+        jobs = []
+        for p, prompt in enumerate(prompts):
+            param = "messages" if chat else "prompt"
+            if any(not 0 <= t < _TOKENIZER.vocab_size for t in prompt):
+                raise APIError(400, f"token ids must be in [0, {_TOKENIZER.vocab_size})", param=param)
+            if len(prompt) >= ctx:
+                raise APIError(400, f"the prompt has {len(prompt)} tokens but the context is {ctx} tokens (room for "
+                                    "at least one generated token is needed); shorten the prompt",
+                               param=param, code="context_length_exceeded")
+            room = ctx - len(prompt)
+            if asked is not None and asked > room:
+                raise APIError(400, f"this model's context is {ctx} tokens; you asked for {len(prompt)} prompt + "
+                                    f"{asked} completion tokens; lower max_tokens to at most {room}",
+                               param="max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens",
+                               code="context_length_exceeded")
+            max_tokens = asked if asked is not None else (room if chat else min(16, room))
+            params = _sampling(req, stops, max_tokens, num_logprobs)
+            jobs += [ChoiceJob(p * n + i, p, prompt, choice_params(params, i), f"{rid}-{p * n + i}") for i in range(n)]
+        return jobs
 
-    def _choice(chat: bool, text: str, finish: str | None, token_ids: list[int] | None, *, delta: bool) -> dict:
-        if chat:
-            key = "delta" if delta else "message"
-            choice = {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": finish,
-                      "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-        if token_ids is not None:
-            choice["token_ids"] = token_ids
-        return choice
-
-    async def _handle(request: Request, *, chat: bool):
-        body, prompt, params = await _parse(request, chat=chat)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
-        obj = "chat.completion" if chat else "text_completion"
-        with_ids = bool(body.get("return_token_ids"))
-        stream = service.stream(prompt, params, cache_salt=body.get("cache_salt"), request_id=rid)
-        if body.get("stream"):
-            return StreamingResponse(_sse(rid, obj + (".chunk" if chat else ""), chat, stream, with_ids, body),
-                                     media_type="text/event-stream")
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        tokens: list[int] = []
-        last: Delta | None = None
-        cached = 0  # reported by the replica that prefilled (the first delta in disaggregated mode)
+    async def handle(request: Request, *, chat: bool) -> Any:
+        req = await read_body(request, ChatCompletionRequest if chat else CompletionRequest)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        prompts = [encode_chat(req.messages)] if chat else _prompts(req)
+        num_lp = (req.top_logprobs or 0) if chat and req.logprobs else (None if chat else req.logprobs)
         try:
-            async for d in stream:
-                tokens.extend(d.token_ids)
-                cached = max(cached, d.num_cached_tokens)
-                last = d
-        except ServiceUnavailableError as exc:
-            raise APIError(503, str(exc), type_="ServiceUnavailableError") from None
-        except APIError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - reported to the client, logged with the traceback
-            raise _internal_error(rid, exc) from None
+            jobs = await plan(req, prompts, chat=chat, rid=rid, num_logprobs=num_lp)
+        except Exception as exc:  # noqa: BLE001 - e.g. no replica has reported its context yet
+            raise service_error(exc, rid, retry_after_s=http.limits.retry_after_s) from None
+        limits.admit(len(jobs), reserve=not req.stream)
+        num_prompt = sum(len(p) for p in prompts)
+        ctx = _Response(rid, model_name, chat, req, prompts, num_prompt)
+        if req.stream:
+            return StreamingResponse(_sse(ctx, jobs), media_type="text/event-stream")
+        try:
+            results = await run_choices(service, jobs, cache_salt=req.cache_salt)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status; internals logged, not sent
+            raise service_error(exc, rid, retry_after_s=http.limits.retry_after_s) from None
         finally:
-            await stream.aclose()
-        text = decoder.decode(bytes(t for t in tokens if t < 256), final=True)
-        return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
-                "choices": [_choice(chat, text, last.finish_reason if last else None,
-                                    tokens if with_ids else None, delta=False)],
-                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(tokens),
-                          "total_tokens": len(prompt) + len(tokens),
-                          "prompt_tokens_details": {"cached_tokens": cached}}}
+            limits.in_flight -= len(jobs)
+        return ctx.body(results)
 
-    async def _sse(rid: str, obj: str, chat: bool, stream: AsyncIterator[Delta], with_ids: bool,
-                   body: dict) -> AsyncIterator[bytes]:
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        num_tokens = 0
+    async def _sse(ctx: "_Response", jobs: list[ChoiceJob]) -> AsyncIterator[bytes]:
+        limits.in_flight += len(jobs)
+        stream = stream_choices(service, jobs, cache_salt=ctx.req.cache_salt)
         try:
-            async for d in stream:
-                num_tokens += len(d.token_ids)
-                text = decoder.decode(bytes(t for t in d.token_ids if t < 256), final=d.finish_reason is not None)
-                chunk = {"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
-                         "choices": [_choice(chat, text, d.finish_reason, list(d.token_ids) if with_ids else None,
-                                             delta=True)]}
-                yield f"data: {json.dumps(chunk)}\n\n".encode()
-            if (body.get("stream_options") or {}).get("include_usage"):
-                usage = {"id": rid, "object": obj, "created": int(time.time()), "model": model_name, "choices": [],
-                         "usage": {"completion_tokens": num_tokens}}
-                yield f"data: {json.dumps(usage)}\n\n".encode()
-        except (ServiceUnavailableError, RayfleetError) as exc:
-            err = APIError(503, str(exc), type_="ServiceUnavailableError")
-            yield f"data: {json.dumps(err.body())}\n\n".encode()
+            async for item in stream:
+                if isinstance(item, ChoiceEvent):
+                    yield R.sse(ctx.chunk(item))
+                else:
+                    if ctx.include_usage:
+                        yield R.sse(ctx.usage_chunk(item))
         except Exception as exc:  # noqa: BLE001 - the stream ends with an error event, never a hang
-            yield f"data: {json.dumps(_internal_error(rid, exc).body())}\n\n".encode()
+            yield R.sse(service_error(exc, ctx.rid, retry_after_s=http.limits.retry_after_s).body())
         finally:
+            limits.in_flight -= len(jobs)
             await stream.aclose()
         yield b"data: [DONE]\n\n"
 
+    _routes(app, service, model_name, created, handle)
+    keys = resolve_api_keys(auth=http.auth, env_names=http.api_keys.env, file=http.api_keys.file)
+    return app if keys is None else ApiKeyMiddleware(app, keys=keys)
+
+
+def _routes(app: FastAPI, service: InferenceService, model_name: str, created: int, handle: Any) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _handle(request, chat=False)
+        return await handle(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _handle(request, chat=True)
+        return await handle(request, chat=True)
+
+    async def card() -> dict[str, Any]:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "rayfleet",
+                "max_model_len": await service.max_model_len()}
 
     @app.get("/v1/models")
     async def models():
-        max_len = await service.max_model_len()
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "rayfleet", "max_model_len": max_len}]}
+        return {"object": "list", "data": [await card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            return error_response(APIError(404, f"the model {model_id[:100]!r} does not exist", param="model",
+                                           code="model_not_found"))
+        return await card()
 
     @app.get("/health")
     async def health():
         states = await service.router.replica_states()
         healthy = [n for n, s in states.items() if s.snapshot.healthy]
-        status = 200 if healthy else 503
         return JSONResponse({"status": "ok" if healthy else "starting", "replicas": sorted(healthy)},
-                            status_code=status)
+                            status_code=200 if healthy else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -256,4 +290,80 @@ def build_openai_app(service: InferenceService, *, model_name: str):
         usage = await service.block_usage()
         return {name: (u.__dict__ if u is not None else None) for name, u in usage.items()}
 
-    return app
+
+class _Response:
+    """Shapes one request's response bodies and stream chunks (see ``responses``)."""
+
+    def __init__(self, rid: str, model: str, chat: bool, req: Any, prompts: list[list[int]], num_prompt: int) -> None:
+        self.rid, self.model, self.chat, self.req, self.prompts = rid, model, chat, req, prompts
+        self.num_prompt = num_prompt
+        self.created = int(time.time())
+        opts = req.stream_options
+        self.include_usage = bool(opts and opts.include_usage)
+        self.continuous = bool(opts and opts.continuous_usage_stats)
+        self.with_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
+        self.with_ids = bool(req.return_token_ids)
+        self._offsets: dict[int, int] = {}
+        self._started: set[int] = set()
+        self._generated = 0
+
+    def _head(self) -> dict[str, Any]:
+        obj = ("chat.completion" if self.chat else "text_completion")
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
+
+    def _logprobs(self, index: int, ids: list[int], lps: list) -> dict[str, Any] | None:
+        if not self.with_logprobs:
+            return None
+        if self.chat:
+            return R.chat_logprobs(ids, lps)
+        offset = self._offsets.get(index, 0)
+        out = R.completion_logprobs(ids, lps, offset=offset)
+        self._offsets[index] = offset + sum(len(t) for t in out["tokens"])
+        return out
+
+    def chunk(self, ev: ChoiceEvent) -> dict[str, Any]:
+        rel = ev.released
+        self._generated += len(rel.token_ids)
+        choice: dict[str, Any] = {"index": ev.index, "logprobs": self._logprobs(ev.index, rel.token_ids, rel.logprobs),
+                                  "finish_reason": ev.finish_reason, "stop_reason": ev.stop_reason}
+        if self.chat:
+            delta: dict[str, Any] = {"content": rel.text}
+            if ev.index not in self._started:
+                delta = {"role": "assistant", **delta}
+                self._started.add(ev.index)
+            choice["delta"] = delta
+        else:
+            choice["text"] = rel.text
+        if self.with_ids:
+            choice["token_ids"] = rel.token_ids
+        head = self._head()
+        head["object"] += ".chunk" if self.chat else ""
+        out = {**head, "choices": [choice]}
+        if self.include_usage:
+            out["usage"] = R.usage(self.num_prompt, self._generated) if self.continuous else None
+        return out
+
+    def usage_chunk(self, results: list[ChoiceResult]) -> dict[str, Any]:
+        head = self._head()
+        head["object"] += ".chunk" if self.chat else ""
+        return {**head, "choices": [], "usage": R.usage(self.num_prompt, sum(r.num_generated for r in results))}
+
+    def body(self, results: list[ChoiceResult]) -> dict[str, Any]:
+        choices = []
+        for r in results:
+            text = r.text
+            if not self.chat and self.req.echo:
+                text = _TOKENIZER.decode(self.prompts[r.prompt_index]) + text
+            c: dict[str, Any] = {"index": r.index, "logprobs": self._logprobs(r.index, r.token_ids, r.logprobs),
+                                 "finish_reason": r.finish_reason, "stop_reason": r.stop_reason}
+            if self.chat:
+                c["message"] = {"role": "assistant", "content": text}
+            else:
+                c["text"] = text
+            if self.with_ids:
+                c["token_ids"] = r.token_ids
+            choices.append(c)
+        cached = sum(max((r.num_cached_tokens for r in results if r.prompt_index == p), default=0)
+                     for p in range(len(self.prompts)))
+        return {**self._head(), "choices": choices,
+                "usage": R.usage(self.num_prompt, sum(r.num_generated for r in results), cached)}

@@ -1,5 +1,6 @@
 """The OpenAI app over in-process replicas (``build_local``; no Ray): exact greedy tokens in
-every mode, HTTP errors for bad input, cancellation and replica failures, no leaked blocks."""
+every mode, HTTP errors for bad input, cancellation and replica failures, no leaked blocks.
+Clients send the API key ``KEY`` (read by the app from ``RAYFLEET_API_KEY``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import asyncio
 import json
 
 import pytest
-from starlette.testclient import TestClient
 
 from rayfleet.serving.engine.async_engine import load_engine
 from rayfleet.serving.deploy.in_process import build_local
@@ -18,6 +18,18 @@ from rayfleet.serving.spec import ServeSpec
 MODEL = {"preset": "tiny", "seed": 2, "dtype": "float64", "overrides": {"max_seq_len": 256, "init_std": 0.1}}
 ENGINE = {"block_size": 4, "num_blocks": 96, "max_num_batched_tokens": 64}
 PROMPTS = ["shared system prompt: be brief. Q1", "shared system prompt: be brief. Q2", "x"]
+KEY = "test-key-123"
+
+
+@pytest.fixture(autouse=True)
+def _api_key(monkeypatch):
+    monkeypatch.setenv("RAYFLEET_API_KEY", KEY)
+
+
+def TestClient(app):  # noqa: N802 - Starlette's client, authorized
+    from starlette.testclient import TestClient as _Client
+
+    return _Client(app, headers={"Authorization": f"Bearer {KEY}"})
 
 
 def spec(mode: str, *, caching: bool = True, replicas: int = 1, **extra) -> dict:
@@ -61,6 +73,11 @@ def complete(client, prompt, *, stream: bool, chat: bool = False, max_tokens: in
     return tokens, events
 
 
+def _count(metric) -> float:
+    """A counter's value (a Prometheus child, or one wrapped beside a Ray metric)."""
+    return getattr(metric, "prom", metric)._value.get()
+
+
 def assert_no_leaks(local) -> None:
     async def usage():
         return {n: await e.block_usage() for n, e in local.engines.items()}
@@ -92,7 +109,7 @@ def test_bad_input_statuses():
     local = build_local(spec("disaggregated"))
     with TestClient(local.app()) as client:
         r = client.post("/v1/completions", content=b"{oops", headers={"content-type": "application/json"})
-        assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
         r = client.post("/v1/completions", json={"model": "tiny", "prompt": "y" * 300})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
         for bad in (0, -1):
@@ -102,7 +119,7 @@ def test_bad_input_statuses():
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         assert client.post("/v1/completions", json={"model": "tiny", "prompt": [999]}).status_code == 400
         assert client.post("/v1/chat/completions", json={"model": "tiny", "messages": []}).status_code == 400
-        assert client.post("/v1/completions", json={"prompt": "a", "n": 2}).status_code == 400
+        assert client.post("/v1/completions", json={"prompt": "a", "n": 0}).status_code == 400
         models = client.get("/v1/models").json()
         assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 256
         assert client.get("/health").status_code == 200
@@ -170,7 +187,7 @@ def test_decode_replica_dying_mid_stream_resumes_with_identical_tokens(reference
 
     tokens = _collect(local, prompt, 40, during=kill_busy_decode)
     assert tokens == reference(prompt, 40)
-    assert local.service.metrics.resumes._value.get() == 1
+    assert _count(local.service.metrics.resumes) == 1
     local.shutdown()
 
 
@@ -179,7 +196,7 @@ def test_prefill_replica_dead_before_the_router_notices_is_retried_elsewhere(ref
     local.clients["prefill-0"].stop()  # equal snapshots before the first poll: prefill-0 ranks first
     prompt = encode_completion_prompt("retry my prefill")
     assert _collect(local, prompt, 6) == reference(prompt, 6)
-    assert local.service.metrics.prefill_retries._value.get() == 1
+    assert _count(local.service.metrics.prefill_retries) == 1
     local.shutdown()
 
 
@@ -199,7 +216,7 @@ def test_no_decode_replica_left_ends_the_stream_with_an_error_event():
                     events.append(json.loads(line.removeprefix("data: ")))
                     if len(events) == 2:
                         kill_decode(local)
-        assert "error" in events[-1] and events[-1]["error"]["type"] == "ServiceUnavailableError"
+        assert "error" in events[-1] and events[-1]["error"]["type"] == "service_unavailable"
     local.shutdown()
 
 
@@ -255,12 +272,13 @@ def test_prefill_replica_that_never_answers_is_abandoned_at_the_deadline_and_ret
     local.clients["prefill-0"].prefill = never_answers  # prefill-0 ranks first (equal snapshots)
     prompt = encode_completion_prompt("a silent prefill replica")
     assert _collect(local, prompt, 6) == reference(prompt, 6)
-    assert hung.is_set() and local.service.metrics.prefill_retries._value.get() == 1
+    assert hung.is_set() and _count(local.service.metrics.prefill_retries) == 1
     assert_no_leaks(local)
     local.shutdown()
 
 
-def test_an_unexpected_failure_is_a_json_500_that_names_it_not_a_bare_one():
+def test_an_unexpected_failure_is_a_json_500_with_a_request_id_and_no_internal_text():
+    """Regression: the 500 carried the exception's text (``KeyError: 'router state lost'``)."""
     local = build_local(spec("colocated"))
 
     async def broken_route(*args, **kwargs):
@@ -271,9 +289,10 @@ def test_an_unexpected_failure_is_a_json_500_that_names_it_not_a_bare_one():
         resp = client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
         assert resp.status_code == 500
         error = resp.json()["error"]
-        assert error["type"] == "internal_server_error" and "KeyError" in error["message"], error
+        assert error["type"] == "internal_server_error" and "cmpl-" in error["message"], error
+        assert "KeyError" not in error["message"] and "router state" not in error["message"], error
         _, events = complete(client, "x", stream=True, max_tokens=2)
-        assert events and "KeyError" in events[-1]["error"]["message"], events
+        assert events and "error" in events[-1] and "KeyError" not in events[-1]["error"]["message"], events
     local.shutdown()
 
 

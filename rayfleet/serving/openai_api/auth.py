@@ -1,0 +1,98 @@
+"""Bearer API keys for the OpenAI app.
+
+Design decisions:
+- Keys come from environment variables (by name) and/or a file of one key per line, read
+  where the ingress runs (``resolve_api_keys``); the spec holds only their names and path, so
+  a logged or dumped spec never carries a key.
+- Every route but ``/health`` needs ``Authorization: Bearer <key>`` (``/metrics`` included:
+  Prometheus sends a bearer token). Keys compare in constant time.
+- Fail closed: with ``auth: api_key`` and no key found, every guarded request is a 401 that
+  says how to configure one. Only ``auth: disabled`` (explicit) turns the check off.
+- A pure ASGI middleware, not Starlette's ``BaseHTTPMiddleware``: it wraps streaming responses
+  without buffering them.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+from rayfleet.errors import SpecError
+
+__all__ = ["resolve_api_keys", "ApiKeyMiddleware", "OPEN_PATHS"]
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+def resolve_api_keys(*, auth: str, env_names: Collection[str], file: str | None,
+                     environ: Mapping[str, str] | None = None) -> frozenset[str] | None:
+    """The accepted keys, or ``None`` when ``auth == "disabled"``. Raises ``SpecError`` when
+    ``file`` is given but unreadable (a typo must not silently lock everyone out)."""
+    if auth == "disabled":
+        return None
+    environ = os.environ if environ is None else environ
+    keys = {environ[n].strip() for n in env_names if environ.get(n, "").strip()}
+    if file:
+        path = Path(file).expanduser()
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as exc:
+            raise SpecError("http.api_keys.file", file, f"cannot be read ({exc.strerror})",
+                            "point it at a readable file with one API key per line") from None
+        keys |= {line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")}
+    return frozenset(keys)
+
+
+def _unauthorized(message: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": "invalid_api_key"}}).encode()
+
+
+class ApiKeyMiddleware:
+    """Refuses HTTP requests without a valid bearer key (401, OpenAI error shape)."""
+
+    def __init__(self, app: Any, *, keys: frozenset[str]) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+
+    def _authorized(self, headers: list[tuple[bytes, bytes]]) -> str | None:
+        """None when authorized, else the 401 message."""
+        if not self.keys:
+            return ("no API key is configured on this server: set the environment variable named in "
+                    "http.api_keys.env (default RAYFLEET_API_KEY) or http.api_keys.file where the "
+                    "ingress runs, or disable auth explicitly with http.auth: disabled")
+        value = next((v for k, v in headers if k == b"authorization"), b"")
+        scheme, _, token = value.partition(b" ")
+        token = token.strip()
+        if scheme.lower() != b"bearer" or not token:
+            return "missing API key: send the header 'Authorization: Bearer <key>'"
+        # Compare against every key (no early exit) so timing says nothing about which matched.
+        ok = False
+        for key in self.keys:
+            ok |= hmac.compare_digest(token, key)
+        return None if ok else "incorrect API key provided"
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):] or "/"
+        if path.rstrip("/") in OPEN_PATHS or scope.get("method") == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        message = self._authorized(scope.get("headers", []))
+        if message is None:
+            await self.app(scope, receive, send)
+            return
+        body = _unauthorized(message)
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})
