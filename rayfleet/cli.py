@@ -34,6 +34,7 @@ AREA_COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("rayfleet.jobs.cli", "submit a training job (YAML spec) and follow its progress"),
     "serve": ("rayfleet.serving.cli", "serve a model (OpenAI API) from a serve YAML"),
     "queue": ("rayfleet.platform.queue_cli", "hierarchical queues: quota, borrow limit, priority"),
+    "model": ("rayfleet.storage.model_cli", "import/export Hugging Face models"),
 }
 _ALL = "*"
 

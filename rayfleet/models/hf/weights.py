@@ -122,8 +122,10 @@ def _moe_rules(spec: HFModelSpec, rf: str, hf: str) -> list[WeightRule]:
         rules += _ffn_rules(f"{rf}.shared_experts", f"{hf}.{shared}", ("gate_proj", "up_proj", "down_proj"))
     if c.shared_expert_gate:
         rules.append(WeightRule(f"{rf}.shared_expert_gate", (f"{hf}.shared_expert_gate.weight",)))
-    if spec.architecture == "DeepseekV3ForCausalLM":
-        rules.append(WeightRule(f"{rf}.router.expert_bias", (f"{hf}.gate.e_score_correction_bias",)))
+    # DeepSeek-V3's routing bias is the checkpoint's e_score_correction_bias; the other
+    # architectures have none: rayfleet's buffer loads as zeros and must still be zero on export.
+    bias_sources = (f"{hf}.gate.e_score_correction_bias",) if spec.architecture == "DeepseekV3ForCausalLM" else ()
+    rules.append(WeightRule(f"{rf}.router.expert_bias", bias_sources))
     return rules
 
 
@@ -199,8 +201,11 @@ def load_hf_weights(spec: HFModelSpec, source: TensorSource, *, shard: ShardFn |
         if rule.target == "output.weight" and (spec.tie_word_embeddings or sources[0] not in keys):
             sources = ("model.embed_tokens.weight",)
             rule = WeightRule(rule.target, sources)
-        if rule.target.endswith("expert_bias") and sources[0] not in keys:
-            continue  # stays zero: a checkpoint saved before any balancing step
+        if rule.target.endswith("expert_bias") and (not sources or sources[0] not in keys):
+            # No bias in this architecture (or saved before any balancing step): zeros, fp32.
+            num_experts = spec.config.num_experts
+            out[rule.target] = torch.zeros(num_experts, dtype=torch.float32)
+            continue
         if not rule.stacked and sources[0] not in keys:
             raise SpecError("checkpoint", sources[0], "tensor missing from the checkpoint",
                             "check that config.json matches the weights (architecture, layer and expert counts)")
@@ -239,6 +244,11 @@ def export_hf_weights(spec: HFModelSpec, state_dict: Mapping[str, torch.Tensor]
             raise SpecError("checkpoint", rule.target, "missing from the rayfleet state dict",
                             "export a checkpoint of a model with this config")
         tensor = state_dict[rule.target].detach().cpu()
+        if not rule.sources:  # rayfleet-only state (a routing bias the architecture lacks)
+            if torch.count_nonzero(tensor):
+                raise SpecError(rule.target, "non-zero", f"{spec.architecture} has no expert routing bias",
+                                "train with router_bias_update_rate=0 for this architecture")
+            continue
         if permute and rule.rope_rows:
             tensor = _to_halves(tensor, c.resolved_head_dim)
         if rule.stacked:

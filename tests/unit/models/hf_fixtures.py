@@ -37,6 +37,16 @@ def hf_configs() -> dict[str, object]:
     }
 
 
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+
+
+def hf_config_dict(name: str) -> dict:
+    """``config.json`` contents of the tiny ``name`` model, as ``save_pretrained`` writes them."""
+    return {**hf_configs()[name].to_dict(), "architectures": [ARCHITECTURES[name]]}
+
+
 def randomize(model: torch.nn.Module, seed: int = 0) -> None:
     """Redraw every parameter and buffer that is a weight: norms around 1, matrices ~N(0, 0.15)."""
     gen = torch.Generator().manual_seed(seed)

@@ -16,14 +16,11 @@ import torch
 from rayfleet.models import PagedBatch, PagedKVCache
 from rayfleet.models.hf import build_hf_model
 from rayfleet.storage.safetensors_io import HFCheckpoint
-from tests.unit.models.hf_fixtures import hf_configs, save_tiny
+from tests.unit.models.hf_fixtures import ARCHITECTURES, hf_configs, save_tiny
 
 transformers = pytest.importorskip("transformers")
 
 ARCHS = sorted(hf_configs())
-EXPECTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-            "qwen2_moe": "Qwen2MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +50,7 @@ def _prompts(vocab: int, lengths=(5, 9, 13)) -> list[list[int]]:
 @pytest.mark.parametrize("name", ARCHS)
 def test_logits_match_transformers(saved, name):
     hf, model, spec = _load_both(saved[name])
-    assert spec.architecture == EXPECTED[name]
+    assert spec.architecture == ARCHITECTURES[name]
     tokens = torch.randint(0, spec.config.vocab_size, (4, 17), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(tokens).logits

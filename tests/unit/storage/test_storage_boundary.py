@@ -1,5 +1,5 @@
 """rayfleet.storage imports nothing of rayfleet but rayfleet.errors (and itself); its command
-module (``cli.py``, the user-facing edge) is the one exception, like every */cli.py."""
+modules (``*cli.py``, user-facing edges) are the exception, like every */cli.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ ALLOWED = ("rayfleet.storage", "rayfleet.errors")
 def _offenders(root: Path) -> list[str]:
     found = []
     for path in root.rglob("*.py"):
-        if path.name == "cli.py":
+        if path.name.endswith("cli.py"):  # cli.py, data_cli.py, model_cli.py: user-facing edges
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
