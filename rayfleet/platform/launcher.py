@@ -34,7 +34,7 @@ __all__ = [
     "FAST_FAILURE_DETECTION",
 ]
 
-# Node death is noticed in ~2.5 s instead of ~15 s (measured; see shared/notes/ray-2.60.md).
+# Node death is noticed in ~2.5 s instead of ~15 s (measured; docs/architecture.md).
 FAST_FAILURE_DETECTION = {
     "health_check_period_ms": 1000,
     "health_check_failure_threshold": 3,
