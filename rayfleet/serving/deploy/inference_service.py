@@ -144,9 +144,9 @@ class InferenceService:
                                 last = now
                             generated.extend(delta.token_ids)
                             finished = delta.finish_reason is not None
+                            finish_reason = delta.finish_reason
                             yield delta
                             if finished:
-                            finish_reason = delta.finish_reason
                                 break
                     if not finished:
                         raise ReplicaUnavailableError("?", "stream ended without a finish")
