@@ -1,7 +1,16 @@
 """Training throughput: tokens/s for 1, 2 and 4 workers beside the ideal, the communication
 share of step time per parallel dimension, the a2a hidden fraction, and the MFU estimate.
 
-    python benchmarks/train_scaling.py [--steps 8] [--json benchmarks/results/train_scaling.json]
+    python benchmarks/train_scaling.py [--quick] [--part all|scaling|platform] [--steps 8]
+                                       [--json benchmarks/results/train_scaling.json]
+
+Platform against a bare loop (``--part platform``; issue 19): the same model (tiny MoE, fp32),
+plan (the one the job resolves: DP 2) and data run (a) as a rayfleet job on a private one-node
+local fleet (Ray job -> ``run_training`` -> Ray Train workers, metrics to the driver, Parquet and
+Prometheus) and (b) as a hand-written ``torch.distributed`` loop in two spawned processes with
+the same building blocks (model, ``parallelize_model``, optimizer, loader) and nothing else.
+Throughput is wall time from the end of one step to the end of the last (so anything between
+steps counts); the ratio (goal >= 0.97) and the platform's overhead per step in ms are printed.
 
 Weak scaling: every worker gets the same per-worker batch (micro-batch 4 x 64 tokens), so the
 ideal N-worker throughput is N x the 1-worker throughput measured in this run (the baseline).
@@ -27,6 +36,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -46,6 +56,7 @@ from rayfleet.storage.tokens import prepare_token_dataset  # noqa: E402
 
 MICRO = 4
 SEQ = 64
+PLATFORM_MICRO = 8  # per DP rank: about 0.15-0.3 s steps here, above the 0.1 s of the goal
 CATEGORIES = {"gloo:all_to_all": "ep", "gloo:all_gather": "dp", "gloo:reduce_scatter": "dp",
               "gloo:all_reduce": "tp"}
 
@@ -132,12 +143,189 @@ def _gpu_fp8_vs_bf16(dataset: str, steps: int) -> list[dict]:
     return out
 
 
+# -- the platform against a bare torch.distributed loop (issue 19) ----------------------------------
+def _bare_worker(rank: int, world_size: int, port: int, spec_dict: dict, plan: ParallelPlan, steps: int,
+                 out_path: str) -> None:
+    """The same model, plan, data and optimizer as the rayfleet job, in a hand-written loop:
+    no Ray, no metrics, no hooks. Writes rank 0's step end times (``time.time()``)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from rayfleet.jobs import parallel as par
+    from rayfleet.jobs.data import DistributedTokenLoader, TokenSamples
+    from rayfleet.jobs.optim import build_optimizer
+    from rayfleet.models import MoELayer, build_model, materialize
+
+    torch.set_num_threads(1)  # as a Ray Train worker gets on this host: cores // workers per node
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    spec = TrainJobSpec.model_validate(spec_dict)
+    ctx = par.build_parallel_context(plan, device=torch.device("cpu"))
+    model = build_model(spec.model.to_config(), device="meta")
+    materialize(model, device=torch.device("cpu"), seed=spec.model.seed)
+    model = par.parallelize_model(model, ctx)
+    opt = spec.optimizer
+    optimizer = build_optimizer(model, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+    loader = DistributedTokenLoader(TokenSamples(spec.data.uri, spec.data.seq_len),
+                                    global_batch_size=spec.global_batch_size, dp_rank=ctx.dp_rank,
+                                    dp_size=ctx.dp_size, micro_batch_size=plan.micro_batch_size,
+                                    shuffle=spec.data.shuffle, seed=spec.data.seed)
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    ends = []
+    for _ in range(steps):
+        batch = loader.next_batch()
+        load = torch.zeros(len(layers), spec.model.to_config().num_experts, dtype=torch.int64)
+        for mb in batch.microbatches:
+            logits = model(mb[:, :-1])
+            F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), mb[:, 1:].reshape(-1)).backward()
+            load += torch.stack([layer.last_tokens_per_expert for layer in layers])
+        par.finalize_gradients(model, ctx)
+        par.clip_grad_norm_(model, spec.grad_clip or float("inf"), ctx)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        for layer, layer_load in zip(layers, par.sync_expert_load(load, ctx)):
+            layer.update_router_bias(layer_load)
+        ends.append(time.time())
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(ends))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _bare_run(spec: TrainJobSpec, plan: ParallelPlan, *, tmp: str, tag: str) -> list[float]:
+    import torch.multiprocessing as mp
+
+    from rayfleet.jobs.local_processes import free_port
+
+    out = os.path.join(tmp, f"bare-{tag}.json")
+    mp.start_processes(_bare_worker, args=(plan.world_size, free_port(), spec.model_dump(mode="json"), plan,
+                                           spec.steps, out), nprocs=plan.world_size, join=True,
+                       start_method="spawn")
+    return json.loads(Path(out).read_text())
+
+
+def _platform_run(fleet, spec: TrainJobSpec, *, env: dict[str, str], timeout_s: float) -> list[dict]:
+    """Submit ``spec`` as a rayfleet job (Ray job -> run_training -> Ray Train) with extra worker
+    ``env``; returns rank 0's metric rows (``time_unix_s`` is the end of each step)."""
+    from ray.job_submission import JobSubmissionClient
+
+    from rayfleet.jobs.training_run import TrainingRun, encode_spec
+
+    client = JobSubmissionClient(fleet.dashboard_url)
+    job_id = client.submit_job(entrypoint=f"python -m rayfleet.jobs.train --spec-b64 {encode_spec(spec.to_dict())}",
+                               runtime_env={"env_vars": {"RAY_AUTH_MODE": "token", **env}})
+    run = TrainingRun(job_id=job_id, dashboard_url=fleet.dashboard_url, name=spec.name, _client=client)
+    run.wait(timeout_s=timeout_s)
+    rows = {int(r["step"]): r for r in run.metrics().rows}
+    return [rows[s] for s in sorted(rows)]
+
+
+def _step_s(ends: list[float], warmup: int) -> float:
+    """Median wall seconds per step after ``warmup`` steps, from the end of one step to the end of
+    the next: compute, collectives and everything between steps (reporting, hooks) are inside.
+    A median, because other work on a shared machine lands as bursts on a few steps."""
+    return statistics.median(b - a for a, b in zip(ends[warmup - 1:], ends[warmup:]))
+
+
+def _between_steps_s(rows: list[dict], warmup: int) -> float:
+    """Median time rank 0 spent outside ``train_step`` per step (the loop's all-gather, reporting,
+    hooks, Ray): measured inside one run, so the machine's load cancels out."""
+    ends = [r["time_unix_s"] for r in rows]
+    return statistics.median(b - a - r["step_time_s"] for a, b, r in zip(ends[warmup - 1:], ends[warmup:],
+                                                                          rows[warmup:]))
+
+
+def platform_vs_bare(*, steps: int, warmup: int, quick: bool, tmp: str, dataset: str) -> dict:
+    """Tokens/s of the same job (a) through rayfleet + Ray Train and (b) as a bare loop, one run.
+
+    Bare and platform runs alternate (bare first and last) and the medians of each kind are
+    compared: the machine is shared, so a single pair would mostly measure the neighbours.
+    Without ``quick`` the platform also runs once with ``RAYFLEET_TRAIN_REPORT_INTERVAL_S=0``:
+    ``ray.train.report`` every step, the paced behaviour issue 19 removed.
+    """
+    from rayfleet.jobs.planning import resolve_plan
+    from rayfleet.platform.launcher import LocalFleet
+    from rayfleet.platform.topology import build_topology
+
+    spec = TrainJobSpec.model_validate({
+        "name": "bench-platform", "model": {"preset": "tiny", "seed": 0}, "data": {"uri": dataset, "seq_len": SEQ},
+        "plan": {"dp": 2, "micro_batch_size": PLATFORM_MICRO}, "precision": "fp32", "steps": steps,
+        "global_batch_size": PLATFORM_MICRO * 2, "schedule": {"warmup_steps": 1},
+        "resources": {"accelerator": "H100", "num_workers": 2}})
+    tokens = spec.global_batch_size * SEQ
+    plan = resolve_plan(spec, world_size=2, accelerator="H100")  # what the job itself will run
+    home = tempfile.mkdtemp(prefix="rayfleet-bench-home-", dir=tmp)
+    local = LocalFleet.up(build_topology(num_nodes=1, accelerator="H100", accelerators_per_node=2), home=home)
+    order = ["bare", "rayfleet", "bare"] if quick else \
+        ["bare", "rayfleet", "bare", "rayfleet, report every step", "bare", "rayfleet", "bare"]
+    runs: dict[str, list[list[dict]]] = defaultdict(list)
+    try:
+        for i, name in enumerate(order):
+            if name == "bare":
+                ends = _bare_run(spec, plan, tmp=tmp, tag=str(i))
+                runs[name].append([{"time_unix_s": t} for t in ends])
+            else:
+                env = {"RAYFLEET_TRAIN_REPORT_INTERVAL_S": "0"} if "every step" in name else {}
+                runs[name].append(_platform_run(local, spec, env=env, timeout_s=900))
+            print(f"  measured {name}: {_step_s([r['time_unix_s'] for r in runs[name][-1]], warmup) * 1e3:.1f} "
+                  f"ms/step", flush=True)
+    finally:
+        local.down()
+        shutil.rmtree(local.temp_dir, ignore_errors=True)
+    per_run = {name: [_step_s([r["time_unix_s"] for r in rows], warmup) for rows in rs] for name, rs in runs.items()}
+    base_s = statistics.median(per_run["bare"])
+    out = []
+    for name, values in per_run.items():
+        s = statistics.median(values)
+        between = [_between_steps_s(rows, warmup) * 1e3 for rows in runs[name]] if name != "bare" else None
+        out.append({"run": "bare torch.distributed (baseline)" if name == "bare" else name, "s_per_step": s,
+                    "runs_s_per_step": values, "tokens_per_s": tokens / s, "ratio": base_s / s,
+                    "overhead_ms_per_step": (s - base_s) * 1e3,
+                    "between_steps_ms": statistics.median(between) if between else None})
+    return {"plan": plan.describe(), "model": "tiny", "precision": "fp32", "tokens_per_step": tokens,
+            "steps": steps, "warmup": warmup, "order": order, "rows": out,
+            "load_avg_1m_at_end": round(os.getloadavg()[0], 2)}
+
+
+def print_platform(result: dict) -> None:
+    rows = result["rows"]
+    print(f"\nplatform vs bare loop: {result['plan']}, tiny MoE fp32, {result['tokens_per_step']} tokens/step, "
+          f"median step-end to step-end after step {result['warmup']} of {result['steps']}, runs in the order "
+          f"{' / '.join(result['order'])}")
+    header = (f"{'run':<34}{'s/step':>8}{'tok/s':>9}{'ratio':>7}{'overhead ms/step':>18}{'between steps ms':>18}"
+              f"  each run s/step")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        between = "-" if r["between_steps_ms"] is None else f"{r['between_steps_ms']:.1f}"
+        each = " ".join(f"{v:.3f}" for v in r["runs_s_per_step"])
+        print(f"{r['run']:<34}{r['s_per_step']:>8.3f}{r['tokens_per_s']:>9.0f}{r['ratio']:>7.3f}"
+              f"{r['overhead_ms_per_step']:>18.1f}{between:>18}  {each}")
+    print(f"goal: ratio >= 0.97 for steps >= 0.1 s. 'between steps' is rank 0's time outside train_step in the "
+          f"same run (the loop's all-gather, reporting, hooks), independent of the machine's load "
+          f"(1-min load average at the end: {result['load_avg_1m_at_end']})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", default="benchmarks/results/train_scaling.json")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer plans and steps; the platform comparison without the paced variant")
+    parser.add_argument("--part", choices=("all", "scaling", "platform"), default="all")
+    parser.add_argument("--platform-steps", type=int, default=60)
     args = parser.parse_args()
+    if args.quick:
+        args.steps, args.warmup, args.platform_steps = min(args.steps, 5), min(args.warmup, 2), 30
+    platform_result = None
+    if args.part in ("all", "platform"):
+        with tempfile.TemporaryDirectory(prefix="rayfleet-bench-") as tmp:
+            platform_result = platform_vs_bare(steps=args.platform_steps, warmup=5, quick=args.quick, tmp=tmp,
+                                               dataset=_dataset(tmp))
+        if args.part == "platform":
+            print_platform(platform_result)
+            _write_json(args.json, {"platform_vs_bare": platform_result})
+            return
     configs = [  # (plan, a2a overlap); global batch = MICRO x workers
         (ParallelPlan(dp=1, micro_batch_size=MICRO), False),
         (ParallelPlan(dp=2, micro_batch_size=MICRO), False),
@@ -149,6 +337,8 @@ def main() -> None:
         (ParallelPlan(dp=4, ep=4, micro_batch_size=MICRO), True),
         (ParallelPlan(dp=2, tp=2, ep=2, micro_batch_size=MICRO * 2), True),
     ]
+    if args.quick:
+        configs = [configs[0], configs[1], configs[2], configs[3]]
     rows = []
     with tempfile.TemporaryDirectory(prefix="rayfleet-bench-") as tmp:
         dataset = _dataset(tmp)
@@ -186,10 +376,16 @@ def main() -> None:
     elif not gpu:
         print("FP8 vs BF16 speed: not measured (no CUDA device here; CPU FP8 GEMMs are emulated-speed)")
     print(f"total {elapsed:.0f} s")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"machine": platform.machine(), "cores": cores, "rows": rows,
-                                               "gpu_fp8_vs_bf16": gpu}, indent=1))
+    if platform_result is not None:
+        print_platform(platform_result)
+    _write_json(args.json, {"machine": platform.machine(), "cores": cores, "rows": rows, "gpu_fp8_vs_bf16": gpu,
+                            "platform_vs_bare": platform_result})
+
+
+def _write_json(path: str, data: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=1))
 
 
 if __name__ == "__main__":

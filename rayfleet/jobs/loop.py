@@ -18,10 +18,16 @@ Design decisions:
   every rank issues the same collectives (one all-gather, one reduce-scatter per group)
   whatever its count — otherwise a replica with more micro-batches would issue more
   all-gathers and the group would deadlock.
-- One small all-gather per step carries (loss sum, tokens, step time, stop flag) of every
-  rank: the reported loss, tokens/s, per-rank step times and a stop decision that all ranks
-  take at the same step come from it. Only one rank per data shard (TP rank 0, last PP stage)
+- One small all-gather per step carries (loss sum, tokens, step time, compute time, stop flag)
+  of every rank: the reported loss, tokens/s, per-rank step and compute times and a stop
+  decision that all ranks take at the same step come from it. Only one rank per data shard (TP rank 0, last PP stage)
   contributes loss and tokens, so TP peers are not double counted.
+- Each rank's *compute* time (CPU time of the training thread over ``train_step``; the whole
+  process's when torch runs several intra-op threads) is gathered beside its wall time: a
+  blocking collective wait sleeps and adds nothing to it, so a straggler stands out while every
+  rank's wall time is equal (they all leave the last collective together). This is what the
+  slow-rank policy reads. On CUDA it is host time (kernels run asynchronously): not a measure
+  of a slow GPU; the slow-rank check is validated on the CPU fleet only.
 - Expert loads are summed over micro-batches, then over data-distinct ranks
   (``sync_expert_load``), then drive the router-bias update after the optimizer step, so every
   replica moves its biases identically and the run matches a single-process one.
@@ -31,8 +37,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, Literal
 
@@ -44,6 +51,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from rayfleet.jobs.data import DistributedTokenLoader, StepBatch, TokenSamples
+from rayfleet.jobs.health_monitor import FaultInjection, burn_cpu
 from rayfleet.jobs.metrics import expert_load_stats, mfu, model_flops_per_token
 from rayfleet.jobs.optim import build_optimizer, lr_at, set_lr
 from rayfleet.jobs.spec import TrainJobSpec, is_fp8_precision
@@ -52,7 +60,7 @@ from rayfleet.models import MoELayer, build_model, materialize
 from rayfleet.models.fp8 import convert_to_fp8
 from rayfleet.placement.plan import ParallelPlan
 
-__all__ = ["train_worker", "LossAveraging", "loss_scale", "sample_ids_hash"]
+__all__ = ["train_worker", "LossAveraging", "loss_scale", "sample_ids_hash", "PolledFlag"]
 
 LossAveraging = Literal["global_tokens", "replica_mean_control"]
 
@@ -75,6 +83,53 @@ def loss_scale(averaging: LossAveraging, *, local_tokens: int, global_tokens: in
     if averaging == "replica_mean_control":
         return 1.0 / local_tokens
     raise ValueError(f"unknown loss averaging {averaging!r}")
+
+
+class PolledFlag:
+    """A boolean that a daemon thread refreshes from ``poll()`` every ``period_s``; reading it
+    never blocks. For stop signals that live in another process: asking them every step puts a
+    round trip on the step's path; this puts at most ``period_s`` on the stop's."""
+
+    def __init__(self, poll: Callable[[], bool], *, period_s: float = 0.5) -> None:
+        self._poll, self._period_s, self.value = poll, period_s, False
+        self._done = threading.Event()
+        threading.Thread(target=self._run, name="rayfleet-stop-poll", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self.value and not self._done.wait(self._period_s):
+            try:
+                self.value = bool(self._poll())
+            except Exception as exc:  # noqa: BLE001 - the signal's owner went away: keep training
+                print(f"rayfleet: stop signal unreadable ({exc})", flush=True)
+
+    def __call__(self) -> bool:
+        return self.value
+
+    def close(self) -> None:
+        self._done.set()
+
+
+class _HookChain(TrainHooks):
+    """Several hooks called in order (a health monitor beside a checkpoint hook)."""
+
+    def __init__(self, hooks: Sequence[TrainHooks]) -> None:
+        self.hooks = list(hooks)
+
+    def on_start(self, **kwargs: Any) -> None:
+        for hook in self.hooks:
+            hook.on_start(**kwargs)
+
+    def before_step(self, step: int) -> None:
+        for hook in self.hooks:
+            hook.before_step(step)
+
+    def after_step(self, step: int, **kwargs: Any) -> None:
+        for hook in self.hooks:
+            hook.after_step(step, **kwargs)
+
+    def on_end(self, summary: TrainSummary, **kwargs: Any) -> None:
+        for hook in self.hooks:
+            hook.on_end(summary, **kwargs)
 
 
 def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -232,14 +287,15 @@ class _Run:
 
 def train_worker(spec: TrainJobSpec, plan: ParallelPlan, *, report: Callable[[dict], None],
                  should_stop: Callable[[], bool] | None = None, resume: TrainState | None = None,
-                 hooks: TrainHooks | None = None, device: torch.device | str | None = None,
+                 hooks: TrainHooks | Sequence[TrainHooks] | None = None, device: torch.device | str | None = None,
                  loss_averaging: LossAveraging = "global_tokens", misroute_experts: bool = False,
                  grad_probe: str | None = None) -> TrainSummary:
     """Train ``spec`` with ``plan`` on this rank; ``torch.distributed`` must be initialized.
 
     ``report(metrics)`` is called on every rank after every step (keys: ``metrics.METRIC_KEYS``).
     ``should_stop()`` is polled every step on every rank; when any rank says stop, all stop after
-    the same step. ``resume`` continues from a saved :class:`TrainState`. ``device`` defaults to
+    the same step. ``resume`` continues from a saved :class:`TrainState`. ``hooks``: one, or several
+    called in order. ``device`` defaults to
     the current CUDA device when CUDA is available, else CPU. At the end rank 0 writes the
     full model to ``spec.output.uri`` (all ranks take part in gathering it); a stopped run
     saves no final model (its state is the checkpoint hooks' business). ``misroute_experts`` is
@@ -254,7 +310,7 @@ def train_worker(spec: TrainJobSpec, plan: ParallelPlan, *, report: Callable[[di
     # Imported here so that this module's pure pieces (loss_scale, ...) import on their own.
     from rayfleet.jobs import parallel as par
 
-    hooks = hooks or TrainHooks()
+    hooks = _HookChain([h for h in hooks if h is not None]) if isinstance(hooks, (list, tuple)) else hooks or TrainHooks()
     ctx = par.build_parallel_context(plan, device=torch.device(device), a2a_overlap=spec.comm.a2a_overlap,
                                      fp8_dispatch=spec.comm.fp8_dispatch and is_fp8_precision(spec.precision),
                                      misroute_experts=misroute_experts)
@@ -268,16 +324,26 @@ def train_worker(spec: TrainJobSpec, plan: ParallelPlan, *, report: Callable[[di
     hashes: list[int] = []
     total_tokens, stopped = 0, False
     started = time.perf_counter()
+    faults = FaultInjection.from_env()
+    cpu_clock = time.thread_time if torch.get_num_threads() == 1 else time.process_time
+    own_compute = 0.0  # the previous step's compute without injected slowness (debug faults only)
     while run.step < spec.steps:
+        if faults.hang_rank == ctx.rank and faults.hang_step == run.step and first_step == 0:
+            print(f"rayfleet debug: rank {ctx.rank} hangs before step {run.step} (RAYFLEET_DEBUG_HANG_RANK)", flush=True)
+            threading.Event().wait()  # forever: the other ranks block in this step's first collective
         hooks.before_step(run.step)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_clock()
+        if faults.slow_rank == ctx.rank:  # before the step's first collective, so the peers wait inside it
+            burn_cpu((faults.slow_factor - 1.0) * own_compute)
+        burned = cpu_clock() - c0
         batch, partial, loss_sum, tokens = run.train_step()
         if run.device.type == "cuda":
             torch.cuda.synchronize(run.device)
-        step_time = time.perf_counter() - t0
+        compute_time, step_time = cpu_clock() - c0, time.perf_counter() - t0
+        own_compute = compute_time - burned
         want_stop = bool(should_stop()) if should_stop is not None else False
         mine = torch.tensor([loss_sum if run.owns_loss else 0.0, tokens if run.owns_loss else 0, step_time,
-                             float(want_stop)], dtype=torch.float64, device=run.device)
+                             compute_time, float(want_stop)], dtype=torch.float64, device=run.device)
         gathered = [torch.empty_like(mine) for _ in range(ctx.world_size)]
         dist.all_gather(gathered, mine)
         table = torch.stack(gathered).cpu()
@@ -288,7 +354,8 @@ def train_worker(spec: TrainJobSpec, plan: ParallelPlan, *, report: Callable[[di
         metrics: dict[str, Any] = {
             "step": run.step, "rank": ctx.rank, "loss": loss, "lr": partial["lr"], "grad_norm": partial["grad_norm"],
             "tokens": global_tokens, "tokens_per_s": tokens_per_s, "step_time_s": step_time,
-            "step_time_s_per_rank": times,
+            "step_time_s_per_rank": times, "compute_time_s": compute_time,
+            "compute_time_s_per_rank": table[:, 3].tolist(),
             "mfu": mfu(tokens_per_s, flops_per_token=run.flops_per_token, accelerators=run.rank_accelerators,
                        precision=spec.precision),
             "expert_load_max": partial["expert_load_max"], "expert_load_mean": partial["expert_load_mean"],
@@ -303,7 +370,7 @@ def train_worker(spec: TrainJobSpec, plan: ParallelPlan, *, report: Callable[[di
         report(metrics)
         hooks.after_step(batch.step, metrics=metrics, sample_ids=batch.sample_ids, state_fn=run.state,
                          load_fn=run.load)
-        if float(table[:, 3].max()) > 0 and run.step < spec.steps:
+        if float(table[:, 4].max()) > 0 and run.step < spec.steps:
             stopped = True
             break
     wall = time.perf_counter() - started

@@ -17,12 +17,23 @@ Design decisions:
   have a fixed schema so parts concatenate. Readers use :func:`read_metrics`.
 - Ray metrics are imported lazily inside :class:`RayMetricsExporter` so this module (and the
   train loop) import without Ray.
+- Nothing on the step's path waits for a sink. :class:`StepStream` hands each row to one
+  background thread that feeds the driver's queue, Parquet and the gauges; the step only
+  appends to an in-process queue (microseconds). ``ray.train.report`` is the one sink that must
+  stay on the training thread (every rank calls it the same number of times: it holds a
+  cross-rank barrier) and it blocks while Ray Train's one-slot result queue is full, i.e. until
+  the controller's next poll (2 s by default): :class:`ReportPacer` lets it through only once
+  ``interval_s`` of step time has passed, counted from the all-gathered slowest-rank step time,
+  so every rank takes the same decision at the same step.
 """
 
 from __future__ import annotations
 
+import logging
 import posixpath
-from collections.abc import Mapping, Sequence
+import queue
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import fsspec
@@ -34,7 +45,10 @@ from rayfleet.models.config import MoEConfig
 from rayfleet.platform.catalogue import get_accelerator
 
 __all__ = ["METRIC_KEYS", "METRICS_SCHEMA", "model_flops_per_token", "mfu", "expert_load_stats", "MetricsWriter",
-           "read_metrics", "RayMetricsExporter", "export_ray_metrics"]
+           "read_metrics", "RayMetricsExporter", "export_ray_metrics", "StepStream", "ReportPacer", "plot_metrics",
+           "write_run_plot"]
+
+_log = logging.getLogger(__name__)
 
 # key -> meaning (units). Every rank reports all of them every step.
 METRIC_KEYS: dict[str, str] = {
@@ -47,6 +61,9 @@ METRIC_KEYS: dict[str, str] = {
     "tokens_per_s": "global tokens / slowest rank's step time",
     "step_time_s": "this rank's wall time for the step (s)",
     "step_time_s_per_rank": "every rank's step time, index = rank (s)",
+    "compute_time_s": "this rank's own compute in the step: its training thread's CPU time, which a "
+                      "blocking collective wait does not add to (s)",
+    "compute_time_s_per_rank": "every rank's compute_time_s, index = rank (s); what the slow-rank policy reads",
     "mfu": "model FLOPs utilisation against the catalogue peak (0..1)",
     "expert_load_max": "per MoE layer: most tokens routed to one expert this step",
     "expert_load_mean": "per MoE layer: mean tokens per expert this step",
@@ -58,7 +75,8 @@ METRIC_KEYS: dict[str, str] = {
 METRICS_SCHEMA = pa.schema([
     ("step", pa.int64()), ("rank", pa.int64()), ("loss", pa.float64()), ("lr", pa.float64()),
     ("grad_norm", pa.float64()), ("tokens", pa.int64()), ("tokens_per_s", pa.float64()),
-    ("step_time_s", pa.float64()), ("step_time_s_per_rank", pa.list_(pa.float64())), ("mfu", pa.float64()),
+    ("step_time_s", pa.float64()), ("step_time_s_per_rank", pa.list_(pa.float64())),
+    ("compute_time_s", pa.float64()), ("compute_time_s_per_rank", pa.list_(pa.float64())), ("mfu", pa.float64()),
     ("expert_load_max", pa.list_(pa.float64())), ("expert_load_mean", pa.list_(pa.float64())),
     ("a2a_hidden_fraction", pa.float64()), ("sample_ids_hash", pa.int64()), ("time_unix_s", pa.float64()),
 ])
@@ -195,3 +213,108 @@ def export_ray_metrics(metrics: Mapping[str, Any], *, job: str) -> None:
     if key not in _EXPORTERS:
         _EXPORTERS[key] = RayMetricsExporter(job=job, rank=key[1])
     _EXPORTERS[key].export(metrics)
+
+
+class StepStream:
+    """Feeds step rows to slow sinks from one background thread, so the step never waits on them.
+
+    ``sinks`` are called in order for every row, on the stream's thread; a sink that raises is
+    logged and skipped for that row (a lost Prometheus sample must not stop training).
+    :meth:`put` never blocks; :meth:`close` waits up to ``timeout_s`` for the rows already put.
+    """
+
+    def __init__(self, sinks: Sequence[Callable[[dict[str, Any]], None]], *, name: str = "rayfleet-metrics") -> None:
+        self._sinks = list(sinks)
+        self._rows: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        self.rows_done = 0
+        self.sink_errors = 0
+        self._thread = threading.Thread(target=self._drain, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, row: Mapping[str, Any]) -> None:
+        self._rows.put(dict(row))
+
+    def _drain(self) -> None:
+        while (row := self._rows.get()) is not None:
+            for sink in self._sinks:
+                try:
+                    sink(row)
+                except Exception:  # noqa: BLE001 - keep streaming; the error is logged once per row
+                    self.sink_errors += 1
+                    _log.exception("metrics sink %r failed on step %s", sink, row.get("step"))
+            self.rows_done += 1
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Stop after the rows put so far; True when they all reached the sinks in time."""
+        self._rows.put(None)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+
+class ReportPacer:
+    """Says when a step may call a blocking, rate-limited report (Ray Train's) without waiting.
+
+    ``due(step_s)`` adds one step's time and answers True once ``interval_s`` has accumulated
+    (then starts counting again). Pass a value every rank holds identically (the all-gathered
+    slowest step time): the answer is then the same on every rank, as a cross-rank report needs.
+    ``interval_s = 0`` reports every step (the old, paced behaviour; for comparison).
+    """
+
+    def __init__(self, interval_s: float) -> None:
+        if interval_s < 0:
+            raise ValueError(f"interval_s must be >= 0, got {interval_s}")
+        self.interval_s = interval_s
+        self._since = 0.0
+        self.reports = 0
+
+    def due(self, step_s: float) -> bool:
+        self._since += max(0.0, step_s)
+        if self._since < self.interval_s - 1e-9:  # float sums of step times fall just short
+            return False
+        self._since = 0.0
+        self.reports += 1
+        return True
+
+
+def plot_metrics(rows: Sequence[Mapping[str, Any]] | pa.Table, path: str | None = None):
+    """Loss and tokens/s against step (one figure, two panels); saved as PNG at ``path`` (any
+    fsspec URI) when given. Returns the matplotlib ``Figure`` (a notebook shows it).
+
+    ``rows``: metric rows (dicts) or a table from :func:`read_metrics`; rows of a step repeated
+    after a restart keep the last one (the run's surviving history). matplotlib is imported
+    here (a figure object, not pyplot, so it draws headless in a worker and shows in a notebook).
+    """
+    try:
+        from matplotlib.figure import Figure  # no pyplot: no global backend or figure registry
+    except ImportError as exc:
+        from rayfleet.errors import RayfleetError
+
+        raise RayfleetError(f"plotting needs matplotlib ({exc}); install it with `pip install matplotlib`") from exc
+    records = rows.to_pylist() if isinstance(rows, pa.Table) else [dict(r) for r in rows]
+    by_step = {int(r["step"]): r for r in records if r.get("step") is not None and r.get("rank", 0) == 0}
+    steps = sorted(by_step)
+    fig = Figure(figsize=(8, 5.5), layout="constrained")
+    loss_ax, speed_ax = fig.subplots(2, 1, sharex=True)
+    loss_ax.plot(steps, [by_step[s]["loss"] for s in steps], color="tab:blue")
+    loss_ax.set_ylabel("loss (per target token)")
+    loss_ax.grid(alpha=0.3)
+    speed_ax.plot(steps, [by_step[s]["tokens_per_s"] for s in steps], color="tab:green")
+    speed_ax.set_ylabel("tokens/s")
+    speed_ax.set_xlabel("step")
+    speed_ax.grid(alpha=0.3)
+    if path is not None:
+        fs, target = fsspec.core.url_to_fs(path)
+        with fs.open(target, "wb") as f:
+            fig.savefig(f, format="png", dpi=100)
+    return fig
+
+
+def write_run_plot(run_dir: str) -> str | None:
+    """Draw ``{run_dir}/metrics`` into ``{run_dir}/metrics.png`` (beside the Parquet parts);
+    returns the PNG's path, or None when the run has no metrics yet."""
+    table = read_metrics(posixpath.join(run_dir.rstrip("/"), "metrics"))
+    if table.num_rows == 0:
+        return None
+    path = posixpath.join(run_dir.rstrip("/"), "metrics.png")
+    plot_metrics(table, path)
+    return path

@@ -5,8 +5,13 @@ Design decisions:
   runs; ``rerank_process_group`` rebuilds it so that ``dist.get_rank()`` is the layout rank.
 - Reporting per step goes three ways from rank 0: a ``RAYFLEET_METRICS`` log line (what
   ``rayfleet train`` and ``TrainingRun.metrics()`` read), a Parquet file per run in storage,
-  and Ray metrics (Prometheus via Ray's metrics agent). Every rank also calls
-  ``ray.train.report`` so Ray Train's own view (``Result.metrics``, the dashboard) stays live.
+  and Ray metrics (Prometheus via Ray's metrics agent), all fed by one background thread
+  (``metrics.StepStream``): the step never waits on them. Every rank also calls
+  ``ray.train.report``, but only every ``RAYFLEET_TRAIN_REPORT_INTERVAL_S`` of step time
+  (default 2 x Ray Train's poll interval; ``metrics.ReportPacer``): a per-step report blocks
+  until the controller's next poll and paced short steps to it (issue 19).
+- Health: ``health_monitor.HealthMonitor`` judges slow ranks on compute time and restarts the
+  group on a hung collective (``RAYFLEET_HANG_TIMEOUT_S``, default 120 s).
 - On CPU each worker gets an equal share of the host's cores (workers of a local fleet share
   one machine); on a GPU node the device is the one Ray made visible.
 """
@@ -34,8 +39,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from rayfleet.jobs.training_run import format_metrics_line
-    from rayfleet.jobs.loop import train_worker
-    from rayfleet.jobs.metrics import MetricsWriter, export_ray_metrics
+    from rayfleet.jobs.health_monitor import HealthMonitor
+    from rayfleet.jobs.health_policy import SlowRankPolicy
+    from rayfleet.jobs.loop import PolledFlag, train_worker
+    from rayfleet.jobs.metrics import MetricsWriter, ReportPacer, StepStream, export_ray_metrics, write_run_plot
     from rayfleet.jobs.spec import TrainJobSpec
     from rayfleet.jobs.worker_ranks import rerank_process_group
     from rayfleet.placement.plan import ParallelPlan
@@ -54,34 +61,47 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     plan = ParallelPlan.from_dict(config["plan"])
     writer = MetricsWriter(os.path.join(config["run_dir"], "metrics")) if rank == 0 else None
     hooks = _checkpoint_hook(spec, config, slots=slots, rank=rank)
+    health = HealthMonitor(slow_rank_policy=SlowRankPolicy(),
+                           hang_timeout_s=float(os.environ.get("RAYFLEET_HANG_TIMEOUT_S", "120")),
+                           on_decision=_decision_recorder(os.path.basename(config["run_dir"].rstrip("/")), slots)
+                           if rank == 0 else None)
     announced = [False]
+    queue = config.get("metrics_queue")
+    sinks = [] if rank != 0 else [
+        (lambda row: queue.put({k: v for k, v in row.items() if not hasattr(v, "shape")})) if queue is not None
+        else (lambda row: print(format_metrics_line(row), flush=True)),
+        writer.write, lambda row: export_ray_metrics(row, job=spec.name)]
+    stream = StepStream(sinks)
+    poll_s = float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2"))
+    pacer = ReportPacer(float(os.environ.get("RAYFLEET_TRAIN_REPORT_INTERVAL_S", 2 * poll_s)))
 
     def report(metrics: dict[str, Any]) -> None:
         row = dict(metrics)
         if rank == 0:
             row.setdefault("rail_matches", assignment.rail_matches)
-            queue = config.get("metrics_queue")
-            if queue is not None:
-                event = {}
-                restored = getattr(hooks, "restored", None)
-                if restored is not None and restored.step is not None and not announced[0]:
-                    announced[0] = True  # the driver logs where this worker group resumed from
-                    event = {"restored_step": restored.step, "restored_from": restored.source,
-                             "restore_reason": restored.reason}
-                queue.put({**{k: v for k, v in row.items() if not hasattr(v, "shape")}, **event})
-            else:
-                print(format_metrics_line(row), flush=True)
-            writer.write(row)
-            export_ray_metrics(row, job=spec.name)
-        ray.train.report({k: v for k, v in row.items() if isinstance(v, (int, float))})
+            restored = getattr(hooks, "restored", None)
+            if restored is not None and restored.step is not None and not announced[0]:
+                announced[0] = True  # the driver logs where this worker group resumed from
+                row.update(restored_step=restored.step, restored_from=restored.source,
+                           restore_reason=restored.reason)
+            stream.put(row)
+        if pacer.due(max(metrics["step_time_s_per_rank"])):  # the same answer on every rank
+            ray.train.report({k: v for k, v in row.items() if isinstance(v, (int, float))})
 
+    stop_signal = config.get("stop_signal")  # elastic jobs: the driver asks all ranks to stop to re-form
+    should_stop = PolledFlag(lambda: ray.get(stop_signal.should_stop.remote())) if stop_signal is not None else None
     try:
-        stop_signal = config.get("stop_signal")  # elastic jobs: the driver asks all ranks to stop to re-form
-        should_stop = (lambda: ray.get(stop_signal.should_stop.remote())) if stop_signal is not None else None
-        train_worker(spec, plan, report=report, hooks=hooks, should_stop=should_stop)
+        train_worker(spec, plan, report=report, hooks=[health, hooks], should_stop=should_stop)
     finally:
+        if should_stop is not None:
+            should_stop.close()
+        stream.close()
         if writer is not None:
             writer.close()
+            try:  # loss and tokens/s of the whole run so far, beside its Parquet metrics
+                write_run_plot(config["run_dir"])
+            except Exception as exc:  # noqa: BLE001 - a missing plot must not fail the job
+                print(f"rayfleet: no metrics plot ({exc})", flush=True)
 
 
 def _checkpoint_hook(spec: Any, config: dict[str, Any], *, slots: list, rank: int):
@@ -90,12 +110,12 @@ def _checkpoint_hook(spec: Any, config: dict[str, Any], *, slots: list, rank: in
     Snapshots go to the node's shared memory (owned by its snapshot actor, so they outlive this
     process); every ``persist_every``-th goes to ``checkpoint.uri`` (default: the run directory).
     On a worker-group restart (same run), each rank restores from its snapshot, else storage.
-    Rank 0 records each health decision with the fleet controller and cordons a slow rank's node.
+    Rank 0 records each loss decision with the fleet controller (slow ranks: ``HealthMonitor``).
     """
     if spec.checkpoint is None:
         return None
     from rayfleet.jobs.flash_checkpoint_hook import FlashCheckpointHook
-    from rayfleet.jobs.health_policy import LossAnomalyPolicy, SlowRankPolicy
+    from rayfleet.jobs.health_policy import LossAnomalyPolicy
 
     ck = spec.checkpoint
     run_name = os.path.basename(config["run_dir"].rstrip("/"))
@@ -103,7 +123,7 @@ def _checkpoint_hook(spec: Any, config: dict[str, Any], *, slots: list, rank: in
     on_decision = _decision_recorder(run_name, slots) if rank == 0 else None
     return FlashCheckpointHook(job=run_name, snapshot_every=ck.every_n_steps, persist_every=ck.persist_every,
                                checkpoint_uri=uri, keep=ck.keep, use_node_actor=True,
-                               loss_policy=LossAnomalyPolicy(), slow_rank_policy=SlowRankPolicy(),
+                               loss_policy=LossAnomalyPolicy(), slow_rank_policy=None,  # HealthMonitor's
                                on_decision=on_decision)
 
 

@@ -37,23 +37,45 @@ __all__ = ["A2AStats", "ParallelContext", "build_parallel_context"]
 class A2AStats:
     """Expert all-to-all time of the current step, in seconds (reset by the loop every step).
 
-    ``issued_s``: total time from issuing each collective to its completion being observed;
-    ``exposed_s``: the part of it the rank spent blocked waiting. With overlap off every
-    collective is blocking, so exposed == issued and nothing is hidden.
+    Per exchange the dispatcher records three instants on this rank's clock: *issued* (the
+    collective was started), *completed* (the transfer actually finished: a callback on the
+    work's future stamps it, on the thread that completes it) and *waited* (the training thread
+    asked for the result). ``transfer_s`` sums ``completed - issued``; ``exposed_s`` sums the
+    part the thread spent blocked, ``max(0, completed - waited)``. A blocking exchange waits at
+    once, so it is all exposed. The hidden fraction is ``1 - exposed / transfer``.
+
+    Why completion and not the moment the wait returns: compute run between a finished
+    transfer and its wait is not communication; counting issue -> wait as transfer time (the
+    earlier measure, kept as ``issued_to_wait_s`` for comparison) made every late wait look
+    like hidden communication and overstated the fraction.
     """
 
-    issued_s: float = 0.0
+    transfer_s: float = 0.0
     exposed_s: float = 0.0
+    issued_to_wait_s: float = 0.0
     calls: int = 0
 
     def reset(self) -> None:
-        self.issued_s = self.exposed_s = 0.0
+        self.transfer_s = self.exposed_s = self.issued_to_wait_s = 0.0
         self.calls = 0
 
+    def record(self, *, issued: float, completed: float, waited: float) -> None:
+        completed = max(completed, issued)
+        self.transfer_s += completed - issued
+        self.exposed_s += max(0.0, completed - max(waited, issued))
+        self.issued_to_wait_s += max(completed, waited) - issued
+        self.calls += 1
+
     def hidden_fraction(self) -> float | None:
-        if self.calls == 0 or self.issued_s <= 0:
+        if self.calls == 0 or self.transfer_s <= 0:
             return None
-        return max(0.0, min(1.0, 1.0 - self.exposed_s / self.issued_s))
+        return max(0.0, min(1.0, 1.0 - self.exposed_s / self.transfer_s))
+
+    def hidden_fraction_issue_to_wait(self) -> float | None:
+        """The earlier, overstated measure (issue -> wait as transfer time); for tests and benchmarks."""
+        if self.calls == 0 or self.issued_to_wait_s <= 0:
+            return None
+        return max(0.0, min(1.0, 1.0 - self.exposed_s / self.issued_to_wait_s))
 
 
 @dataclass

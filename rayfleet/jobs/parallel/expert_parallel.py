@@ -17,8 +17,9 @@ Design decisions:
   issued asynchronously, chunk 0's experts run while chunk 1's rows are in flight, and chunk
   0's combine is in flight while chunk 1's experts run. Autograd sees each exchange through
   ``_Exchanged``, whose forward returns the already-received buffer and whose backward is the
-  reverse exchange (backward exchanges are blocking). ``A2AStats`` records issued vs blocked
-  time, from which the loop reports the hidden fraction.
+  reverse exchange (backward exchanges are blocking). ``A2AStats`` records when each transfer
+  was issued, when it actually completed (a callback on the work's future) and when the
+  training thread waited for it; the loop reports the hidden fraction from those.
 - ``misroute`` is BROKEN ON PURPOSE: rows meant for EP rank j go to rank j+1 (same local
   expert index). The parity tests run it to prove they would catch wrong dispatch.
 """
@@ -46,23 +47,24 @@ class _Pending(NamedTuple):
     work: Any
     out: torch.Tensor
     issued_at: float
+    completed_at: Any  # a torch Future whose value is the completion instant (perf_counter)
 
 
 def _issue(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
            group: dist.ProcessGroup) -> _Pending:
+    issued = time.perf_counter()
     work = dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group, async_op=True)
-    return _Pending(work, out, time.perf_counter())
+    # Stamped by the thread that completes the work (gloo's), not when someone waits for it.
+    completed = work.get_future().then(lambda _fut: time.perf_counter())
+    return _Pending(work, out, issued, completed)
 
 
 def _wait(pending: _Pending, stats: A2AStats | None, *, overlapped: bool = False) -> torch.Tensor:
     """Block until ``pending`` is done; a blocking (not ``overlapped``) exchange is all exposed."""
-    t0 = time.perf_counter() if overlapped else pending.issued_at
+    waited = time.perf_counter() if overlapped else pending.issued_at
     pending.work.wait()
-    t1 = time.perf_counter()
     if stats is not None:
-        stats.exposed_s += t1 - t0
-        stats.issued_s += t1 - pending.issued_at
-        stats.calls += 1
+        stats.record(issued=pending.issued_at, completed=pending.completed_at.wait(), waited=waited)
     return pending.out
 
 

@@ -1,0 +1,90 @@
+"""The step's reporting path never waits: the background stream, the report pacer, the run plot."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from rayfleet.jobs.loop import PolledFlag
+from rayfleet.jobs.metrics import MetricsWriter, ReportPacer, StepStream, plot_metrics, read_metrics, write_run_plot
+
+
+def test_put_does_not_wait_for_a_slow_sink_and_close_delivers_everything() -> None:
+    got: list[int] = []
+
+    def slow_sink(row: dict) -> None:  # a driver queue or a Parquet flush on a busy machine
+        time.sleep(0.05)
+        got.append(row["step"])
+
+    stream = StepStream([slow_sink])
+    started = time.perf_counter()
+    for step in range(1, 21):
+        stream.put({"step": step})
+    put_s = time.perf_counter() - started
+    assert put_s < 0.05, put_s  # 20 rows x 50 ms of sink time stayed off the caller's path
+    assert stream.close(timeout_s=10)
+    assert got == list(range(1, 21))
+
+
+def test_a_failing_sink_is_counted_and_the_others_still_get_every_row() -> None:
+    seen: list[int] = []
+
+    def broken(row: dict) -> None:
+        raise RuntimeError("prometheus agent gone")
+
+    stream = StepStream([broken, lambda row: seen.append(row["step"])])
+    for step in range(3):
+        stream.put({"step": step})
+    assert stream.close()
+    assert seen == [0, 1, 2] and stream.sink_errors == 3
+
+
+@pytest.mark.parametrize("interval_s,steps,expected", [
+    (4.0, [0.2] * 60, [20, 40, 60]),   # a 0.2 s step reports every 20 steps, not every step
+    (4.0, [3.0, 3.0, 3.0, 3.0], [2, 4]),
+    (0.0, [0.2] * 3, [1, 2, 3]),        # 0: every step (the paced behaviour, kept for comparison)
+])
+def test_report_pacer_lets_a_report_through_once_per_interval(interval_s, steps, expected) -> None:
+    pacer = ReportPacer(interval_s)
+    assert [i + 1 for i, s in enumerate(steps) if pacer.due(s)] == expected
+
+
+def test_report_pacer_refuses_a_negative_interval() -> None:
+    with pytest.raises(ValueError, match="interval_s"):
+        ReportPacer(-1)
+
+
+def test_polled_flag_reads_without_blocking_and_turns_true_after_the_poll() -> None:
+    asked = threading.Event()
+
+    def slow_stop_signal() -> bool:  # a remote actor call
+        time.sleep(0.2)
+        asked.set()
+        return True
+
+    flag = PolledFlag(slow_stop_signal, period_s=0.01)
+    started = time.perf_counter()
+    assert flag() is False and time.perf_counter() - started < 0.01
+    assert asked.wait(5)
+    deadline = time.monotonic() + 5
+    while not flag() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert flag() is True
+    flag.close()
+
+
+def test_run_plot_is_a_png_beside_the_metrics(tmp_path) -> None:
+    writer = MetricsWriter(str(tmp_path / "metrics"), flush_every=3)
+    for step in range(1, 8):
+        writer.write({"step": step, "rank": 0, "loss": 5.0 / step, "tokens_per_s": 1000.0 + step})
+    writer.close()
+    path = write_run_plot(str(tmp_path))
+    assert path == str(tmp_path / "metrics.png")
+    assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    fig = plot_metrics(read_metrics(str(tmp_path / "metrics")))
+    loss_ax, speed_ax = fig.axes
+    assert list(loss_ax.lines[0].get_xdata()) == list(range(1, 8))
+    assert list(speed_ax.lines[0].get_ydata()) == [1000.0 + s for s in range(1, 8)]
+    assert write_run_plot(str(tmp_path / "empty-run")) is None
