@@ -60,8 +60,6 @@ class Delta:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    stop_reason: str | int | None = None  # the stop string or token id that ended it
-    logprobs: tuple[Any, ...] = ()  # ``TokenLogprobs`` per token, when the request asked for them
 
 
 class RouterLike(Protocol):
@@ -118,9 +116,9 @@ class InferenceService:
         resumes = 0
         exclude: list[str] = []
         finished = False
+        finish_reason: str | None = None  # the engine's (stop/length); metrics label the rest "abort"
         self.num_in_flight += 1
         self.num_waiting_first_token += 1
-        finish_reason: str | None = None  # the engine's (stop/length); metrics label the rest "abort"
         try:
             while not finished:
                 attempt_prompt = prompt + generated
@@ -177,8 +175,7 @@ class InferenceService:
             raise ServiceUnavailableError(f"no healthy {'colocated' if self.mode == 'colocated' else 'prefill'} "
                                           "replica (all failed or starting); retry shortly")
         if self.mode == "colocated" and not plan.spans:
-            stream = self.clients[plan.first[0]].generate(rid, prompt, params, salt)
-            async with aclosing(self._timed(stream, plan.first[0])) as chunks:
+            async with aclosing(self._timed(self.clients[plan.first[0]].generate(rid, prompt, params, salt))) as chunks:
                 async for chunk in chunks:
                     yield self._delta(chunk, original_prompt_len)
             return
@@ -192,15 +189,14 @@ class InferenceService:
             self.metrics.queue_time.observe(reply.queue_time_s)
         committed = False
         try:  # from here on the prefill replica holds a KV lease: every exit releases it
-            yield Delta((reply.first_token_id,), reply.finish_reason, original_prompt_len, reply.num_cached_tokens,
-                        reply.stop_reason, tuple(getattr(reply, "first_logprobs", ())))
+            yield Delta((reply.first_token_id,), reply.finish_reason, original_prompt_len, reply.num_cached_tokens)
             if reply.finish_reason is not None:
                 return
             if not decode_names:
                 raise ServiceUnavailableError("no healthy decode replica; retry shortly")
             stream = self.clients[decode_names[0]].decode(rid, prompt, reply.first_token_id, replace(params),
                                                          reply.handle, salt)
-            async with aclosing(self._timed(stream, decode_names[0])) as chunks:
+            async with aclosing(self._timed(stream)) as chunks:
                 async for chunk in chunks:
                     if chunk.get("committed"):
                         committed = True
@@ -254,23 +250,17 @@ class InferenceService:
         except Exception:  # noqa: BLE001 - the lease expires anyway
             pass
 
-    async def _timed(self, stream: AsyncIterator[dict], replica: str) -> AsyncIterator[dict]:
-        """Each chunk must arrive within the request timeout: a silent replica is a dead one.
-        A timeout or a stream that ends unfinished is charged to ``replica`` (excluded and
-        reported; it was charged to "?" and the same replica was retried)."""
+    async def _timed(self, stream: AsyncIterator[dict]) -> AsyncIterator[dict]:
+        """Each chunk must arrive within the request timeout: a silent replica is a dead one."""
         it = stream.__aiter__()
-        finished = False
         try:
             while True:
                 try:
                     chunk = await asyncio.wait_for(it.__anext__(), timeout=self.request_timeout_s)
                 except StopAsyncIteration:
-                    if not finished:
-                        raise ReplicaUnavailableError(replica, "stream ended without a finish") from None
                     return
                 except asyncio.TimeoutError:
-                    raise ReplicaUnavailableError(replica, f"no token for {self.request_timeout_s:g} s") from None
-                finished = bool(chunk.get("finished"))
+                    raise ReplicaUnavailableError("?", f"no token for {self.request_timeout_s:g} s") from None
                 yield chunk
         finally:
             await it.aclose()
@@ -279,8 +269,7 @@ class InferenceService:
         if self.metrics is not None and "queue_time_s" in chunk:
             self.metrics.queue_time.observe(chunk["queue_time_s"])
         return Delta(tuple(chunk["token_ids"]), chunk["finish_reason"] if chunk["finished"] else None,
-                     prompt_len, chunk.get("num_cached_tokens", 0), chunk.get("stop_reason"),
-                     tuple(chunk.get("logprobs", ())))
+                     prompt_len, chunk.get("num_cached_tokens", 0))
 
     def load(self, window_s: float) -> dict[str, Any]:
         """Requests in flight / waiting for a first token now, and TTFTs of the last ``window_s``."""
@@ -296,12 +285,12 @@ class InferenceService:
         """Every replica's ``BlockUsage`` (asked directly, not from the router's cache)."""
         out = {}
         for name, client in self.clients.items():
+            by_replica = getattr(client, "block_usage_by_replica", None)
+            if by_replica is not None:  # a pool deployment: one entry per replica
+                out.update(await by_replica())
+                continue
             try:
                 out[name] = await client.block_usage()
             except ReplicaUnavailableError:
                 out[name] = None
         return out
-            by_replica = getattr(client, "block_usage_by_replica", None)
-            if by_replica is not None:  # a pool deployment: one entry per replica
-                out.update(await by_replica())
-                continue
