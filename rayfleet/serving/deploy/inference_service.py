@@ -60,6 +60,8 @@ class Delta:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    logprobs: tuple[Any, ...] = ()  # ``TokenLogprobs`` per token, when the request asked for them
 
 
 class RouterLike(Protocol):
@@ -175,7 +177,8 @@ class InferenceService:
             raise ServiceUnavailableError(f"no healthy {'colocated' if self.mode == 'colocated' else 'prefill'} "
                                           "replica (all failed or starting); retry shortly")
         if self.mode == "colocated" and not plan.spans:
-            async with aclosing(self._timed(self.clients[plan.first[0]].generate(rid, prompt, params, salt))) as chunks:
+            stream = self.clients[plan.first[0]].generate(rid, prompt, params, salt)
+            async with aclosing(self._timed(stream, plan.first[0])) as chunks:
                 async for chunk in chunks:
                     yield self._delta(chunk, original_prompt_len)
             return
@@ -189,14 +192,15 @@ class InferenceService:
             self.metrics.queue_time.observe(reply.queue_time_s)
         committed = False
         try:  # from here on the prefill replica holds a KV lease: every exit releases it
-            yield Delta((reply.first_token_id,), reply.finish_reason, original_prompt_len, reply.num_cached_tokens)
+            yield Delta((reply.first_token_id,), reply.finish_reason, original_prompt_len, reply.num_cached_tokens,
+                        reply.stop_reason, tuple(getattr(reply, "first_logprobs", ())))
             if reply.finish_reason is not None:
                 return
             if not decode_names:
                 raise ServiceUnavailableError("no healthy decode replica; retry shortly")
             stream = self.clients[decode_names[0]].decode(rid, prompt, reply.first_token_id, replace(params),
                                                          reply.handle, salt)
-            async with aclosing(self._timed(stream)) as chunks:
+            async with aclosing(self._timed(stream, decode_names[0])) as chunks:
                 async for chunk in chunks:
                     if chunk.get("committed"):
                         committed = True
@@ -250,17 +254,23 @@ class InferenceService:
         except Exception:  # noqa: BLE001 - the lease expires anyway
             pass
 
-    async def _timed(self, stream: AsyncIterator[dict]) -> AsyncIterator[dict]:
-        """Each chunk must arrive within the request timeout: a silent replica is a dead one."""
+    async def _timed(self, stream: AsyncIterator[dict], replica: str) -> AsyncIterator[dict]:
+        """Each chunk must arrive within the request timeout: a silent replica is a dead one.
+        A timeout or a stream that ends unfinished is charged to ``replica`` (excluded and
+        reported; it was charged to "?" and the same replica was retried)."""
         it = stream.__aiter__()
+        finished = False
         try:
             while True:
                 try:
                     chunk = await asyncio.wait_for(it.__anext__(), timeout=self.request_timeout_s)
                 except StopAsyncIteration:
+                    if not finished:
+                        raise ReplicaUnavailableError(replica, "stream ended without a finish") from None
                     return
                 except asyncio.TimeoutError:
-                    raise ReplicaUnavailableError("?", f"no token for {self.request_timeout_s:g} s") from None
+                    raise ReplicaUnavailableError(replica, f"no token for {self.request_timeout_s:g} s") from None
+                finished = bool(chunk.get("finished"))
                 yield chunk
         finally:
             await it.aclose()
@@ -269,7 +279,8 @@ class InferenceService:
         if self.metrics is not None and "queue_time_s" in chunk:
             self.metrics.queue_time.observe(chunk["queue_time_s"])
         return Delta(tuple(chunk["token_ids"]), chunk["finish_reason"] if chunk["finished"] else None,
-                     prompt_len, chunk.get("num_cached_tokens", 0))
+                     prompt_len, chunk.get("num_cached_tokens", 0), chunk.get("stop_reason"),
+                     tuple(chunk.get("logprobs", ())))
 
     def load(self, window_s: float) -> dict[str, Any]:
         """Requests in flight / waiting for a first token now, and TTFTs of the last ``window_s``."""
