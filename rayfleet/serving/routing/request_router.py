@@ -32,6 +32,7 @@ Design decisions:
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -78,8 +79,8 @@ class PrefixLoadRequestRouter(RequestRouter):
             self.core.retain(list(by_id))
             for uid, replica in by_id.items():
                 self.core.observe(uid, replica.routing_stats)
-            tiers = [[by_id[u] for u in tier if u in by_id] for tier in self.core.rank(list(by_id),
-                                                                                      self._hint(pending_request))]
+            ranked = self.core.rank(list(by_id), self._hint(pending_request), now_s=time.monotonic())
+            tiers = [[by_id[u] for u in tier if u in by_id] for tier in ranked]
             tiers = [t for t in tiers if t]
             if tiers:
                 return tiers
