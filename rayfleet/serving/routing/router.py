@@ -47,12 +47,13 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from rayfleet.errors import SpecError
-from rayfleet.serving.engine.block_hash import hash_full_blocks, root_block_hash
+from rayfleet.serving.engine.block_hash import BlockHash, hash_full_blocks, root_block_hash
 from rayfleet.serving.engine.async_engine import ReplicaState
 from rayfleet.serving.routing.long_prefill import LongPrefillPolicy, SpanAssignment
 from rayfleet.serving.routing.prefix_index import PrefixIndex, ReplicaId
 from rayfleet.serving.deploy.replica_client import ReplicaClient
 from rayfleet.serving.routing.policy import ReplicaSnapshot, RouterPolicy
+from rayfleet.serving.routing.recent_work import RecentWorkLedger
 
 __all__ = ["RoutePlan", "RouterCore", "Router", "RouteHint", "PoolRouterCore", "ROUTING_STATS_KEYS",
            "register_pool_router", "pool_router"]
@@ -80,8 +81,10 @@ class RouterCore:
 
     def __init__(self, *, roles: Mapping[str, Sequence[str]], policy: RouterPolicy = RouterPolicy(),
                  mode: Mode = "prefix_aware", block_size: int, model_id: str,
-                 num_blocks_hint: int = 1 << 30, long_prefill: LongPrefillPolicy | None = None) -> None:
+                 num_blocks_hint: int = 1 << 30, long_prefill: LongPrefillPolicy | None = None,
+                 load_memory_s: float = 300.0) -> None:
         self.long_prefill = long_prefill
+        self.recent_work = RecentWorkLedger(load_memory_s)
         self.roles = {role: [ReplicaId(n) for n in names] for role, names in roles.items()}
         self.first_role = "colocated" if "colocated" in self.roles else "prefill"
         self.policy = policy
@@ -110,6 +113,7 @@ class RouterCore:
         if rid in self.snapshots:
             self.snapshots[rid] = replace(self.snapshots[rid], healthy=False)
         self.index.remove_replica(rid)
+        self.recent_work.forget(rid)
 
     def set_mode(self, mode: Mode) -> None:
         if mode not in ("prefix_aware", "round_robin"):
@@ -119,17 +123,28 @@ class RouterCore:
     # -- decisions ------------------------------------------------------------------------------
 
     def route(self, prompt_token_ids: Sequence[int], *, max_tokens: int, cache_salt: str | None = None,
-              exclude: Sequence[str] = ()) -> RoutePlan:
-        """Rank replicas for one request and book the routed work (see module doc)."""
-        hashes = hash_full_blocks(list(prompt_token_ids), block_size=self.block_size,
-                                  root=root_block_hash(model_id=self.model_id, cache_salt=cache_salt))
+              exclude: Sequence[str] = (), block_hashes: Sequence[BlockHash] | None = None,
+              now_s: float | None = None) -> RoutePlan:
+        """Rank replicas for one request and book the routed work (see module doc).
+
+        ``block_hashes`` are the prompt's full-block hashes when the caller already has them
+        (they are then not recomputed); ``now_s`` (a monotonic clock) turns on the recent-work
+        ledger that the policy's overload term reads. One prefix walk per decision; only the
+        blocks the chosen replica does not hold yet are indexed."""
+        hashes = list(block_hashes) if block_hashes is not None else hash_full_blocks(
+            list(prompt_token_ids), block_size=self.block_size,
+            root=root_block_hash(model_id=self.model_id, cache_salt=cache_salt))
         num_prompt_blocks = -(-len(prompt_token_ids) // self.block_size)
         excluded = set(exclude)
         first_snaps = [s for n in self.roles[self.first_role]
                        if (s := self.snapshots[n]).healthy and n not in excluded]
+        if now_s is not None:
+            first_snaps = [replace(s, recent_work_blocks=self.recent_work.value(s.replica_id, now_s))
+                           for s in first_snaps]
+        matched = self.index.match_prefix(hashes) if self.mode == "prefix_aware" else {}
         spans: tuple[SpanAssignment, ...] = ()
         if self.mode == "prefix_aware" and self.long_prefill is not None:
-            hit = max(self.index.match_prefix(hashes).values(), default=0)
+            hit = max(matched.values(), default=0)
             split = self.long_prefill.plan(len(prompt_token_ids), first_snaps, block_size=self.block_size,
                                            num_uncached_tokens=len(prompt_token_ids) - hit * self.block_size)
             spans = split.spans if split is not None else ()
@@ -144,16 +159,19 @@ class RouterCore:
             first = self._round_robin(self.first_role, first_snaps)
             reason = "round robin"
         else:
-            decision = self.policy.choose_prefill(first_snaps, hashes, self.index,
+            decision = self.policy.choose_prefill(first_snaps, hashes, self.index, matched=matched,
                                                   num_prompt_blocks=num_prompt_blocks, max_ranked=len(first_snaps))
             first = tuple(s.replica_id for s in decision.ranked)
             reason = decision.reason
         if first and not spans:
             chosen = self.snapshots[ReplicaId(first[0])]
-            hit = self.index.match_prefix(hashes).get(chosen.replica_id, 0)
+            hit = matched.get(chosen.replica_id, 0)
             self.snapshots[chosen.replica_id] = replace(
                 chosen, num_queued_blocks=chosen.num_queued_blocks + num_prompt_blocks - hit)
-            self.index.add_blocks(chosen.replica_id, hashes)
+            self.index.add_blocks(chosen.replica_id, hashes[hit:])  # its first ``hit`` are indexed
+            if now_s is not None:
+                self.recent_work.add(chosen.replica_id, num_prompt_blocks - hit + -(-max_tokens // self.block_size),
+                                     now_s)
         decode: tuple[str, ...] = ()
         if "decode" in self.roles:
             needed = -(-(len(prompt_token_ids) + max_tokens) // self.block_size)
@@ -235,7 +253,8 @@ class Router:
         self._routed_since_poll = True
         if self._wake is not None:
             self._wake.set()
-        return self.core.route(prompt_token_ids, max_tokens=max_tokens, cache_salt=cache_salt, exclude=exclude)
+        return self.core.route(prompt_token_ids, max_tokens=max_tokens, cache_salt=cache_salt, exclude=exclude,
+                               now_s=time.monotonic())
 
     async def report_failure(self, replica: str) -> None:
         self.core.mark_unhealthy(replica)
@@ -279,7 +298,8 @@ class RouteHint:
 class PoolRouterCore:
     """Ranks the replicas of one pool (``role``: prefill, decode or colocated). Plain class."""
 
-    def __init__(self, *, role: str, policy: RouterPolicy = RouterPolicy(), mode: Mode = "prefix_aware") -> None:
+    def __init__(self, *, role: str, policy: RouterPolicy = RouterPolicy(), mode: Mode = "prefix_aware",
+                 load_memory_s: float = 300.0) -> None:
         if role not in ("prefill", "decode", "colocated"):
             raise SpecError("request_router_kwargs.role", role, "is not a pool role",
                             "use prefill, decode or colocated")
@@ -290,6 +310,7 @@ class PoolRouterCore:
         self.snapshots: dict[ReplicaId, ReplicaSnapshot] = {}
         self.stats: dict[ReplicaId, Mapping[str, Any]] = {}  # last applied publication per replica
         self._known: dict[ReplicaId, set] = {}  # hashes indexed per replica (published + booked)
+        self.recent_work = RecentWorkLedger(load_memory_s)
         self._rr = itertools.count()
 
     def observe(self, replica: str, stats: Mapping[str, Any] | None) -> bool:
@@ -325,11 +346,14 @@ class PoolRouterCore:
             self.stats.pop(rid, None)
             self._known.pop(rid, None)
             self.index.remove_replica(rid)
+            self.recent_work.forget(rid)
 
-    def rank(self, replicas: Sequence[str], hint: RouteHint | None) -> list[list[str]]:
+    def rank(self, replicas: Sequence[str], hint: RouteHint | None, *,
+             now_s: float | None = None) -> list[list[str]]:
         """Ranked tiers of ``replicas`` for one call (best first, one replica per tier), and the
         routed work booked on the first. A pinned replica that is not in ``replicas`` gives
-        ``[]``: the caller decides (Serve's router must not wait for it)."""
+        ``[]``: the caller decides (Serve's router must not wait for it). ``now_s`` (a
+        monotonic clock) turns on the recent-work ledger behind the policy's overload term."""
         hint = hint or RouteHint()
         if hint.replica is not None:
             return [[hint.replica]] if hint.replica in replicas else []
@@ -337,6 +361,8 @@ class PoolRouterCore:
         for n in names:
             self.snapshots.setdefault(ReplicaId(n), self._unknown(ReplicaId(n)))
         snaps = [self.snapshots[ReplicaId(n)] for n in names]
+        if now_s is not None and self.role != "decode":
+            snaps = [replace(s, recent_work_blocks=self.recent_work.value(s.replica_id, now_s)) for s in snaps]
         if self.mode == "round_robin":
             start = next(self._rr) % max(1, len(names))
             return [[n] for n in names[start:] + names[:start]]
@@ -347,21 +373,24 @@ class PoolRouterCore:
                 self._book_decode(ranked[0], hint.num_blocks_needed)
         else:
             hashes = list(hint.block_hashes)
-            decision = self.policy.choose_prefill(snaps, hashes, self.index,
-                                                  num_prompt_blocks=max(hint.num_prompt_blocks, len(hashes)),
-                                                  max_ranked=len(snaps))
+            matched = self.index.match_prefix(hashes)
+            num_blocks = max(hint.num_prompt_blocks, len(hashes))
+            decision = self.policy.choose_prefill(snaps, hashes, self.index, matched=matched,
+                                                  num_prompt_blocks=num_blocks, max_ranked=len(snaps))
             ranked = [s.replica_id for s in decision.ranked]
             if ranked:
-                self._book_prefill(ranked[0], hashes, max(hint.num_prompt_blocks, len(hashes)))
+                hit = matched.get(ranked[0], 0)
+                self._book_prefill(ranked[0], hashes, num_blocks, hit)
+                if now_s is not None:
+                    self.recent_work.add(ranked[0], num_blocks - hit, now_s)
         return [[str(r)] for r in ranked]
 
-    def _book_prefill(self, rid: ReplicaId, hashes: list, num_blocks: int) -> None:
+    def _book_prefill(self, rid: ReplicaId, hashes: list, num_blocks: int, hit: int) -> None:
         snap = self.snapshots[rid]
-        hit = self.index.match_prefix(hashes).get(rid, 0) if hashes else 0
         self.snapshots[rid] = replace(snap, num_queued_blocks=snap.num_queued_blocks + num_blocks - hit)
-        if hashes:
-            self.index.add_blocks(rid, hashes)
-            self._known.setdefault(rid, set()).update(hashes)
+        if len(hashes) > hit:
+            self.index.add_blocks(rid, hashes[hit:])  # the first ``hit`` are indexed there already
+            self._known.setdefault(rid, set()).update(hashes[hit:])
 
     def _book_decode(self, rid: ReplicaId, needed: int) -> None:
         d = self.snapshots[rid]
