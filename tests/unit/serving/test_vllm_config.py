@@ -12,7 +12,7 @@ from rayfleet.serving.vllm.config import CPU_ENGINE_SHARE, llm_config_fields, vl
 
 
 def _spec(**fields) -> ServeSpec:
-    base = {"engine": {"kind": "vllm"}, "model": {"hf": "/models/tiny-moe"}, "vllm": {"device": "cpu"}}
+    base = {"engine": {"kind": "vllm", "block_size": 32}, "model": {"hf": "/models/tiny-moe"}, "vllm": {"device": "cpu"}}
     for key, value in fields.items():
         base[key] = {**base[key], **value} if isinstance(base.get(key), dict) and isinstance(value, dict) else value
     return ServeSpec.parse(base)
@@ -103,7 +103,7 @@ def test_cpu_engine_on_a_fake_accelerator_fleet_reserves_the_catalogue_resource(
 
 
 def test_unknown_accelerator_type_is_a_clear_error():
-    with pytest.raises(RayfleetError) as err:
+    with pytest.raises(RayfleetError) as err:  # at parse time or when placing, depending on PoolSpec
         llm_config_fields(_spec(colocated={"accelerator_type": "Z9000"}), "colocated")
     assert "Z9000" in str(err.value) and "Fix:" in str(err.value)
 
@@ -124,6 +124,23 @@ def test_user_engine_kwargs_win_and_env_is_added():
 def test_request_router_choice(router, expected):
     cfg = llm_config_fields(_spec(vllm={"request_router": router}), "colocated")
     assert cfg["deployment_config"].get("request_router_config") == expected
+    assert "server_cls" not in cfg  # Serve LLM's own LLMServer
+
+
+def test_rayfleet_router_is_the_colocated_default_with_its_stats_publishing_server():
+    spec = _spec(router={"policy": "prefix_aware", "load_weight": 0.25})
+    cfg = llm_config_fields(spec, "colocated")
+    assert cfg["server_cls"] == "rayfleet.serving.vllm.server.RayfleetLLMServer"
+    assert cfg["deployment_config"]["request_router_config"] == {
+        "request_router_class": "rayfleet.serving.vllm.routing.VLLMPrefixLoadRequestRouter",
+        "request_router_kwargs": {"role": "colocated", "mode": "prefix_aware", "load_weight": 0.25,
+                                  "block_chars": 32 * 4},
+        "request_routing_stats_period_s": 1.0}
+    pd = vllm_app_args(_spec(mode="disaggregated")).args
+    assert pd["prefill_config"]["deployment_config"]["request_router_config"]["request_router_class"].endswith(
+        "PrefixCacheAffinityRouter")
+    with pytest.raises(SpecError, match="vllm.request_router"):
+        _spec(mode="disaggregated", vllm={"request_router": "rayfleet"})
 
 
 @pytest.mark.parametrize("source, expected", [
@@ -133,6 +150,14 @@ def test_request_router_choice(router, expected):
 def test_model_sources(source, expected):
     cfg = llm_config_fields(_spec(model={"hf": source}), "colocated")
     assert cfg["model_loading_config"]["model_source"] == expected
+
+
+def test_cpu_block_size_must_suit_vllms_cpu_attention():
+    with pytest.raises(SpecError, match="engine.block_size") as err:
+        llm_config_fields(_spec(engine={"block_size": 16}), "colocated")
+    assert "32" in str(err.value)
+    gpu = _spec(engine={"block_size": 16}, vllm={"device": "gpu"})
+    assert llm_config_fields(gpu, "colocated")["engine_kwargs"]["block_size"] == 16
 
 
 def test_model_source_errors():

@@ -1,0 +1,71 @@
+"""vLLM's own metrics, read where Ray's Prometheus exports them.
+
+Serve LLM replicas run vLLM with ``log_engine_metrics`` (``config`` turns it on), so every engine
+publishes vLLM's metrics (``vllm:num_requests_running``, ``vllm:prefix_cache_hits``, the KV
+connector's ``vllm:nixl_bytes_transferred``, ...) through Ray's metrics agent on its node, beside
+Ray's and Serve's own: the same endpoint a fleet's Prometheus already scrapes (Ray prefixes the
+names with ``ray_``). This module reads those endpoints for tests, benchmarks and ``rayfleet``
+tooling; it adds no exporter of its own.
+
+Design decisions:
+- One scrape per live node (``ray.nodes()``: ``NodeManagerAddress`` + ``MetricsExportPort``);
+  a node whose agent does not answer is skipped, not an error (it may be starting or gone).
+- Samples are summed over nodes and over label sets unless labels are given, because a pool's
+  counters are the sum of its replicas' (each replica's engine labels its own series).
+"""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+__all__ = ["MetricSample", "parse_samples", "scrape_vllm_metrics", "metric_sum"]
+
+
+@dataclass(frozen=True)
+class MetricSample:
+    """One Prometheus sample: ``name`` as exported (e.g. ``ray_vllm:prompt_tokens_total``)."""
+
+    name: str
+    value: float
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+def parse_samples(text: str, *, contains: str = "vllm") -> list[MetricSample]:
+    """Samples of the Prometheus text ``text`` whose name contains ``contains``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: list[MetricSample] = []
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if contains in s.name:
+                out.append(MetricSample(s.name, float(s.value), dict(s.labels)))
+    return out
+
+
+def _endpoints(nodes: Iterable[Mapping[str, Any]]) -> list[str]:
+    return [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
+            for n in nodes if n.get("Alive") and n.get("MetricsExportPort")]
+
+
+def scrape_vllm_metrics(*, contains: str = "vllm", timeout_s: float = 10.0) -> list[MetricSample]:
+    """Every vLLM sample of every live node of the connected Ray cluster (see module doc)."""
+    import ray
+
+    samples: list[MetricSample] = []
+    for url in _endpoints(ray.nodes()):
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+                samples.extend(parse_samples(resp.read().decode(), contains=contains))
+        except (urllib.error.URLError, OSError):
+            continue
+    return samples
+
+
+def metric_sum(samples: Iterable[MetricSample], suffix: str, **labels: str) -> float:
+    """Sum of the samples whose name ends with ``suffix`` (e.g. ``nixl_bytes_transferred_sum``)
+    and whose labels include ``labels``; 0.0 when there is none."""
+    return sum(s.value for s in samples
+               if s.name.endswith(suffix) and all(s.labels.get(k) == v for k, v in labels.items()))

@@ -1,0 +1,85 @@
+"""``RayfleetLLMServer``: Serve LLM's ``LLMServer`` that publishes rayfleet's routing stats.
+
+A colocated vLLM pool routed by rayfleet's ``PrefixLoadRequestRouter`` (``vllm.request_router:
+rayfleet``) runs this class (``LLMConfig.server_cls``). It changes nothing in how a request is
+served; it only keeps what the router reads through Serve's ``record_routing_stats`` poll
+(schema ``routing.router.ROUTING_STATS_KEYS``): the text blocks of the prompts it served
+(``text_blocks.ServedBlocks``, capped at the engine's KV capacity) and its load (requests in
+flight, the blocks they occupy). Serve LLM's own stats (its KV-events endpoint) are kept beside.
+
+Prefill/decode apps keep Serve LLM's PD server classes (its builder fixes them), hence
+``config`` allows this router for colocated pools only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncGenerator
+
+from ray.serve.llm.deployment import LLMServer
+
+from rayfleet.serving.vllm.text_blocks import DEFAULT_CHARS_PER_TOKEN, ServedBlocks, request_text, text_block_hashes
+
+__all__ = ["RayfleetLLMServer", "DEFAULT_KV_CAPACITY_BLOCKS"]
+
+DEFAULT_KV_CAPACITY_BLOCKS = 4096  # when the engine does not say (its config is internal to vLLM)
+
+
+class RayfleetLLMServer(LLMServer):
+    """See module doc. State lives on the replica's event loop (no locks)."""
+
+    _rf_served: ServedBlocks | None = None
+    _rf_running = 0
+    _rf_active_blocks = 0
+    _rf_version = 0
+
+    def _rf_init(self) -> ServedBlocks:
+        if self._rf_served is None:
+            kwargs = self._llm_config.engine_kwargs
+            self._rf_block_chars = int(kwargs.get("block_size", 16)) * DEFAULT_CHARS_PER_TOKEN
+            self._rf_max_num_seqs = int(kwargs.get("max_num_seqs", 256))
+            self._rf_capacity = self._kv_capacity_blocks() or DEFAULT_KV_CAPACITY_BLOCKS
+            self._rf_served = ServedBlocks(self._rf_capacity)
+        return self._rf_served
+
+    def _kv_capacity_blocks(self) -> int | None:
+        # vLLM's engine client knows its KV blocks once started; reach it defensively, since
+        # the attribute path is Serve LLM's and vLLM's internals, not an API.
+        client = getattr(getattr(self, "engine", None), "_engine_client", None)
+        blocks = getattr(getattr(getattr(client, "vllm_config", None), "cache_config", None), "num_gpu_blocks", None)
+        return int(blocks) if isinstance(blocks, int) and blocks > 0 else None
+
+    async def chat(self, request: Any, raw_request_info: Any = None) -> AsyncGenerator[Any, None]:
+        return self._rf_track(request, await super().chat(request, raw_request_info))
+
+    async def completions(self, request: Any, raw_request_info: Any = None) -> AsyncGenerator[Any, None]:
+        return self._rf_track(request, await super().completions(request, raw_request_info))
+
+    def _rf_track(self, request: Any, stream: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
+        served = self._rf_init()
+        text = request_text(request) or ""
+        hashes = text_block_hashes(text, block_chars=self._rf_block_chars)
+        served.add(hashes)
+        return self._rf_counted(stream, len(hashes) + 1)
+
+    async def _rf_counted(self, stream: AsyncGenerator[Any, None], blocks: int) -> AsyncGenerator[Any, None]:
+        self._rf_running += 1
+        self._rf_active_blocks += blocks
+        self._rf_version += 1
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            self._rf_running -= 1
+            self._rf_active_blocks -= blocks
+            self._rf_version += 1
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        stats = dict(await super().record_routing_stats() or {})
+        served = self._rf_init()
+        capacity = self._rf_capacity
+        active = min(self._rf_active_blocks, capacity)
+        stats.update({"version": (self._rf_version, len(served)), "num_total_blocks": capacity,
+                      "num_free_blocks": capacity - active, "num_active_blocks": active, "num_queued_blocks": 0,
+                      "num_running_requests": self._rf_running, "max_num_seqs": self._rf_max_num_seqs,
+                      "block_hashes": served.hashes()})
+        return stats

@@ -1,0 +1,109 @@
+"""The vLLM tier: ``engine: vllm`` for real, on one small local fleet shared by the whole session.
+
+Runs after the cluster tier (``make test``), with its own fleet: 2 nodes, one with 4 fake A100
+and one with 4 fake H100 (so that placement by the accelerator-type label is observable), the
+same launcher as ``rayfleet up``. The model is a tiny Qwen3-MoE written by ``transformers`` into
+a temp dir (no download). Engine starts are the cost (1-3 min each on 2 busy cores), so the
+tests share apps: a colocated pool (2 replicas) and then a prefill/decode app (1 + 1); the pool is
+deleted before the PD app starts, so at most two engines run at a time.
+
+vLLM must be importable on Linux x86_64 (``make vllm`` installs it): there, a missing vLLM fails
+every test here instead of skipping them. Elsewhere (no wheel) they skip.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# The order the tests run in: the offline engine needs no fleet; the pool app is deleted before
+# the PD app starts (two engines at a time at most).
+_ORDER = ("test_offline.py", "test_pool.py", "test_pd.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item) -> int:
+        return _ORDER.index(item.path.name) if item.path.name in _ORDER else len(_ORDER)
+
+    items.sort(key=rank)
+
+
+def vllm_expected_here() -> bool:
+    return sys.platform == "linux" and platform.machine() == "x86_64"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_installed():
+    if importlib.util.find_spec("vllm") is None:
+        if vllm_expected_here():
+            pytest.fail("vLLM is not installed, and this platform (Linux x86_64) has a wheel. Fix: `make vllm`")
+        pytest.skip(f"no vLLM wheel for {sys.platform}/{platform.machine()}")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from rayfleet.serving.vllm.tiny_model import write_tiny_qwen3_moe
+
+    return write_tiny_qwen3_moe(tmp_path_factory.mktemp("models") / "tiny-moe", seed=0, dtype="float32")
+
+
+@dataclass
+class VLLMFleet:
+    fleet: object  # rayfleet.platform.launcher.LocalFleet
+    sdk: object  # rayfleet.sdk.Fleet
+    address: str
+    dashboard_url: str
+    node_of_type: dict  # accelerator type -> Ray node id
+    results: dict  # greedy outputs shared between tests (the pool's become the PD test's oracle)
+
+
+def wait_until(predicate, *, timeout_s: float, interval_s: float = 0.5, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+@pytest.fixture(scope="session")
+def vllm_fleet(tmp_path_factory):
+    import ray
+
+    from rayfleet.platform import labels as L
+    from rayfleet.platform.launcher import LocalFleet
+    from rayfleet.platform.topology import build_topology
+    from rayfleet.sdk import connect
+
+    topology = build_topology(num_nodes=2, accelerator="A100:1,H100:1", accelerators_per_node=4)
+    fleet = LocalFleet.up(topology, home=tmp_path_factory.mktemp("rayfleet-home"))
+    try:
+        sdk = connect(fleet.address)
+        wait_until(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2, timeout_s=120, what="both nodes")
+        node_of_type = {n["Labels"][L.ACCELERATOR_TYPE]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        yield VLLMFleet(fleet=fleet, sdk=sdk, address=fleet.address, dashboard_url=fleet.dashboard_url,
+                        node_of_type=node_of_type, results={})
+    finally:
+        try:
+            from ray import serve
+
+            serve.shutdown()
+        except Exception:  # noqa: BLE001 - the fleet goes down next anyway
+            pass
+        if ray.is_initialized():
+            ray.shutdown()
+        fleet.down()
+
+
+def long_prompt(seed: int, num_words: int = 120) -> str:
+    """A prompt of several KV blocks (the tiny tokenizer makes about one token per word)."""
+    words = ("the fleet serves mixture of experts models on shared accelerators while training jobs lend "
+             "and take back replicas prefill computes the prompt cache and decode streams tokens").split()
+    return " ".join(words[(seed * 5 + i * 3) % len(words)] for i in range(num_words))

@@ -1,0 +1,104 @@
+"""A prefill/decode-split vLLM app started by ``rayfleet serve --detach`` (the CLI, hence the
+same ``deploy()`` as ``fleet.serve()``): KV moves from the prefill engine to the decode engine
+over NIXL (UCX over host memory), proven by the decode side's own connector counters, and the
+output equals the colocated pool's for the same greedy requests."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from .conftest import long_prompt, wait_until
+
+APP = "vllm-pd"
+MODEL = "tiny-moe"
+BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def pd_app(vllm_fleet, tiny_model_dir, tmp_path_factory):
+    from ray import serve
+
+    from rayfleet.serving.spec import ServeSpec
+
+    spec = {"name": APP, "model": {"hf": str(tiny_model_dir), "name": MODEL, "dtype": "float32"},
+            "engine": {"kind": "vllm", "block_size": BLOCK, "max_model_len": 512, "max_num_seqs": 8,
+                       "max_num_batched_tokens": 512},
+            "mode": "disaggregated",
+            "prefill": {"replicas": 1, "accelerators_per_replica": 1, "accelerator_type": "H100"},
+            "decode": {"replicas": 1, "accelerators_per_replica": 1, "accelerator_type": "H100"},
+            "vllm": {"device": "cpu", "kv_connector": "nixl", "kv_cache_gib": 0.5},
+            "http": {"route_prefix": "/pd"}}
+    path = tmp_path_factory.mktemp("pd") / "pd.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    proc = subprocess.run([sys.executable, "-m", "rayfleet", "serve", str(path), "--address", vllm_fleet.address,
+                           "--detach", "--timeout", "900"], capture_output=True, text=True, timeout=1000)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    url = next(line.split("OpenAI base URL:")[1].split()[0] for line in proc.stdout.splitlines()
+               if "OpenAI base URL:" in line)
+    assert url.endswith("/pd/v1"), url
+    yield url, ServeSpec.parse(spec)
+    serve.delete(APP, _blocking=True)
+
+
+def _client(url: str):
+    from openai import OpenAI
+
+    return OpenAI(base_url=url, api_key="unused", timeout=300, max_retries=0)
+
+
+def _decode_counters() -> dict[str, float]:
+    """The decode replica's NIXL and external-prefix counters (Ray's Prometheus)."""
+    from rayfleet.serving.vllm.metrics import scrape_vllm_metrics
+
+    out = {"nixl_bytes": 0.0, "nixl_transfers": 0.0, "external_hits": 0.0, "prefill_prompt_tokens": 0.0}
+    for s in scrape_vllm_metrics():
+        replica = s.labels.get("ReplicaId", "")
+        if f"{APP}#Decode" in replica:
+            if s.name.endswith("nixl_bytes_transferred_sum"):
+                out["nixl_bytes"] += s.value
+            elif s.name.endswith("nixl_bytes_transferred_count"):
+                out["nixl_transfers"] += s.value
+            elif s.name.endswith("external_prefix_cache_hits_total"):
+                out["external_hits"] += s.value
+        elif f"{APP}#Prefill" in replica and s.name.endswith("prompt_tokens_total"):
+            out["prefill_prompt_tokens"] += s.value
+    return out
+
+
+def test_decode_receives_the_prompts_kv_over_nixl(pd_app):
+    """A prompt of several blocks: the decode engine must load its full blocks from the prefill
+    engine (external prefix-cache hits, NIXL bytes), not recompute them."""
+    url, spec = pd_app
+    before = _decode_counters()
+    prompt = long_prompt(21, 200)  # a prompt no earlier test sent: nothing of it is cached anywhere
+    reply = _client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert reply.usage.completion_tokens == 8
+    full_blocks_tokens = (reply.usage.prompt_tokens // BLOCK) * BLOCK
+    assert full_blocks_tokens >= 4 * BLOCK
+
+    def moved() -> dict[str, float] | None:
+        now = _decode_counters()
+        delta = {k: now[k] - before[k] for k in now}
+        return delta if delta["external_hits"] >= full_blocks_tokens - BLOCK and delta["nixl_bytes"] > 0 else None
+
+    delta = wait_until(moved, timeout_s=60, interval_s=2, what="the decode replica's NIXL counters")
+    # KV of one token of the tiny model in fp32: (K, V) x 2 layers x 2 KV heads x head_dim 32 x 4 bytes.
+    assert spec.model.dtype == "float32"
+    per_token = 2 * 2 * 2 * 32 * 4
+    assert delta["nixl_bytes"] >= per_token * (full_blocks_tokens - BLOCK), delta
+    assert delta["prefill_prompt_tokens"] >= reply.usage.prompt_tokens  # the prefill engine saw the prompt
+
+
+def test_pd_output_equals_the_colocated_pool(pd_app, vllm_fleet):
+    url, _ = pd_app
+    expected = vllm_fleet.results.get("colocated")
+    if not expected:
+        pytest.fail("the colocated pool test did not record its outputs (run tests/vllm as a whole)")
+    client = _client(url)
+    for prompt, text in expected.items():
+        reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0)
+        assert reply.choices[0].text == text

@@ -1,0 +1,149 @@
+"""A colocated vLLM pool (2 replicas) deployed the declarative way: ``rayfleet serve X.yaml
+--serve-config`` piped into ``serve deploy``; called with the ``openai`` client; placed on the
+fleet's A100 node by label; routed by a prefix-aware Serve RequestRouter; vLLM's metrics read
+from Ray's Prometheus endpoints."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .conftest import long_prompt, wait_until
+
+APP = "vllm-pool"
+MODEL = "tiny-moe"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _models_ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/v1/models", timeout=5) as resp:
+            return resp.status == 200 and MODEL.encode() in resp.read()
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def pool_app(vllm_fleet, tiny_model_dir, tmp_path_factory):
+    from ray import serve
+
+    port = _free_port()
+    spec = {"name": APP, "model": {"hf": str(tiny_model_dir), "name": MODEL, "dtype": "float32"},
+            "engine": {"kind": "vllm", "block_size": 32, "max_model_len": 512, "max_num_seqs": 8,
+                       "max_num_batched_tokens": 512},
+            "mode": "colocated", "colocated": {"replicas": 2, "accelerators_per_replica": 1, "accelerator_type": "A100"},
+            "vllm": {"device": "cpu", "request_router": "prefix_cache_affinity", "kv_cache_gib": 0.5},
+            "http": {"port": port}}
+    work = tmp_path_factory.mktemp("pool")
+    (work / "pool.yaml").write_text(yaml.safe_dump(spec))
+    config = subprocess.run([sys.executable, "-m", "rayfleet", "serve", str(work / "pool.yaml"), "--serve-config"],
+                            capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "rayfleet.serving.vllm.app:app_builder" in config
+    (work / "serve_config.yaml").write_text(config)
+    serve_cli = Path(sys.executable).with_name("serve")
+    deployed = subprocess.run([str(serve_cli), "deploy", str(work / "serve_config.yaml"), "--address",
+                               vllm_fleet.dashboard_url], capture_output=True, text=True, timeout=180, env=os.environ)
+    assert deployed.returncode == 0, deployed.stderr[-3000:]
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: _models_ready(url), timeout_s=900, interval_s=2, what="the vLLM pool to serve")
+    yield url
+    serve.delete(APP, _blocking=True)
+
+
+def _client(url: str):
+    from openai import OpenAI
+
+    return OpenAI(base_url=url + "/v1", api_key="unused", timeout=300, max_retries=0)
+
+
+def test_pool_replicas_sit_on_the_labelled_nodes_and_reserve_accelerators(pool_app, vllm_fleet):
+    import ray
+    from ray.util.state import list_actors
+
+    replicas = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+                if (a.name or "").startswith(f"SERVE_REPLICA::{APP}#") and "Ingress" not in a.name]
+    assert len(replicas) == 2, [a.name for a in replicas]
+    assert {a.node_id for a in replicas} == {vllm_fleet.node_of_type["A100"]}
+    # Each replica's placement group holds one of the node's 4 (fake) A100s.
+    a100 = next(n for n in ray.nodes() if n["NodeID"] == vllm_fleet.node_of_type["A100"])
+    assert a100["Resources"].get("GPU") == 4
+    used = ray.cluster_resources().get("GPU", 0) - ray.available_resources().get("GPU", 0)
+    assert used >= 2
+
+
+def test_openai_client_chat_completions_and_streaming(pool_app, vllm_fleet):
+    client = _client(pool_app)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "the fleet serves"}],
+                                          max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content and chat.usage.completion_tokens == 8
+
+    prompts = [long_prompt(seed, 100) for seed in range(3)]
+    texts = []
+    for prompt in prompts:
+        first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0)
+        again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0)
+        assert first.usage.completion_tokens == 10 and first.choices[0].text == again.choices[0].text
+        texts.append(first.choices[0].text)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompts[0], max_tokens=10, temperature=0, stream=True) if c.choices)
+    assert streamed == texts[0]
+    vllm_fleet.results["colocated"] = dict(zip(prompts, texts))  # the PD app must say the same
+
+
+def _prompt_tokens_by_replica() -> dict[str, float]:
+    from rayfleet.serving.vllm.metrics import scrape_vllm_metrics
+
+    out: dict[str, float] = {}
+    for s in scrape_vllm_metrics():
+        if s.name.endswith("prompt_tokens_total") and APP in s.labels.get("ReplicaId", ""):
+            out[s.labels["ReplicaId"]] = out.get(s.labels["ReplicaId"], 0.0) + s.value
+    return out
+
+
+def test_prefix_aware_router_keeps_each_tenant_on_one_replica(pool_app):
+    """Two tenants, each with its own long system prefix, alternate; a prefix-aware router sends
+    every request of a tenant to the replica that holds its prefix, so each replica's prompt
+    token count grows by exactly one tenant's total (a random router splits them; with 4
+    requests per tenant that happens by chance with probability 2/2^8)."""
+    client = _client(pool_app)
+    before = _prompt_tokens_by_replica()
+    totals = {"a": 0, "b": 0}
+    for i in range(4):
+        for tenant, prefix in (("a", long_prompt(11, 90)), ("b", long_prompt(12, 50))):
+            reply = client.completions.create(model=MODEL, prompt=f"{prefix} question {i}", max_tokens=2,
+                                              temperature=0)
+            totals[tenant] += reply.usage.prompt_tokens
+
+    def grown() -> dict[str, float] | None:
+        now = _prompt_tokens_by_replica()
+        delta = {r: now.get(r, 0.0) - before.get(r, 0.0) for r in now}
+        return delta if sum(delta.values()) >= sum(totals.values()) else None
+
+    delta = wait_until(grown, timeout_s=60, interval_s=2, what="vLLM's prompt token counters to reach Prometheus")
+    assert sorted(v for v in delta.values() if v) == sorted(totals.values()), (delta, totals)
+
+
+def test_vllm_metrics_reach_rays_prometheus_with_vllms_names(pool_app):
+    from rayfleet.serving.vllm.metrics import metric_sum, scrape_vllm_metrics
+
+    samples = scrape_vllm_metrics()
+    names = {s.name for s in samples}
+    for wanted in ("num_requests_running", "prompt_tokens_total", "prefix_cache_hits_total", "kv_cache_usage_perc"):
+        assert any(n.endswith(wanted) and "vllm" in n for n in names), (wanted, sorted(names)[:40])
+    replicas = {s.labels.get("ReplicaId") for s in samples if APP in s.labels.get("ReplicaId", "")}
+    assert len(replicas) == 2
+    # The repeated tenant prefixes above were served from the prefix cache.
+    assert metric_sum(samples, "prefix_cache_hits_total") > 0
