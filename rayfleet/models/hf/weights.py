@@ -6,9 +6,11 @@ Design decisions:
 - Reading goes through a ``TensorSource`` (implemented by ``rayfleet.storage.safetensors_io``
   over fsspec, or by a plain dict in tests): this package never opens files or URIs, and a
   source may read only the bytes of the slice a rank asks for.
-- A rank's share is a ``ShardFn``: given a rayfleet key and its full shape it returns
-  ``(dim, start, stop)`` or None for the whole tensor. On a stacked expert tensor, dim 0 is the
-  expert axis, so expert parallelism and FSDP's dim-0 shards both read only their experts.
+- A rank's share is a ``ShardFn``: given a rayfleet key and its full shape it returns the box
+  (a ``(start, stop)`` per dim) the rank holds, or None for the whole tensor. Dim 0 is read
+  lazily (only those bytes); other dims are cut from the dim-0 slice in memory. On a stacked
+  expert tensor dim 0 is the expert axis, so expert parallelism and FSDP's dim-0 shards both
+  read only their experts.
 - Per-expert keys (``experts.{e}.gate_proj.weight``, what ``save_pretrained`` writes and the hub
   holds) and transformers 5's fused ``experts.gate_up_proj``/``down_proj`` are both read.
 - Export writes per-expert keys (the form every transformers version loads) and, for a GQA model
@@ -31,7 +33,10 @@ from rayfleet.models.hf.config_map import HFModelSpec
 __all__ = ["TensorSource", "WeightRule", "ShardFn", "weight_rules", "load_hf_weights", "export_hf_weights",
            "DictSource"]
 
-ShardFn = Callable[[str, tuple[int, ...]], "tuple[int, int, int] | None"]
+# (rayfleet key, full shape) -> the box of the full tensor this rank holds: one (start, stop)
+# per dim, or None for the whole tensor.
+Box = tuple[tuple[int, int], ...]
+ShardFn = Callable[[str, tuple[int, ...]], "Box | None"]
 
 
 class TensorSource(Protocol):
@@ -148,34 +153,36 @@ def weight_rules(spec: HFModelSpec) -> list[WeightRule]:
     return rules
 
 
-def _read(source: TensorSource, name: str, shard: tuple[int, int, int] | None) -> torch.Tensor:
-    if shard is None:
+def _narrow(tensor: torch.Tensor, box: Box | None, first: int) -> torch.Tensor:
+    """Cut dims ``first..`` of ``box`` out of ``tensor`` (a copy when anything was cut)."""
+    if box is None:
+        return tensor
+    out = tensor
+    for dim, (lo, hi) in enumerate(box[first:], start=first):
+        if (lo, hi) != (0, tensor.shape[dim]):
+            out = out.narrow(dim, lo, hi - lo)
+    return out if out is tensor else out.contiguous()
+
+
+def _read(source: TensorSource, name: str, box: Box | None) -> torch.Tensor:
+    if box is None:
         return source.get(name)
-    dim, start, stop = shard
-    return source.get(name, dim=dim, start=start, stop=stop)
+    return _narrow(source.get(name, dim=0, start=box[0][0], stop=box[0][1]), box, 1)
 
 
-def _read_stacked(rule: WeightRule, source: TensorSource, keys: set[str],
-                  shard: tuple[int, int, int] | None) -> torch.Tensor:
-    experts = range(len(rule.sources))
-    inner = None
-    if shard is not None:
-        if shard[0] == 0:
-            experts = range(shard[1], shard[2])
-        else:
-            inner = (shard[0] - 1, shard[1], shard[2])
+def _read_stacked(rule: WeightRule, source: TensorSource, keys: set[str], box: Box | None) -> torch.Tensor:
+    lo, hi = box[0] if box is not None else (0, len(rule.sources))
+    inner = box[1:] if box is not None else None
     if rule.sources[0] in keys:
-        return torch.stack([_read(source, rule.sources[e], inner) for e in experts])
+        return torch.stack([_read(source, rule.sources[e], inner) for e in range(lo, hi)])
     if rule.fused is None or rule.fused[0] not in keys:
         raise SpecError("checkpoint", rule.sources[0], "tensor missing from the checkpoint",
                         "check that config.json matches the weights (architecture, layer and expert counts)")
     name, part, parts = rule.fused
-    fused = source.get(name, dim=0, start=experts.start, stop=experts.stop)
+    fused = source.get(name, dim=0, start=lo, stop=hi)
     width = fused.shape[1] // parts
     out = fused.narrow(1, part * width, width)
-    if inner is not None:
-        out = out.narrow(inner[0] + 1, inner[1], inner[2] - inner[1])
-    return out.contiguous()
+    return _narrow(out, None if box is None else ((lo, hi), *box[1:]), 1).contiguous()
 
 
 def _full_shape(rule: WeightRule, source: TensorSource, keys: set[str]) -> tuple[int, ...]:
