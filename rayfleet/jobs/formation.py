@@ -46,9 +46,6 @@ class ElasticSignal:
     def should_stop(self) -> bool:
         return bool(self.reason)
 
-    def get(self) -> str:
-        return self.reason
-
 
 class _SignalRef:
     """The driver's handle on a formation's ``ElasticSignal`` actor (``set`` waits for it)."""

@@ -57,10 +57,6 @@ class AcceleratorSpec:
     def supports_fp8(self) -> bool:
         return self.peak_fp8_tflops is not None
 
-    @property
-    def nodes_per_scaleup_domain(self) -> int:
-        return self.scaleup_domain_size // self.accelerators_per_node
-
     def peak_tflops(self, precision: str) -> float:
         """Dense peak for ``precision`` ("bf16" or "fp8*"); FP8 falls back to BF16 without units."""
         if precision.startswith("fp8") and self.peak_fp8_tflops is not None:

@@ -40,7 +40,7 @@ from rayfleet.platform.state_store import Event, StateStore
 from rayfleet.platform.topology import NodeTopology
 from rayfleet.platform.autoscaler_service import SharedAutoscaler
 from rayfleet.platform.autoscaler_types import (
-    Decision, FleetObservation, InboxEntry, RequestNodes, ServeObservation, TrainingObservation,
+    Decision, InboxEntry, RequestNodes, ServeObservation, TrainingObservation,
 )
 from rayfleet.platform.queues import QueueTree, parse_queue_spec
 from rayfleet.platform.ray_compat import available_resources_per_node
@@ -293,10 +293,6 @@ class FleetController:
         Subjects: ``job:<name>``, ``serve:<name>``, a node name, ``controller``."""
         with self._lock:
             self._event(subject, kind, cause, **(detail or {}))
-
-    def gather_observation(self, now: float) -> FleetObservation:
-        """Free accelerators per node from Ray's accounting plus the shells' latest reports."""
-        return self.autoscaler.gather(now)
 
     def _free_accelerators(self) -> tuple[dict[str, int], dict[str, str]]:
         available = available_resources_per_node()
