@@ -71,7 +71,8 @@ def test_a_rank_hung_before_a_collective_is_found_and_rank0_exits(job_dict, monk
     assert failed.value.exit_code == HUNG_EXIT_CODE and failed.value.error_index == 0
     (decision,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert decision["type"] == "HungCollectiveDecision" and decision["action"] == "restart_group"
-    assert decision["suspect_ranks"] == [1] and decision["stalled_ranks"] == [0, 1]
+    # rank 0 waits in the collective; rank 1's last beat (after step 2) may be a poll younger
+    assert decision["suspect_ranks"] == [1] and 0 in decision["stalled_ranks"]
     assert "stopped at step 2" in decision["cause"]
 
 
