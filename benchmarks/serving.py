@@ -2,6 +2,7 @@
 
     python benchmarks/serving.py            # ~2.5-3 min on 2 cores
     python benchmarks/serving.py --quick    # fewer requests, ~1.5 min
+    python benchmarks/serving.py --engine vllm [--quick]   # built-in vs vLLM side by side (serving_vllm.py)
 
 Starts its own local Ray cluster (``ray.init(address="local")`` with 8 fake GPUs; never an
 existing one), deploys each configuration with ``rayfleet.serving.deploy.deployer.deploy``, and drives it
@@ -11,8 +12,8 @@ Part 1 (router decision time, pure, in-process): ``RouterPolicy.choose_prefill``
 snapshots and a ``PrefixIndex`` holding 100k block hashes, for 64-block prompts; p50/p99 against
 round robin's decision time (the baseline). Goal: p99 <= 1 ms.
 
-Part 2 (trace load): arrivals and lengths from ``../shared/traces/azure2023_conv.csv`` (Azure LLM
-inference trace, conversation service, 2023; CC BY 4.0), scaled to a 2-core CPU machine and the
+Part 2 (trace load): arrivals and lengths from ``traces/azure2023_conv.csv`` (``--load-trace`` or
+``RAYFLEET_TRACE_DIR`` for another; Azure LLM inference trace, conversation service, 2023; CC BY 4.0), scaled to a 2-core CPU machine and the
 tiny model: prompt tokens = clamp(ContextTokens / 8, 16, 384), output = clamp(GeneratedTokens / 8,
 4, 32), inter-arrival gaps scaled so the mean rate is ``--rate`` requests/s. Each prompt starts
 with one of a few shared conversation prefixes (a chat service's system prompts), so the
@@ -39,7 +40,8 @@ One deployment per mode: between runs the router policy is switched live (``set_
 every engine's prefix cache emptied, so runs start from the same state without paying Serve's
 start-up again.
 
-Writes ``benchmarks/results/serving.json``; prints a table last. Everything runs on this machine's
+Writes ``benchmarks/results/serving.json`` (``--json``) and, beside it, ``serving_latency.png``: the
+TTFT and inter-token latency distributions (CDFs) of every configuration; prints a table last. Everything runs on this machine's
 CPUs (fake GPUs only decide placement): compare rows within one run, not across machines.
 """
 
@@ -61,8 +63,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import trace_file  # noqa: E402  (benchmarks/common.py, beside this script)
+
 RESULTS = Path(__file__).resolve().parent / "results"
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure2023_conv.csv"
+LOAD_TRACE = "azure2023_conv.csv"  # in $RAYFLEET_TRACE_DIR (default: the repository's traces/)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -182,9 +186,9 @@ def print_replay(replay: dict) -> None:
 
 # -- workloads ----------------------------------------------------------------------------------
 
-def trace_workload(num_requests: int, rate: float, seed: int = 0) -> list[dict]:
+def trace_workload(trace: Path, num_requests: int, rate: float, seed: int = 0) -> list[dict]:
     rows = []
-    with TRACE.open() as f:
+    with trace.open() as f:
         for row in csv.DictReader(f):
             rows.append(row)
             if len(rows) >= num_requests:
@@ -273,7 +277,36 @@ def summarize(results: list[dict], wall_s: float, *, slo_ttft: float, slo_itl: f
     return {"requests": len(results), "ok": len(good), "ttft_p50_s": pct(ttfts, 50), "ttft_p99_s": pct(ttfts, 99),
             "itl_p50_s": pct(itls, 50), "itl_p99_s": pct(itls, 99),
             "throughput_tok_s": sum(r["tokens"] for r in good) / wall_s, "goodput_req_s": len(meets) / wall_s,
-            "slo_attained": len(meets) / max(1, len(results)), "wall_s": wall_s}
+            "slo_attained": len(meets) / max(1, len(results)), "wall_s": wall_s,
+            # every sample, for the latency plot (and anyone re-plotting from the JSON)
+            "ttft_samples_s": [round(x, 6) for x in ttfts], "itl_samples_s": [round(x, 6) for x in itls]}
+
+
+def plot_latencies(rows: list[dict], path: Path, *, slo_ttft: float, slo_itl: float) -> bool:
+    """CDFs of TTFT and inter-token latency, one line per measured configuration, SLOs marked."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed (pip install -e '.[dev]'): no PNG written")
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for row in rows:
+        label = row.get("label") or f"{row['workload']}: {row['mode']} / {row['router']}"
+        for ax, key in zip(axes, ("ttft_samples_s", "itl_samples_s")):
+            values = sorted(v * 1e3 for v in row[key])
+            if values:
+                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=label)
+    for ax, what, slo in zip(axes, ("time to first token", "inter-token latency"), (slo_ttft, slo_itl)):
+        ax.axvline(slo * 1e3, color="grey", linestyle=":", label=f"SLO {slo * 1e3:g} ms")
+        ax.set(xscale="log", xlabel=f"{what}, ms (log)", ylabel="share of samples", title=f"{what} (CDF)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def cache_counters(url: str) -> tuple[float, float]:
@@ -304,9 +337,12 @@ def reset(app: str, replicas: list[str], policy: str) -> None:
     """Same replicas, fresh state: switch the router policy and empty every prefix cache."""
     from ray import serve
 
-    serve.get_deployment_handle("router", app_name=app).set_policy.remote(policy).result()
-    for name in replicas:
-        assert serve.get_deployment_handle(name, app_name=app).reset_prefix_cache.remote().result(), name
+    # Pools are Serve deployments routed inside the ingress (no router deployment): the ingress
+    # switches its request routers and empties every replica's cache by pinned calls.
+    ingress = serve.get_deployment_handle("ingress", app_name=app)
+    ingress.set_routing_mode.remote(policy).result()
+    emptied = ingress.reset_prefix_caches.remote().result()
+    assert emptied and all(emptied.values()), emptied
 
 
 def _free_port() -> int:
@@ -318,6 +354,8 @@ def _free_port() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--engine", choices=("builtin", "vllm"), default="builtin",
+                        help="vllm: the built-in engine and vLLM side by side (benchmarks/serving_vllm.py)")
     parser.add_argument("--rate", type=float, default=None, help="mean arrivals per second (trace load)")
     # A tiny model on 2 CPU cores: interactive-feeling targets at this scale.
     parser.add_argument("--slo-ttft", type=float, default=0.25, help="SLO: time to first token, s")
@@ -325,8 +363,15 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, default=None,
                         help="a Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids): "
                              "replay it through the router at 8, 16 and 64 replicas and stop (no live apps)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
+    parser.add_argument("--load-trace", type=Path, default=None,
+                        help=f"Azure-format CSV for part 2 (default: {LOAD_TRACE} in $RAYFLEET_TRACE_DIR or traces/)")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="where the figures go (live run default: benchmarks/results/serving.json; the PNG beside it)")
     args = parser.parse_args()
+    if args.engine == "vllm":
+        from serving_vllm import main as side_by_side
+
+        return side_by_side(sys.argv[1:])
     if args.trace is not None:
         replay = routing_replay(args.trace, limit=600 if args.quick else None)
         router = router_decision_time(trials=200 if args.quick else 2000)
@@ -358,8 +403,9 @@ def main() -> None:
     pool = {"replicas": 1, "accelerators_per_replica": 1}
     apps = [("colocated", {"mode": "colocated", "colocated": {**pool, "replicas": 2}}),
             ("disaggregated", {"mode": "disaggregated", "prefill": pool, "decode": pool})]
-    trace = trace_workload(num_trace, rate)
-    tenants = tenant_workload(trace_workload(2 * num_trace, rate))
+    load_trace = trace_file(LOAD_TRACE, args.load_trace)
+    trace = trace_workload(load_trace, num_trace, rate)
+    tenants = tenant_workload(trace_workload(load_trace, 2 * num_trace, rate))
     shared = shared_prompt_workload(num_shared, rate=4.0)
     load_rows, cache_rows = [], []
     try:
@@ -399,7 +445,7 @@ def main() -> None:
                     # The baseline gives every request its own cache_salt: same engines, no reuse.
                     work = shared if caching else [dict(w, cache_salt=f"s{i}") for i, w in enumerate(shared)]
                     row = measure(served.url, work, args)
-                    row.update(prefix_cache=caching)
+                    row.update(prefix_cache=caching, label=f"shared prompt: cache {'on' if caching else 'off'}")
                     cache_rows.append(row)
             served.shutdown()
     finally:
@@ -415,11 +461,14 @@ def main() -> None:
     result = {"machine": machine, "router_decision": router, "trace_load": load_rows, "shared_prompt": cache_rows,
               "rate_req_s": rate, "slo": {"ttft_s": args.slo_ttft, "mean_itl_s": args.slo_itl},
               "ttft_speedup_with_cache": speedup}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "serving.json").write_text(json.dumps(result, indent=1))
-    print(f"\nran on: {machine}; trace: Azure LLM inference 2023 (conv), {num_trace} requests, "
+    out = args.json or RESULTS / "serving.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    png = out.with_name(out.stem + "_latency.png")
+    wrote_png = plot_latencies(load_rows + cache_rows, png, slo_ttft=args.slo_ttft, slo_itl=args.slo_itl)
+    print(f"\nran on: {machine}; trace: {load_trace.name} (Azure LLM inference 2023), {num_trace} requests, "
           f"{rate:g} req/s; SLO: TTFT <= {args.slo_ttft:g} s, mean ITL <= {args.slo_itl:g} s")
-    print(f"wrote {RESULTS / 'serving.json'}\n")
+    print(f"wrote {out}" + (f" and {png}" if wrote_png else "") + "\n")
     print(f"router decision, {router['num_replicas']} replicas, {router['indexed_blocks']} indexed blocks, "
           f"{router['prompt_blocks']}-block prompts: p50 {router['prefix_aware_p50_ms']:.3f} ms, "
           f"p99 {router['prefix_aware_p99_ms']:.3f} ms (goal <= 1 ms; round robin p99 "
