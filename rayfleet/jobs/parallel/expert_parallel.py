@@ -9,10 +9,13 @@ Design decisions:
   uneven splits moves the rows; the receiver regroups them expert-major for the grouped GEMM.
   Combine is the exact reverse, then the same weighted scatter-add as the local dispatcher, so
   results equal the single-process layer up to summation order.
-- FP8 dispatch (when the job's precision is an FP8 recipe): rows travel as packed E4M3 with
-  1x128 tile scales (``models.fp8.packing``), about half the bytes of BF16; gradients go back in
-  the activation dtype (a straight-through estimator, as DeepSeek-V3 dispatches in FP8 and
-  combines in BF16).
+- FP8 on the wire (``comm.fp8_dispatch`` with an FP8 precision recipe): every expert exchange
+  moves packed E4M3 rows with 1x128 tile scales (``models.fp8.packing``; ~52% of BF16's bytes):
+  the forward dispatch, the forward combine, and both backward exchanges (the gradients of
+  combine and dispatch). The receiver dequantizes to the activation dtype; autograd treats the
+  quantization as identity (straight-through), so a gradient is the exact gradient of what was
+  received, quantized once more on its way back. DeepSeek-V3 keeps combine in BF16 for
+  accuracy; here all four move in FP8, and the parity tests bound the loss gap this costs.
 - Overlap (``a2a_overlap``): the layer's tokens are cut into two chunks; both dispatches are
   issued asynchronously, chunk 0's experts run while chunk 1's rows are in flight, and chunk
   0's combine is in flight while chunk 1's experts run. Autograd sees each exchange through
@@ -68,20 +71,34 @@ def _wait(pending: _Pending, stats: A2AStats | None, *, overlapped: bool = False
     return pending.out
 
 
+def _to_wire(x: torch.Tensor, fp8: bool) -> torch.Tensor:
+    return pack_fp8_rows(x.detach().float(), block=_FP8_BLOCK) if fp8 else x.detach()
+
+
+def _from_wire(received: torch.Tensor, *, fp8: bool, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    if not fp8:
+        return received
+    return dequantize(unpack_fp8_rows(received, dim=dim, block=_FP8_BLOCK)).to(dtype)
+
+
 def all_to_all_rows(x: torch.Tensor, *, out_splits: list[int], in_splits: list[int],
-                    group: dist.ProcessGroup, stats: A2AStats | None = None) -> torch.Tensor:
-    """Blocking row all-to-all (no autograd): ``x`` rows split by ``in_splits`` go to each rank."""
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    return _wait(_issue(out, x, out_splits, in_splits, group), stats)
+                    group: dist.ProcessGroup, stats: A2AStats | None = None, fp8: bool = False) -> torch.Tensor:
+    """Blocking row all-to-all (no autograd): ``x`` rows split by ``in_splits`` go to each rank
+    (as packed FP8 rows when ``fp8``; the result is dequantized to ``x``'s dtype)."""
+    payload = _to_wire(x, fp8)
+    out = payload.new_empty((sum(out_splits), *payload.shape[1:]))
+    received = _wait(_issue(out, payload, out_splits, in_splits, group), stats)
+    return _from_wire(received, fp8=fp8, dim=x.shape[1], dtype=x.dtype)
 
 
 class _Exchanged(torch.autograd.Function):
-    """Identity from ``sent`` to the rows already received for it; backward sends grads back."""
+    """Identity from ``sent`` to the rows already received for it; backward sends grads back
+    (in FP8 when the forward exchange was)."""
 
     @staticmethod
     def forward(ctx, sent: torch.Tensor, received: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                group: dist.ProcessGroup, stats: A2AStats | None) -> torch.Tensor:
-        ctx.splits, ctx.group, ctx.stats = (out_splits, in_splits), group, stats
+                group: dist.ProcessGroup, stats: A2AStats | None, fp8: bool) -> torch.Tensor:
+        ctx.splits, ctx.group, ctx.stats, ctx.fp8 = (out_splits, in_splits), group, stats, fp8
         ctx.sent_dtype = sent.dtype
         return received
 
@@ -89,8 +106,8 @@ class _Exchanged(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
         back = all_to_all_rows(grad.contiguous(), out_splits=in_splits, in_splits=out_splits,
-                               group=ctx.group, stats=ctx.stats)
-        return back.to(ctx.sent_dtype), None, None, None, None, None
+                               group=ctx.group, stats=ctx.stats, fp8=ctx.fp8)
+        return back.to(ctx.sent_dtype), None, None, None, None, None, None
 
 
 class _Exchange:
@@ -100,15 +117,15 @@ class _Exchange:
                  group: dist.ProcessGroup, stats: A2AStats | None, fp8: bool, overlapped: bool) -> None:
         self.x, self.out_splits, self.in_splits, self.overlapped = x, out_splits, in_splits, overlapped
         self.group, self.stats, self.fp8 = group, stats, fp8
-        payload = pack_fp8_rows(x.detach().float(), block=_FP8_BLOCK) if fp8 else x.detach()
+        payload = _to_wire(x, fp8)
         out = payload.new_empty((sum(out_splits), payload.shape[1]))
         self.pending = _issue(out, payload, out_splits, in_splits, group)
 
     def collect(self) -> torch.Tensor:
         received = _wait(self.pending, self.stats, overlapped=self.overlapped)
-        if self.fp8:
-            received = dequantize(unpack_fp8_rows(received, dim=self.x.shape[1], block=_FP8_BLOCK)).to(self.x.dtype)
-        return _Exchanged.apply(self.x, received, self.out_splits, self.in_splits, self.group, self.stats)
+        received = _from_wire(received, fp8=self.fp8, dim=self.x.shape[1], dtype=self.x.dtype)
+        return _Exchanged.apply(self.x, received, self.out_splits, self.in_splits, self.group, self.stats,
+                                self.fp8)
 
 
 class _EPHandle(NamedTuple):
@@ -194,7 +211,7 @@ class ExpertParallelDispatcher:
         h: _EPHandle = dispatched.handle
         source_major = _unpermute(expert_out, h.expert_major)
         exchange = _Exchange(source_major, out_splits=h.send_splits, in_splits=h.recv_splits,
-                             group=self.group, stats=self.stats, fp8=False, overlapped=overlapped)
+                             group=self.group, stats=self.stats, fp8=self.fp8, overlapped=overlapped)
         return exchange, h
 
     def finish_combine(self, started: tuple[_Exchange, _EPHandle]) -> torch.Tensor:

@@ -1,12 +1,12 @@
-"""FP8 wire format for the tensors that expert-parallel all-to-all and weight all-gather move.
+"""FP8 wire format for the rows that expert-parallel all-to-all moves.
 
 Design decisions:
 - Row-self-describing packing: each row of a ``[T, D]`` tensor becomes ``D`` FP8 bytes followed
   by its ``ceil(D / block)`` fp32 tile scales as bytes, in one ``uint8`` tensor
   ``[T, D + 4 * ceil(D / block)]``. Any row split of the packed tensor is a valid packed tensor,
-  so ``all_to_all_single`` with per-rank row splits (EP dispatch) and all-gather of row shards
-  (FSDP weights, sharded on dim 0) move data and scales in one collective, with no separate
-  scale exchange to keep in step.
+  so ``all_to_all_single`` with per-rank row splits (the EP dispatch, combine and their backward
+  exchanges) moves data and scales in one collective, with no separate scale exchange to keep in
+  step. (Weights are not all-gathered in FP8: FSDP2 gathers them in their parameter dtype.)
 - 1x128 tiles (DeepSeek-V3's activation granularity) are the default: the receiver can feed
   the unpacked ``Fp8Tensor`` straight into a blockwise FP8 GEMM, or dequantize it. With
   ``block=D`` this degenerates to rowwise scaling.
