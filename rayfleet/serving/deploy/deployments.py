@@ -221,6 +221,26 @@ class OpenAIIngress:
         """Every pool replica's last published state, keyed ``<pool>/<replica id>``."""
         return await self.router.replica_states()
 
+    def set_routing_mode(self, mode: str) -> None:
+        """Switch this ingress's request routers between ``prefix_aware`` and ``round_robin``
+        live (operators, benchmarks); raises ``SpecError`` for another mode."""
+        if mode not in ("prefix_aware", "round_robin"):
+            from rayfleet.errors import SpecError
+
+            raise SpecError("router.policy", mode, "unknown routing policy", "use prefix_aware or round_robin")
+        for client in self.router.pools.values():
+            router = client._router()
+            if router is not None:
+                router.core.mode = mode
+
+    async def reset_prefix_caches(self) -> dict[str, bool]:
+        """Empty every replica's prefix cache (pinned calls); True per replica that emptied it."""
+        out = {}
+        for role, client in self.router.pools.items():
+            for replica in client.replica_ids():
+                out[f"{role}/{replica}"] = await client.call("reset_prefix_cache", route=RouteHint(replica=replica))
+        return out
+
     def __serve_build_asgi_app__(self):
         from rayfleet.serving.openai_api.app import build_openai_app
 
