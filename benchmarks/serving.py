@@ -3,6 +3,7 @@
     python benchmarks/serving.py            # ~2.5-3 min on 2 cores
     python benchmarks/serving.py --quick    # fewer requests, ~1.5 min
     python benchmarks/serving.py --engine vllm [--quick]   # built-in vs vLLM side by side (serving_vllm.py)
+    python benchmarks/serving.py --engine vllm [--quick]   # built-in vs vLLM side by side (serving_vllm.py)
 
 Starts its own local Ray cluster (``ray.init(address="local")`` with 8 fake GPUs; never an
 existing one), deploys each configuration with ``rayfleet.serving.deploy.deployer.deploy``, and drives it
@@ -356,6 +357,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--engine", choices=("builtin", "vllm"), default="builtin",
                         help="vllm: the built-in engine and vLLM side by side (benchmarks/serving_vllm.py)")
+    parser.add_argument("--engine", choices=("builtin", "vllm"), default="builtin",
+                        help="vllm: the built-in engine and vLLM side by side (benchmarks/serving_vllm.py)")
     parser.add_argument("--rate", type=float, default=None, help="mean arrivals per second (trace load)")
     # A tiny model on 2 CPU cores: interactive-feeling targets at this scale.
     parser.add_argument("--slo-ttft", type=float, default=0.25, help="SLO: time to first token, s")
@@ -368,6 +371,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None,
                         help="where the figures go (live run default: benchmarks/results/serving.json; the PNG beside it)")
     args = parser.parse_args()
+    if args.engine == "vllm":
+        from serving_vllm import main as side_by_side
+
+        return side_by_side(sys.argv[1:])
     if args.engine == "vllm":
         from serving_vllm import main as side_by_side
 

@@ -83,7 +83,15 @@ def vllm_fleet(tmp_path_factory):
     from rayfleet.sdk import connect
 
     topology = build_topology(num_nodes=2, accelerator="A100:1,H100:1", accelerators_per_node=4)
-    fleet = LocalFleet.up(topology, home=tmp_path_factory.mktemp("rayfleet-home"))
+    for attempt in range(3):
+        # Ray gives a joining raylet 30 s (hard-coded) to register; on a loaded 2-core machine the
+        # second node sometimes needs longer. LocalFleet.up tears down what it started on failure.
+        try:
+            fleet = LocalFleet.up(topology, home=tmp_path_factory.mktemp("rayfleet-home"))
+            break
+        except Exception as exc:  # noqa: BLE001 - retried, then re-raised
+            if attempt == 2 or "timed out during startup" not in str(exc):
+                raise
     try:
         sdk = connect(fleet.address)
         wait_until(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2, timeout_s=120, what="both nodes")

