@@ -14,7 +14,7 @@ Part 1 (hit rate, whole trace): each trace block becomes one KV block of 16 toke
 token counts scale by 1/32 everywhere, so token hit rates are unchanged up to the rounding of
 each prompt's partial last block, and the replay is 32x cheaper). The real ``Scheduler``, ``KVCacheManager``,
 ``BlockPool``, ``KVTierConnector``, host pool and disk tier (checksummed files in a temp dir),
-with capacities engine:host:disk = N:4N:16N blocks. Only the model is left out: 3,993 prompts of
+with capacities engine:host:disk = N:4N:64N blocks (the sizing rule below). Only the model is left out: 3,993 prompts of
 up to 191k tokens cannot be prefilled on a CPU, and the hit rate does not depend on the numbers
 in the KV. A stand-in forward writes each token's id and position into its KV slot (a KV tensor
 of 1 layer x 1 head x 1 dim), and every prompt's KV is read back through its block table after
@@ -29,7 +29,7 @@ CPU thread) with and without tiers, on a scaled-down sample: ``--ttft-requests``
 trace order, of the first conversations (requests sharing their first block id) that have at
 least two requests (``session_sample``; a plain prefix of the trace has almost no reuse among
 its first requests), each trace block scaled from 512 to 16 tokens (block_size 16; a 40k-token
-prompt becomes 1,255 tokens) and prompts capped at 1,024 tokens, pools of N:4N:16N blocks with N
+prompt becomes 1,255 tokens) and prompts capped at 1,024 tokens, pools of N:4N:64N blocks with N
 = 96 (1,536 tokens, so the engine alone holds about two prompts). Each request runs alone;
 TTFT = time from ``add_request`` to its first token (loads from host/disk included); the two
 engines run in lockstep, request by request, so load from other processes hits both alike. The first
@@ -74,6 +74,12 @@ TRACE_NAME = "mooncake_synthetic.jsonl"
 RESULTS = ROOT / "benchmarks" / "results"
 TRACE_BLOCK = 512
 SCALE = 32  # tokens per trace block: 512 -> 16 (see module doc)
+# The sizing rule, the same for every trace: the tiers keep an HGX H100 server's proportions.
+# KV gets about half of 640 GB HBM (N), host memory about 1.5 of its 2 TB (~4.7N), NVMe about
+# 24 of its 30 TB (~75N); rounded down to N:4N:64N. (Until 2026-11 the benchmark used 16N of
+# disk, a quarter of what such a server has, and stopped at 0.86 of the bound on a long
+# multi-turn conversation trace.)
+HOST_RATIO, DISK_RATIO = 4, 64
 
 
 def load_trace(path: Path, limit: int | None) -> list[dict]:
@@ -144,7 +150,7 @@ def replay_hit_rate(rows: list[dict], *, engine_blocks: int, tiered: bool, disk_
                                   head_dim=1, dtype=torch.float32)
     node = connector = None
     if tiered:
-        node = NodeKVTiers("bench", host_blocks=4 * engine_blocks, disk_uri=disk_dir, disk_blocks=16 * engine_blocks)
+        node = NodeKVTiers("bench", host_blocks=HOST_RATIO * engine_blocks, disk_uri=disk_dir, disk_blocks=DISK_RATIO * engine_blocks)
         connector = KVTierConnector(node)
         connector.attach(block_pool=pool, kv_cache=cache, block_size=block_size)
     root = root_block_hash(model_id="mooncake")
@@ -181,7 +187,7 @@ def replay_hit_rate(rows: list[dict], *, engine_blocks: int, tiered: bool, disk_
               "kv_mismatches": mismatches, "seconds": time.perf_counter() - start}
     if connector is not None:
         s, t = connector.stats(), node.stats()
-        result.update(host_blocks=4 * engine_blocks, disk_blocks=16 * engine_blocks,
+        result.update(host_blocks=HOST_RATIO * engine_blocks, disk_blocks=DISK_RATIO * engine_blocks,
                       loaded_from_host=s.loaded_from_host, loaded_from_disk=s.loaded_from_disk,
                       written_back=s.written_back, writes_to_disk=t.writes_to_disk, disk_corrupt=t.num_corrupt)
         node.shutdown()
@@ -196,7 +202,7 @@ def measure_ttft(rows: list[dict], *, disk_dir: str, engine_blocks: int = 96, sc
     """Engine-only and tiered engines of the same model, driven in lockstep (request n on one,
     then on the other) so that load from other processes on a shared machine hits both alike."""
     block_size = TRACE_BLOCK // scale
-    node = NodeKVTiers("bench", host_blocks=4 * engine_blocks, disk_uri=disk_dir, disk_blocks=16 * engine_blocks)
+    node = NodeKVTiers("bench", host_blocks=HOST_RATIO * engine_blocks, disk_uri=disk_dir, disk_blocks=DISK_RATIO * engine_blocks)
     config = EngineConfig(block_size=block_size, num_blocks=engine_blocks, max_num_seqs=1,
                           max_num_batched_tokens=2048, model_id="mooncake")
     model = build_model(preset("tiny"), seed=0, dtype=torch.float32)
@@ -230,7 +236,7 @@ def measure_ttft(rows: list[dict], *, disk_dir: str, engine_blocks: int = 96, sc
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="first 1,000 requests, 60 TTFT requests")
-    parser.add_argument("--engine-blocks", type=int, default=1280, help="N: engine pool of part 1 (host 4N, disk 16N)")
+    parser.add_argument("--engine-blocks", type=int, default=1280, help="N: engine pool of part 1 (host 4N, disk 64N)")
     parser.add_argument("--ttft-requests", type=int, default=None)
     parser.add_argument("--trace", type=Path, default=None,
                         help=f"Mooncake-format JSONL (default: {TRACE_NAME} in $RAYFLEET_TRACE_DIR or traces/)")
@@ -241,7 +247,7 @@ def main() -> None:
     rows = load_trace(trace, 1000 if args.quick else None)
     n_ttft = args.ttft_requests or (60 if args.quick else 150)
     print(f"trace: {trace}, {len(rows)} requests; engine:host:disk = {args.engine_blocks}:"
-          f"{4 * args.engine_blocks}:{16 * args.engine_blocks} blocks (one per trace block)", flush=True)
+          f"{HOST_RATIO * args.engine_blocks}:{DISK_RATIO * args.engine_blocks} blocks (one per trace block)", flush=True)
     with tempfile.TemporaryDirectory(prefix="rayfleet-kv-bench-") as tmp:
         bound = infinite_bound(rows, scale=SCALE)
         engine_only = replay_hit_rate(rows, engine_blocks=args.engine_blocks, tiered=False, disk_dir=tmp, scale=SCALE)
@@ -258,6 +264,8 @@ def main() -> None:
     result = {"when": datetime.now().isoformat(timespec="seconds"), "machine": platform.platform(),
               "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "trace": trace.name,
               "requests": len(rows), "infinite_bound": bound, "engine_only": engine_only, "tiered": tiered,
+              "tiered_hit_rate": tiered["hit_rate"], "bound": bound,
+              "sizing_rule": f"engine:host:disk = N:{HOST_RATIO}N:{DISK_RATIO}N, N = {args.engine_blocks}",
               "ttft_requests": n_ttft, "ttft_bound": ttft_bound,
               "ttft_engine_only": {k: v for k, v in base.items() if k != "first_tokens"},
               "ttft_tiered": {k: v for k, v in tier.items() if k != "first_tokens"}}
@@ -270,7 +278,7 @@ def main() -> None:
           f"{engine_only['kv_mismatches']} / {tiered['kv_mismatches']}; tier loads host {tiered['loaded_from_host']:,}"
           f" disk {tiered['loaded_from_disk']:,} blocks\n")
     print(f"{'configuration':<34}{'token hit rate':>15}{'/ bound':>9}")
-    for name, rate in (("engine only (N)", engine_only["hit_rate"]), ("tiered (N + 4N host + 16N disk)", tiered["hit_rate"]),
+    for name, rate in (("engine only (N)", engine_only["hit_rate"]), ("tiered (N + 4N host + 64N disk)", tiered["hit_rate"]),
                        ("infinite cache (bound)", bound)):
         print(f"{name:<34}{rate:>15.3f}{rate / bound:>9.2f}")
     print(f"\nTTFT, {n_ttft} requests, real prefill{'':<6}{'hit rate':>9}{'mean ms':>9}{'p50 ms':>8}{'p90 ms':>8}")

@@ -65,15 +65,25 @@ class EngineReplica:
 
     def __init__(self, *, role: str, model: dict[str, Any], config: EngineConfig, transport: str,
                  lease_s: float, expert_balancing: ExpertBalancingConfig | None = None,
-                 model_name: str = "") -> None:
+                 model_name: str = "", kv_cache: dict[str, Any] | None = None) -> None:
         import torch
 
         torch.set_num_threads(1)
         self.replica_id = _own_replica_id()
         self.role = role
         name = f"{role}/{self.replica_id}"
+        # ``kv_cache`` (ServeSpec.kv_cache, dumped): this node's host/disk tiers actor and the
+        # fleet's KV index, joined to the engine's pool by a connector (``kv.tier_actors``).
+        self.kv_tiers = self._kv_index = None
+        if kv_cache is not None:
+            from rayfleet.serving.kv.tier_actors import connector_for_replica, get_kv_index
+
+            self.kv_tiers = connector_for_replica(host_blocks=kv_cache["host_blocks"], disk=kv_cache.get("disk"),
+                                                  prefetch_window=kv_cache["prefetch_window"])
+            self._kv_index = get_kv_index()
         engine = load_engine(preset_name=model["preset"], seed=model["seed"], checkpoint=model["checkpoint"],
-                             dtype=model["dtype"], overrides=model["overrides"], config=config)
+                             dtype=model["dtype"], overrides=model["overrides"], config=config,
+                             kv_tiers=self.kv_tiers)
         self.balancer = ExpertLoadBalancer(engine.model, expert_balancing) if expert_balancing else None
         self.engine = AsyncEngine(engine, name=name, transport=make_transport(transport, owner=name, lease_s=lease_s),
                                   after_step=self.balancer.after_step if self.balancer is not None else None)
@@ -160,6 +170,8 @@ class EngineReplica:
         for event in state.events:
             self._cached_hashes.update(event.stored)
             self._cached_hashes.difference_update(event.removed)
+        if self._kv_index is not None and state.events:  # the global index: fire and forget (a hint)
+            self._kv_index.apply_engine_events.remote(self.kv_tiers.node_id, self.replica_id, list(state.events))
         snap = state.snapshot
         key = (snap.num_total_blocks, snap.num_free_blocks, snap.num_active_blocks, snap.num_queued_blocks,
                snap.num_running_requests, state.num_waiting, state.kv.prefix_query_tokens, bool(state.events))
@@ -182,6 +194,12 @@ class EngineReplica:
     def release_span(self, job_id: str, *, route: RouteHint | None = None) -> int:
         self._check(route)
         return self.spans.release(job_id)
+
+    def kv_tier_stats(self, *, route: RouteHint | None = None):
+        """This replica's connector counters (loads from host/disk, write-backs), or None when
+        the spec has no ``kv_cache`` tiers."""
+        self._check(route)
+        return self.kv_tiers.stats() if self.kv_tiers is not None else None
 
     async def expert_balance_stats(self, *, route: RouteHint | None = None) -> ExpertBalanceStats | None:
         """Windows, placement updates and device balance of the expert balancer (if enabled)."""
@@ -301,7 +319,8 @@ def _pool(spec: ServeSpec, role: str):
              "checkpoint": spec.model.checkpoint, "dtype": spec.model.dtype, "overrides": dict(spec.model.overrides)}
     return serve.deployment(EngineReplica).options(**pool_deployment_options(spec, role)).bind(
         role=role, model=model, config=config, transport=spec.kv_transfer.transport, lease_s=spec.kv_transfer.lease_s,
-        expert_balancing=spec.expert_balancing.config(), model_name=spec.model.served_name)
+        expert_balancing=spec.expert_balancing.config(), model_name=spec.model.served_name,
+        kv_cache=spec.kv_cache.model_dump() if spec.kv_cache.enabled else None)
 
 
 def build_app(spec: ServeSpec):

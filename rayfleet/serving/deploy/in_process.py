@@ -54,10 +54,24 @@ def build_local(spec: ServeSpec | dict) -> LocalServing:
     config = spec.engine_config()
     m = spec.model
     engines = {}
+    # One process is one node: its replicas share one host/disk tier, as on a fleet node.
+    node_tiers = None
+    if spec.kv_cache.enabled:
+        from rayfleet.serving.kv.tiers import NodeKVTiers
+
+        disk = spec.kv_cache.disk
+        node_tiers = NodeKVTiers("local", host_blocks=spec.kv_cache.host_blocks,
+                                 disk_uri=disk.uri if disk else None, disk_blocks=disk.blocks if disk else 0)
     for names in spec.replica_names().values():
         for name in names:
+            kv_tiers = None
+            if node_tiers is not None:
+                from rayfleet.serving.kv.tier_connector import KVTierConnector
+                from rayfleet.serving.kv.tier_policy import KVTierPolicy
+
+                kv_tiers = KVTierConnector(node_tiers, policy=KVTierPolicy(prefetch_window=spec.kv_cache.prefetch_window))
             engine = load_engine(preset_name=m.preset, seed=m.seed, checkpoint=m.checkpoint, dtype=m.dtype,
-                                 overrides=m.overrides, config=config)
+                                 overrides=m.overrides, config=config, kv_tiers=kv_tiers)
             balancing = spec.expert_balancing.config()
             balancer = ExpertLoadBalancer(engine.model, balancing) if balancing is not None else None
             engines[name] = AsyncEngine(engine, name=name,
