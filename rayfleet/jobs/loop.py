@@ -159,6 +159,10 @@ class _Run:
         self.config = spec.model.to_config()
         model = build_model(self.config, device="meta")
         materialize(model, device=self.device, seed=spec.model.seed)
+        if spec.model.hf is not None:  # start from an HF checkpoint (before FP8 and parallelization)
+            from rayfleet.jobs.hf_init import load_hf_into
+
+            load_hf_into(model, spec.model.hf)
         if is_fp8_precision(spec.precision):
             convert_to_fp8(model, spec.precision)
         self.model = par.parallelize_model(model, ctx)
@@ -404,6 +408,9 @@ def _save_output(run: _Run) -> str | None:
         raise RuntimeError(f"full_state_dict lacks {sorted(missing)[:3]}... of the model")
     spec = run.spec
     assert spec.output is not None
+    from rayfleet.jobs.hf_init import hf_origin
+
+    origin, files = hf_origin(spec.model.hf)  # lets `rayfleet model export` write the HF model back
     return save_servable(spec.output.uri, config=run.config, state_dict=weights, metadata={
         "job": spec.name, "steps": run.step, "precision": spec.precision, "plan": run.plan.describe(),
-        "dataset": spec.data.uri, "seq_len": spec.data.seq_len})
+        "dataset": spec.data.uri, "seq_len": spec.data.seq_len, **origin}, extra_files=files)

@@ -55,14 +55,22 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    """A preset, ``config`` overrides of :class:`MoEConfig` fields, and the init seed."""
+    """A preset, ``config`` overrides of :class:`MoEConfig` fields, and the init seed; or ``hf``:
+    a Hugging Face model folder/URI to start from (see ``rayfleet.jobs.hf_init``)."""
 
     preset: str | None = None
     config: dict[str, Any] = Field(default_factory=dict)
     seed: int = 0
+    hf: str | None = None
 
     @model_validator(mode="after")
     def _builds(self) -> "ModelSection":
+        if self.hf is not None:
+            if self.preset is not None:
+                raise SpecError("model.preset", self.preset, "conflicts with model.hf",
+                                "give either a preset or an HF model, not both")
+            self.to_config()  # reads config.json: a missing folder or unsupported model fails here
+            return self
         if self.preset is None and not self.config:
             raise SpecError("model", {}, "names neither a preset nor a config",
                             f"add `preset: tiny` (one of {sorted(PRESETS)}) or `config: {{...}}`")
@@ -84,6 +92,10 @@ class ModelSection(_Section):
         return self
 
     def to_config(self) -> MoEConfig:
+        if self.hf is not None:
+            from rayfleet.jobs.hf_init import hf_config
+
+            return hf_config(self.hf, self.config)
         if self.preset is not None:
             return preset(self.preset, **self.config)
         return MoEConfig(**self.config)

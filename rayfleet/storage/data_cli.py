@@ -27,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     data = subparsers.add_parser("data", help="prepare training data")
     commands = data.add_subparsers(dest="data_command", metavar="COMMAND", required=True)
     prepare = commands.add_parser(
-        "prepare", help="tokenize text files into Parquet shards (byte tokenizer)",
+        "prepare", help="tokenize text files into Parquet shards (byte tokenizer, or --tokenizer DIR)",
         description="Tokenize text files into Parquet shards with a JSON manifest, through "
                     "fsspec (local paths, memory://, s3:// ...). Without SRC, uses the Python "
                     "standard library's sources.")
@@ -39,6 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prepare.add_argument("--seq-len", type=int, default=2048, metavar="N",
                          help="tokens per Parquet row (default 2048)")
     prepare.add_argument("--glob", default="*.py", help="file pattern inside folders (default *.py)")
+    prepare.add_argument("--tokenizer", default=None, metavar="DIR_OR_URI",
+                         help="a Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json), "
+                              "e.g. the model's; default: the byte tokenizer")
     prepare.set_defaults(func=_prepare)
 
 
@@ -89,14 +92,27 @@ def _prepare(args: argparse.Namespace) -> int:
 
     sources = args.sources or default_text_sources()
     files = find_text_files(sources, glob=args.glob)
-    total_tokens = sum(fsspec.core.url_to_fs(f)[0].size(f) + 2 for f in files)  # bytes + BOS/EOS
-    rows_per_shard = max(1, args.shard_tokens // max(1, args.seq_len))
     start = time.monotonic()
-    with _ShardProgress(args.out, total_tokens=total_tokens, tokens_per_shard=rows_per_shard * args.seq_len):
-        manifest = prepare_token_dataset(sources, args.out, shard_tokens=args.shard_tokens,
-                                         seq_len=args.seq_len, glob=args.glob)
+    if args.tokenizer is not None:  # token count unknown before encoding: no bar
+        manifest = prepare_token_dataset(sources, args.out, shard_tokens=args.shard_tokens, seq_len=args.seq_len,
+                                         glob=args.glob, tokenizer=_hf_tokenizer(args.tokenizer))
+    else:
+        total_tokens = sum(fsspec.core.url_to_fs(f)[0].size(f) + 2 for f in files)  # bytes + BOS/EOS
+        rows_per_shard = max(1, args.shard_tokens // max(1, args.seq_len))
+        with _ShardProgress(args.out, total_tokens=total_tokens, tokens_per_shard=rows_per_shard * args.seq_len):
+            manifest = prepare_token_dataset(sources, args.out, shard_tokens=args.shard_tokens,
+                                             seq_len=args.seq_len, glob=args.glob)
     elapsed = time.monotonic() - start
     print(f"wrote {manifest.num_tokens:,} tokens from {manifest.num_documents:,} files into "
           f"{len(manifest.shards)} shard(s) at {args.out} in {elapsed:.1f}s "
           f"(tokenizer {manifest.tokenizer['name']}, vocab {manifest.tokenizer['vocab_size']})")
     return 0
+
+
+def _hf_tokenizer(uri: str):
+    """The HF tokenizer in folder ``uri`` (this command module may wire models to storage)."""
+    from rayfleet.models.hf.tokenizer import HFTokenizer
+    from rayfleet.storage.safetensors_io import read_side_files
+
+    return HFTokenizer.from_files(read_side_files(uri), name=f"hf:{uri.rstrip('/').rsplit('/', 1)[-1]}")
+

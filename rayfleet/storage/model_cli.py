@@ -27,11 +27,8 @@ from rayfleet.errors import SpecError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["register", "import_hf_model", "export_hf_model", "SIDE_FILES", "ModelTransfer"]
+__all__ = ["register", "import_hf_model", "export_hf_model", "ModelTransfer"]
 
-# Files of an HF folder that describe tokenization and generation; copied through unchanged.
-SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-              "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 
 @dataclass(frozen=True)
@@ -73,7 +70,7 @@ def import_hf_model(source: str, out: str, *, dtype: str | None = None) -> Model
     ckpt = HFCheckpoint(source)
     spec = from_hf_config(ckpt.config)
     state = load_hf_weights(spec, ckpt, dtype=_dtype(dtype))
-    files = {name: data for name in SIDE_FILES if (data := ckpt.read_file(name)) is not None}
+    files = ckpt.side_files()
     metadata = {"hf": {"architecture": spec.architecture, "config": ckpt.config,
                        "tie_word_embeddings": spec.tie_word_embeddings}, "source": source}
     save_servable(out, config=spec.config, state_dict=state, metadata=metadata, extra_files=files)
@@ -100,7 +97,7 @@ def _load_for_export(source: str) -> tuple[Any, dict[str, torch.Tensor], dict[st
     if fs.exists(path.rstrip("/") + "/config.json"):
         ckpt = HFCheckpoint(source)
         spec = from_hf_config(ckpt.config)
-        files = {name: data for name in SIDE_FILES if (data := ckpt.read_file(name)) is not None}
+        files = ckpt.side_files()
         return spec, load_hf_weights(spec, ckpt), files
     raise SpecError("RUN_OR_CHECKPOINT", source,
                     "is neither a rayfleet servable (a run's output.uri, with manifest.json) nor an HF folder",

@@ -29,9 +29,12 @@ import torch
 from rayfleet.errors import SpecError
 
 __all__ = ["SafetensorsFile", "HFCheckpoint", "write_safetensors_shards", "write_files", "INDEX_NAME",
-           "SINGLE_NAME"]
+           "SINGLE_NAME", "SIDE_FILES", "read_side_files"]
 
 INDEX_NAME = "model.safetensors.index.json"
+# Files of an HF folder that describe tokenization and generation; copied through unchanged.
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+              "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
 SINGLE_NAME = "model.safetensors"
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -136,10 +139,25 @@ class HFCheckpoint:
             raise SpecError("checkpoint", name, f"no such tensor in {self.uri}", "check the model's config.json")
         return self._file(self.weight_map[name]).get(name, dim=dim, start=start, stop=stop)
 
+    def side_files(self) -> dict[str, bytes]:
+        """The tokenizer/generation files present (``SIDE_FILES``), name -> bytes."""
+        return read_side_files(self.uri)
+
     def read_file(self, name: str) -> bytes | None:
         """Bytes of a side file (tokenizer.json, generation_config.json ...), None when absent."""
         path = _join(self.path, name)
         return self.fs.cat_file(path) if self.fs.exists(path) else None
+
+
+def read_side_files(uri: str) -> dict[str, bytes]:
+    """The ``SIDE_FILES`` (tokenizer, generation config ...) present in the folder ``uri``."""
+    fs, path = fsspec.core.url_to_fs(uri)
+    found = {}
+    for name in SIDE_FILES:
+        full = _join(path, name)
+        if fs.exists(full):
+            found[name] = fs.cat_file(full)
+    return found
 
 
 def _nbytes(t: torch.Tensor) -> int:

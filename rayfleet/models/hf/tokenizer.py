@@ -23,7 +23,7 @@ from typing import Any
 
 from rayfleet.errors import SpecError
 
-__all__ = ["HFTokenizer"]
+__all__ = ["HFTokenizer", "train_byte_level_bpe", "DEFAULT_CHAT_TEMPLATE"]
 
 
 def _token_text(value: Any) -> str | None:
@@ -43,6 +43,7 @@ class HFTokenizer:
         self.config = dict(tokenizer_config or {})
         self._tok = Tokenizer.from_str(tokenizer_json)
         self.name = name
+        self.config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
         template = chat_template or self.config.get("chat_template")
         if isinstance(template, list):  # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
@@ -109,3 +110,52 @@ class HFTokenizer:
     def to_dict(self) -> dict[str, object]:
         return {"name": self.name, "vocab_size": self.vocab_size, "bos_id": self.bos_id,
                 "eos_id": self.eos_id, "pad_id": self.pad_id}
+
+    def to_files(self) -> dict[str, bytes]:
+        """``tokenizer.json`` and ``tokenizer_config.json`` as an HF folder holds them."""
+        config = dict(self.config)
+        if self.chat_template and "chat_template" not in config:
+            config["chat_template"] = self.chat_template
+        return {"tokenizer.json": self.tokenizer_json.encode(),
+                "tokenizer_config.json": json.dumps(config, indent=2).encode()}
+
+    @classmethod
+    def from_files(cls, files: Mapping[str, bytes], *, name: str = "hf") -> "HFTokenizer":
+        """From an HF folder's files (name -> bytes); ``tokenizer.json`` is required."""
+        if "tokenizer.json" not in files:
+            raise SpecError("tokenizer", sorted(files), "has no tokenizer.json",
+                            "use a folder saved by a fast (Rust) tokenizer: tokenizer.save_pretrained(DIR)")
+        config = json.loads(files["tokenizer_config.json"]) if "tokenizer_config.json" in files else {}
+        template = files.get("chat_template.jinja")
+        return cls(files["tokenizer.json"].decode(), config,
+                   chat_template=template.decode() if template else None, name=name)
+
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def train_byte_level_bpe(texts: Iterable[str], *, vocab_size: int = 512, bos_token: str = "<s>",
+                         eos_token: str = "</s>", pad_token: str = "<pad>",
+                         chat_template: str = DEFAULT_CHAT_TEMPLATE) -> HFTokenizer:
+    """A byte-level BPE tokenizer trained on ``texts`` (GPT-2 style: every byte is encodable).
+
+    Returns an ``HFTokenizer``; ``to_files()`` gives its ``tokenizer.json`` and
+    ``tokenizer_config.json``, which ``transformers.AutoTokenizer`` loads.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = [bos_token, eos_token, pad_token]
+    if vocab_size < 256 + len(specials):
+        raise SpecError("vocab_size", vocab_size, "a byte-level BPE needs the 256 bytes and the specials",
+                        f"use vocab_size >= {256 + len(specials)}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos_token, "eos_token": eos_token,
+              "pad_token": pad_token, "model_max_length": 1 << 20, "chat_template": chat_template}
+    return HFTokenizer(tok.to_str(), config, name="hf-bpe")
