@@ -40,6 +40,10 @@ from rayfleet.platform.topology import AcceleratorSlot, FleetTopology
 __all__ = ["TrainLaunch", "prepare_launch", "scaling_options", "reservation_bundles", "accelerator_reservation",
            "observe_fleet", "fit_once", "default_storage_path"]
 
+RESERVATION_PREFIX = "rayfleet:train:"
+RESERVATION_TIMEOUT_S = 120.0
+MIXED_WORKER_CPU = 0.01  # what a worker of a mixed-kind launch asks for (see scaling_options)
+
 
 @dataclass(frozen=True)
 class TrainLaunch:
@@ -101,7 +105,10 @@ def scaling_options(launch: TrainLaunch) -> dict[str, Any]:
         use_gpu = resource == "GPU"
         resources = {resource: 1.0, "CPU": 0.0}
     else:
-        use_gpu, resources = False, {"CPU": 0.0}
+        # The reservation group holds the accelerators (``accelerator_reservation``); the workers
+        # ask for a sliver of CPU only because Ray refuses bundles of nothing but zeros (measured:
+        # "Bundles cannot be an empty dictionary or resources with only 0 values").
+        use_gpu, resources = False, {"CPU": MIXED_WORKER_CPU}
     return {"num_workers": launch.layout.world_size, "use_gpu": use_gpu, "resources_per_worker": resources,
             "label_selector": selectors, "placement_strategy": "PACK"}
 
@@ -131,10 +138,6 @@ def observe_fleet() -> tuple[FleetTopology, set[AcceleratorSlot], set[str]]:
     except Exception:  # noqa: BLE001 - no controller (plain `ray start` cluster): labels only
         pass
     return topology, held, cordoned
-
-
-RESERVATION_PREFIX = "rayfleet:train:"
-RESERVATION_TIMEOUT_S = 120.0
 
 
 def reservation_bundles(launch: TrainLaunch) -> list[tuple[dict[str, float], dict[str, str]]] | None:

@@ -88,6 +88,50 @@ def test_bad_spec_fails_before_any_worker_starts(local_fleet, dataset, override,
     assert _num_train_workers() == before
 
 
+def test_a_mixed_kind_plan_holds_its_accelerators_in_a_reservation_group(local_fleet, dataset):
+    """DP replicas on H100 and P800 (GPU and XPU: Ray Train gives all workers the same resources,
+    so the workers ask for none): while the job runs, ``rayfleet:train:<job>`` holds one
+    accelerator of each kind on the layout's nodes; it is gone when the job ends."""
+    from ray.util.placement_group import placement_group_table
+
+    from rayfleet.platform.topology import NodeTopology
+
+    from .conftest import wait_until
+
+    xpu = NodeTopology(name="x0901", accelerator_type="P800", num_accelerators=2, rack="r09", block="b9",
+                       nvlink_domain="nvl-x0901")
+    local_fleet.fleet.add_node(xpu)
+    name = "tiny-mixed"
+
+    def reservation() -> dict | None:
+        return next((g for g in placement_group_table().values()
+                     if g.get("name") == f"rayfleet:train:{name}" and g.get("state") != "REMOVED"), None)
+
+    try:
+        run = local_fleet.sdk.train(_spec(dataset, name=name, steps=6,
+                                          plan={"dp": 2, "replica_accelerators": ["H100", "P800"]}))
+        group = wait_until(lambda: (reservation() or {}).get("state") == "CREATED" and reservation()
+                           or run.status() in ("FAILED", "STOPPED", "SUCCEEDED"),
+                           timeout_s=300, interval_s=0.5, what="the reservation group")
+        assert isinstance(group, dict), run.logs()[-3000:]
+        assert sorted(next(iter(b)) for b in group["bundles"].values()) == ["GPU", "XPU"]
+        xpu_id = next(n.ray_node_id for n in _live_topology().nodes if n.name == xpu.name)
+        assert xpu_id in group["bundles_to_node_id"].values()
+        assert run.wait(timeout_s=400) == "SUCCEEDED", run.logs()[-3000:]
+        assert len(run.metrics()) == 6
+        assert reservation() is None  # released with the run
+    finally:
+        local_fleet.fleet.kill_node(xpu.name)
+
+
+def _live_topology():
+    import ray
+
+    from rayfleet.platform.topology import FleetTopology
+
+    return FleetTopology.from_ray_nodes(ray.nodes())
+
+
 def _num_train_workers() -> int:
     from ray.util.state import list_actors
 
