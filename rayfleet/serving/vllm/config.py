@@ -187,8 +187,14 @@ def llm_config_fields(spec: ServeSpec, role: str) -> dict[str, Any]:
     """``LLMConfig`` fields (a dict ``LLMConfig.model_validate`` accepts) for ``role``'s pool."""
     pool = spec.pools()[role]
     pg = placement_group_config(spec, pool)
-    deployment: dict[str, Any] = {"num_replicas": pool.replicas, "ray_actor_options": {"num_cpus": 0},
+    deployment: dict[str, Any] = {"ray_actor_options": {"num_cpus": 0},
                                   "health_check_period_s": 5, "health_check_timeout_s": 60}
+    if pool.max_replicas and pool.max_replicas > pool.replicas:
+        # Serve autoscales the pool between the spec's bounds, like the built-in engine's pools.
+        deployment["autoscaling_config"] = {"min_replicas": pool.replicas, "max_replicas": pool.max_replicas,
+                                            "target_ongoing_requests": pool.target_ongoing_requests}
+    else:
+        deployment["num_replicas"] = pool.replicas
     _, accelerator_name = _accelerator(pool)
     if accelerator_name:
         deployment["placement_group_bundle_label_selector"] = [{L.ACCELERATOR_TYPE: accelerator_name}] * len(pg["bundles"])

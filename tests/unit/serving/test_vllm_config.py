@@ -57,6 +57,14 @@ def test_colocated_cpu_pool_maps_to_build_openai_app():
     assert built.args["ingress_deployment_config"]["ray_actor_options"] == {"num_cpus": 0}
 
 
+def test_pool_bounds_become_serve_autoscaling():
+    cfg = llm_config_fields(_spec(colocated={"replicas": 1, "max_replicas": 3, "target_ongoing_requests": 2}),
+                            "colocated")
+    assert "num_replicas" not in cfg["deployment_config"]
+    assert cfg["deployment_config"]["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3,
+                                                              "target_ongoing_requests": 2.0}
+
+
 def test_disaggregated_nixl_on_cpu_keeps_kv_in_host_memory():
     built = vllm_app_args(_spec(mode="disaggregated", prefill={"replicas": 2}))
     assert built.builder == "build_pd_openai_app"
