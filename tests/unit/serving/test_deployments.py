@@ -130,3 +130,38 @@ def test_generated_serve_config_validates_and_its_builder_builds(capsys):
     assert app_builder(config["applications"][0]["args"]) is not None
     assert main(["serve", "examples/serve/colocated.yaml", "--serve-config"]) == 0
     assert "rayfleet.serving.deploy.deployments:app_builder" in capsys.readouterr().out
+
+
+class _Replica:
+    """The two attributes of Serve's ``RunningReplica`` the request router reads."""
+
+    def __init__(self, uid: str, stats: dict) -> None:
+        self.replica_id = type("Id", (), {"unique_id": uid})()
+        self.routing_stats = stats
+
+
+def test_request_router_ranks_published_state_and_never_leaves_a_request_waiting():
+    import asyncio
+
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+    from ray.serve.request_router import PendingRequest
+
+    from rayfleet.serving.engine.block_hash import hash_full_blocks, root_block_hash
+    from rayfleet.serving.routing.request_router import PrefixLoadRequestRouter
+
+    router = PrefixLoadRequestRouter(DeploymentID(name="prefill", app_name="unit"), DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(role="prefill", load_weight=0.5)
+    assert PrefixLoadRequestRouter.for_deployment("unit", "prefill") is router
+    hashes = tuple(hash_full_blocks(list(range(32)), block_size=4, root=root_block_hash(model_id="tiny")))
+    base = {"num_total_blocks": 64, "num_free_blocks": 64, "num_active_blocks": 0, "num_queued_blocks": 0}
+    a, b = _Replica("a", {"version": 1, **base}), _Replica("b", {"version": 1, **base, "block_hashes": hashes})
+
+    def choose(hint):
+        request = PendingRequest(args=[], kwargs={"route": hint}, metadata=None, future=None)
+        return asyncio.run(router.choose_replicas([a, b], request))
+
+    assert choose(RouteHint(block_hashes=hashes, num_prompt_blocks=9)) == [[b], [a]]  # b published the prefix
+    assert choose(RouteHint(replica="a")) == [[a]]
+    assert choose(RouteHint(replica="gone")) == [[a, b]] and router.num_fallbacks == 1  # the replica refuses
+    router.core.rank = lambda *_, **__: 1 / 0  # a bug in the policy must not hang the request in Serve's loop
+    assert choose(RouteHint()) == [[a, b]] and router.num_fallbacks == 2
