@@ -26,15 +26,24 @@ __all__ = ["CostParams", "Link", "ring_time", "hierarchical_allreduce_time", "al
 class CostParams:
     """Every non-hardware constant of the cost model.
 
+    The efficiency constants (GEMM and attention efficiency, the small/narrow-GEMM knees, MoE
+    permute bytes, EP and TP overlap) are fitted to published H100 runs by
+    :func:`rayfleet.placement.calibration.fit_efficiency` (table: ``calibration/published_runs.yaml``).
+
     Attributes:
         gemm_efficiency: fraction of the catalogue's dense peak that large GEMMs reach.
         gemm_rows_at_half_efficiency: a GEMM with this many rows (tokens) runs at half of
             ``gemm_efficiency`` (efficiency x rows / (rows + this)); it is what makes many small
             local experts (small EP) slower than a few well-fed ones.
+        gemm_width_at_half_efficiency: an expert GEMM whose narrow side (``moe_ffn_hidden_size /
+            etp``) is this wide runs at half efficiency (fine-grained experts are slow).
+        moe_permute_bytes: HBM bytes moved per element of every routed token copy per MoE layer
+            (permute, unpermute, probability scaling; forward and backward), memory-bound.
         attention_efficiency: fraction of the BF16 peak that fused attention reaches.
         param_bytes: bytes per stored weight (BF16 master copy on device for FP8 too).
         grad_bytes: bytes per gradient (FP32 main grads, as Megatron keeps them).
         optimizer_bytes: FP32 master weight + Adam m and v, bytes per parameter.
+        optimizer_bytes_bf16: the same with BF16 moments (``plan.optimizer_dtype == "bf16"``).
         fp8_weight_cache_bytes: FP8 training caches each GEMM weight in FP8 in both row- and
             column-wise layouts (Transformer Engine), bytes per parameter.
         activation_bytes: bytes per saved activation element (BF16).
@@ -48,16 +57,21 @@ class CostParams:
         ep_overlap_fraction: fraction of the EP all-to-all hidden behind compute of another
             micro-batch (Megatron-Core's EP A2A overlap, DeepSeek's DualPipe; 0 = none).
         cp_overlap_fraction: fraction of ring-attention K/V exchange hidden behind attention.
+        tp_overlap_fraction: fraction of TP all-gathers / reduce-scatters hidden behind the GEMMs
+            (Transformer Engine's userbuffer overlap).
         optimizer_bytes_touched: HBM bytes read+written per parameter by the Adam step.
         usable_memory_fraction: share of HBM a plan may fill (allocator, context, buffers).
     """
 
-    gemm_efficiency: float = 0.5
-    gemm_rows_at_half_efficiency: float = 128.0
-    attention_efficiency: float = 0.35
+    gemm_efficiency: float = 0.52
+    gemm_rows_at_half_efficiency: float = 192.0
+    gemm_width_at_half_efficiency: float = 1536.0
+    moe_permute_bytes: float = 4.0
+    attention_efficiency: float = 0.32
     param_bytes: int = 2
     grad_bytes: int = 4
     optimizer_bytes: int = 12
+    optimizer_bytes_bf16: int = 8
     fp8_weight_cache_bytes: int = 2
     activation_bytes: int = 2
     comm_bytes_bf16: int = 2
@@ -69,8 +83,9 @@ class CostParams:
     intra_latency_s: float = 10e-6
     inter_latency_s: float = 25e-6
     dp_overlap_fraction: float = 0.8
-    ep_overlap_fraction: float = 0.8
+    ep_overlap_fraction: float = 0.35
     cp_overlap_fraction: float = 0.5
+    tp_overlap_fraction: float = 0.7
     optimizer_bytes_touched: int = 36
     usable_memory_fraction: float = 0.9
 

@@ -8,19 +8,24 @@ Design decisions:
   node of that type actually present: a TP group must fit every domain it may be given.
 - Held accelerators and cordoned nodes are subtracted here, so planning a fragmented fleet
   plans for what is actually free.
+- A synthetic fleet string (``"H100:100000"``) needs no topology to plan on:
+  :func:`fleet_capacity_of` walks the same node -> rack -> domain arithmetic as
+  ``build_topology`` without building 12,500 node records (4 s at 100,000 accelerators), and
+  :func:`parse_fleet` is cached for the layout that follows (topologies are immutable).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Iterable
 
 from rayfleet.errors import SpecError
 from rayfleet.platform.catalogue import AcceleratorSpec, get_accelerator
 from rayfleet.platform.topology import AcceleratorSlot, FleetTopology, build_topology
 
-__all__ = ["FleetCapacity", "fleet_capacity", "parse_fleet"]
+__all__ = ["FleetCapacity", "fleet_capacity", "fleet_capacity_of", "parse_fleet"]
 
 
 @dataclass(frozen=True)
@@ -78,14 +83,10 @@ def fleet_capacity(topology: FleetTopology, *, held: Iterable[AcceleratorSlot] =
     return FleetCapacity(accelerators=specs, counts=dict(counts))
 
 
-def parse_fleet(text: str, *, num_racks: int | None = None) -> FleetTopology:
-    """A synthetic topology from ``"H100:128"`` (accelerators) or ``"H100:64,P800:64"``.
-
-    Counts are accelerators; nodes get the catalogue's server size; racks default to 16 nodes.
-    """
+def _fleet_nodes(text: str) -> list[tuple[str, int]]:
+    """(type, servers) per part of ``"H100:64,P800:64"``; counts must fill whole servers."""
     parts = [p.strip() for p in str(text).split(",") if p.strip()]
-    mix: list[str] = []
-    total_nodes = 0
+    mix: list[tuple[str, int]] = []
     for part in parts:
         name, _, count = part.partition(":")
         spec = get_accelerator(name)
@@ -96,10 +97,50 @@ def parse_fleet(text: str, *, num_racks: int | None = None) -> FleetTopology:
         if n < 1 or n % spec.accelerators_per_node:
             raise SpecError("fleet", part, f"{n} is not a positive multiple of {spec.accelerators_per_node} "
                             f"({spec.name} servers)", f"use a multiple of {spec.accelerators_per_node}")
-        nodes = n // spec.accelerators_per_node
-        mix.append(f"{spec.name}:{nodes}")
-        total_nodes += nodes
+        mix.append((spec.name, n // spec.accelerators_per_node))
     if not mix:
         raise SpecError("fleet", text, "empty fleet", "write e.g. 'H100:128'")
+    return mix
+
+
+@lru_cache(maxsize=32)
+def parse_fleet(text: str, *, num_racks: int | None = None) -> FleetTopology:
+    """A synthetic topology from ``"H100:128"`` (accelerators) or ``"H100:64,P800:64"``.
+
+    Counts are accelerators; nodes get the catalogue's server size; racks default to 16 nodes.
+    """
+    mix = _fleet_nodes(text)
+    total_nodes = sum(n for _, n in mix)
     racks = num_racks or max(1, -(-total_nodes // 16))
-    return build_topology(num_nodes=total_nodes, accelerator=",".join(mix), num_racks=racks)
+    return build_topology(num_nodes=total_nodes, accelerator=",".join(f"{t}:{n}" for t, n in mix), num_racks=racks)
+
+
+@lru_cache(maxsize=32)
+def fleet_capacity_of(text: str, *, num_racks: int | None = None) -> FleetCapacity:
+    """``fleet_capacity(parse_fleet(text))`` without building the topology: the smallest scale-up
+    domain of each type follows from how ``build_topology`` lays nodes over racks (a domain
+    restarts when full or at a rack boundary)."""
+    mix = _fleet_nodes(text)
+    total_nodes = sum(n for _, n in mix)
+    per_rack = -(-total_nodes // (num_racks or max(1, -(-total_nodes // 16))))
+    specs, counts = {}, {}
+    idx = 0
+    for name, count in mix:
+        base = get_accelerator(name)
+        per_node = base.accelerators_per_node
+        nodes_per_domain = max(1, base.scaleup_domain_size // per_node)
+        smallest = nodes_per_domain
+        start, in_domain = idx, 0
+        for _ in range(count):  # integers only: ~1 ms per 10,000 servers
+            if in_domain == nodes_per_domain or idx // per_rack != start // per_rack:
+                smallest = min(smallest, in_domain)
+                start, in_domain = idx, 0
+            in_domain += 1
+            idx += 1
+        smallest = min(smallest, in_domain)
+        counts[name] = counts.get(name, 0) + count * per_node
+        domain = min(smallest * per_node, base.scaleup_domain_size)
+        prior = specs.get(name)
+        specs[name] = replace(base, scaleup_domain_size=min(domain, prior.scaleup_domain_size if prior else domain),
+                              accelerators_per_node=per_node)
+    return FleetCapacity(accelerators=specs, counts=counts)

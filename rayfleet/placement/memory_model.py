@@ -8,11 +8,17 @@ Design decisions:
   replicated, routed experts ``num_experts/ep`` per rank each split ``1/etp``, shared experts
   ``1/tp``, vocabulary-parallel embedding and head (rows rounded up to a multiple of ``tp``).
 - Dense parameters (everything but routed experts) are sharded by the distributed optimizer over
-  ``dp * cp`` ranks, routed experts over ``edp`` (Megatron's two optimizer groups).
+  ``dp * cp`` ranks, routed experts over ``edp`` (Megatron's two optimizer groups). ZeRO-1 shards
+  optimizer states, ZeRO-2 also gradients, ZeRO-3 (FSDP) also the weights -- and the FP8 weight
+  copies with them (FSDP2 all-gathers FP8 weights), plus the two layers' worth of unsharded
+  weights that prefetching keeps gathered.
+- Adam's moments are FP32 (12 bytes a parameter with the FP32 master) or BF16 (8 bytes).
 - Activations per layer and micro-batch follow Korthikanti et al. (sequence parallel, flash
   attention: no ``s^2`` term), counting the tensors saved for backward. 1F1B keeps
-  ``min(pp - stage, num_microbatches)`` micro-batches in flight on a stage; full recompute keeps
-  only each layer's input plus one layer's working set.
+  ``min(pp - stage, num_microbatches)`` micro-batches in flight on a stage, times
+  ``1 + (pp - 1) / (pp * vpp)`` with ``vpp`` virtual stages (interleaved 1F1B starts more
+  micro-batches before the first backward); full recompute keeps only each layer's input plus
+  one layer's working set.
 
 Units: elements for counts, bytes for memory.
 """
@@ -26,8 +32,8 @@ from rayfleet.placement.cost_params import CostParams
 from rayfleet.placement.model_spec import ModelSpec
 from rayfleet.placement.plan import ParallelPlan, even_stage_starts
 
-__all__ = ["ParamCounts", "MemoryBreakdown", "stage_param_counts", "all_stage_param_counts", "stage_memory", "estimate_memory",
-           "layer_activation_bytes"]
+__all__ = ["ParamCounts", "MemoryBreakdown", "stage_param_counts", "all_stage_param_counts", "stage_memory",
+           "stage_static_bytes", "stage_activation_bytes", "estimate_memory", "layer_activation_bytes"]
 
 
 @dataclass(frozen=True)
@@ -98,7 +104,7 @@ def all_stage_param_counts(model: ModelSpec, plan: ParallelPlan) -> tuple[ParamC
     """:func:`stage_param_counts` of every stage."""
     # Only the sharding degrees and the split matter: memoise on them, since the planner asks
     # again for every micro-batch size and recompute mode of a shape.
-    key = replace(plan, dp=1, cp=1, micro_batch_size=1, recompute="none", zero_stage=1,
+    key = replace(plan, dp=1, cp=1, micro_batch_size=1, recompute="none", zero_stage=1, vpp=1, optimizer_dtype="fp32",
                   replica_accelerators=None, replica_microbatches=None,
                   stage_starts=plan.stage_starts or even_stage_starts(model.num_layers, plan.pp))
     return _all_counts(model, key)
@@ -157,37 +163,79 @@ def layer_activation_bytes(model: ModelSpec, plan: ParallelPlan, layer: int, par
     return tokens * (attn + mlp) / tp * params.activation_bytes
 
 
-def stage_memory(model: ModelSpec, plan: ParallelPlan, stage: int, *, num_microbatches: int,
-                 params: CostParams = CostParams(), counts: ParamCounts | None = None) -> MemoryBreakdown:
-    """Memory of one device of ``stage`` running ``num_microbatches`` per step (1F1B)."""
-    counts = counts or stage_param_counts(model, plan, stage)
+def stage_static_bytes(model: ModelSpec, plan: ParallelPlan, counts: ParamCounts, num_stage_layers: int, *,
+                       params: CostParams = CostParams(), zero_stage: int | None = None,
+                       optimizer_dtype: str | None = None) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer states) bytes on one device holding ``counts``;
+    ``zero_stage`` / ``optimizer_dtype`` override the plan's (the planner tries several)."""
     dense_shard = plan.dp * plan.cp
     expert_shard = plan.edp
-    z = plan.zero_stage
+    z = plan.zero_stage if zero_stage is None else zero_stage
+    dtype = plan.optimizer_dtype if optimizer_dtype is None else optimizer_dtype
 
-    def sharded(n_dense: int, n_expert: int, bytes_per: int, on: bool) -> float:
+    def sharded(bytes_per: int, on: bool) -> float:
         if not on:
-            return float((n_dense + n_expert) * bytes_per)
-        return n_dense * bytes_per / dense_shard + n_expert * bytes_per / expert_shard
+            return float(counts.total * bytes_per)
+        return counts.dense * bytes_per / dense_shard + counts.expert * bytes_per / expert_shard
 
-    weights = sharded(counts.dense, counts.expert, params.param_bytes, z >= 3)
-    if model.precision == "fp8":
-        weights += counts.total * params.fp8_weight_cache_bytes
-    grads = sharded(counts.dense, counts.expert, params.grad_bytes, z >= 2)
-    optim = sharded(counts.dense, counts.expert, params.optimizer_bytes, z >= 1)
+    fp8_bytes = params.fp8_weight_cache_bytes if model.precision == "fp8" else 0
+    weights = sharded(params.param_bytes + fp8_bytes, z >= 3)
+    if z >= 3:  # prefetch keeps the current and the next layer gathered
+        weights += 2 * counts.total / max(1, num_stage_layers) * (params.param_bytes + fp8_bytes)
+    grads = sharded(params.grad_bytes, z >= 2)
+    optim = sharded(params.optimizer_bytes if dtype == "fp32" else params.optimizer_bytes_bf16, z >= 1)
+    return weights, grads, optim
 
+
+def stage_activation_bytes(model: ModelSpec, plan: ParallelPlan, stage: int, *, num_microbatches: int,
+                           params: CostParams = CostParams()) -> float:
+    """Activations one device of ``stage`` holds at its peak (1F1B, see the module docstring)."""
     layers = plan.stage_ranges(model.num_layers)[stage]
     in_flight = min(plan.pp - stage, num_microbatches)
+    if plan.vpp > 1:
+        in_flight *= 1 + (plan.pp - 1) / (plan.pp * plan.vpp)
     tokens = plan.micro_batch_size * model.seq_len / plan.cp
-    per_layer = [layer_activation_bytes(model, plan, i, params) for i in _representatives(model, plan, layers)]
+    if plan.layer_tp is None:
+        kinds = _layer_kinds(model, layers.start, layers.stop)
+        per_layer = [_layer_acts(model, plan.tp, plan.cp, plan.micro_batch_size, plan.recompute, moe, params)
+                     for moe, _ in kinds]
+        counts = [n for _, n in kinds]
+    else:
+        per_layer = [layer_activation_bytes(model, plan, i, params) for i in layers]
+        counts = [1] * len(layers)
     if plan.recompute == "full":
         checkpoint = tokens * model.hidden_size / plan.tp * params.activation_bytes
         acts = in_flight * len(layers) * checkpoint + max(per_layer)
     else:
-        acts = in_flight * sum(b * n for b, n in zip(per_layer, _representative_counts(model, plan, layers)))
+        acts = in_flight * sum(b * n for b, n in zip(per_layer, counts))
     if stage == plan.pp - 1:
         # logits and their gradient for the micro-batch being finished (vocab-parallel)
         acts += 2 * tokens * _ceil_div(model.vocab_size, plan.tp) * params.logits_bytes
+    return acts
+
+
+@lru_cache(maxsize=65536)
+def _layer_kinds(model: ModelSpec, start: int, stop: int) -> tuple[tuple[bool, int], ...]:
+    """(is MoE, layers of that kind) present in layers [start, stop), dense first."""
+    num_moe = num_moe_layers(model, range(start, stop))
+    return tuple((moe, n) for moe, n in ((False, stop - start - num_moe), (True, num_moe)) if n)
+
+
+@lru_cache(maxsize=65536)
+def _layer_acts(model: ModelSpec, tp: int, cp: int, mbs: int, recompute: str, moe: bool, params: CostParams) -> float:
+    # the planner asks for the same two layer kinds thousands of times
+    layer = model.num_layers - 1 if moe else 0
+    return layer_activation_bytes(model, ParallelPlan(tp=tp, cp=cp, micro_batch_size=mbs, recompute=recompute),
+                                  layer, params)
+
+
+def stage_memory(model: ModelSpec, plan: ParallelPlan, stage: int, *, num_microbatches: int,
+                 params: CostParams = CostParams(), counts: ParamCounts | None = None) -> MemoryBreakdown:
+    """Memory of one device of ``stage`` running ``num_microbatches`` per step (1F1B)."""
+    counts = counts or stage_param_counts(model, plan, stage)
+    layers = plan.stage_ranges(model.num_layers)[stage]
+    weights, grads, optim = stage_static_bytes(model, plan, counts, len(layers), params=params)
+    acts = stage_activation_bytes(model, plan, stage, num_microbatches=num_microbatches, params=params)
     return MemoryBreakdown(stage, weights, grads, optim, acts)
 
 

@@ -1,367 +1,512 @@
-"""Plan search: the ranked feasible parallel plans for a model on a fleet, and why the rest fail.
+"""Plan search: the best feasible parallel plans for a model on a fleet -- including how many
+accelerators to take -- and why the rest fail.
 
 Design decisions:
-- The search space is a product of *shapes* (tp, cp, pp, dp, ep, etp) and per-shape choices
-  (micro-batch size, recompute). Plans are ranked per shape (each shape shows its best choice),
-  so the top-k list offers genuinely different splits.
-- Branch and bound over shapes, exact with respect to the cost model: a shape's lower bound
-  (:class:`_Bound`) is its per-device work (compute + bandwidth terms at the most efficient
-  micro-batch, no latency, no DP/optimizer tail) spread evenly over stages plus the smallest
-  possible 1F1B fill/drain, which no choice of micro-batch size, recompute or split can beat.
-  Shapes are visited in bound order; the search stops when the bound reaches the k-th best time
-  found, and skips micro-batch sizes whose own bound cannot win. A cheap memory bound (weights,
-  gradients and optimizer states averaged over stages) rejects shapes before any pricing.
-  :func:`brute_force_plans` evaluates everything and is the test oracle.
-- Within a shape and micro-batch size, recompute modes are tried from cheapest time
-  (none < selective < full) to smallest memory; the first that fits is the best of the three,
-  and once even full recompute overflows, larger micro-batches are not tried.
-- Mixed fleets: every DP replica lives on one accelerator type; a type with ``n`` free
-  accelerators hosts ``n // (tp*cp*pp)`` replicas, and micro-batches go to replicas in
-  proportion to their accelerators' peak FLOP/s (largest remainder), so fast replicas take more
-  of the batch and all finish together. EP groups must not straddle types.
+- A candidate is a shape ``(tp, cp, ep, etp)`` x ``pp`` x ``dp``; its size ``tp*cp*pp*dp`` is
+  free within :meth:`JobGoal.size_range`, so a 100,000-accelerator fleet is a budget, not an
+  obligation. Per candidate the search picks micro-batch size, virtual stages, recompute, ZeRO
+  stage and optimizer-state dtype. Plans are ranked one per shape, so the list offers genuinely
+  different splits.
+- Branch and bound, exact with respect to the cost model: per core ``(tp, cp, ep, etp)`` the
+  work of one sequence through the whole model at the most efficient micro-batch (no latency,
+  no recompute) is priced once; a candidate's step can be no shorter than that work spread over
+  ``pp`` stages plus the smallest interleaved fill/drain:
+  ``W * (S + mbs * (pp - 1) / vpp_max) / pp`` for ``S = batch / dp`` sequences per replica.
+  Candidates are visited in bound order (step time, or accelerator-seconds for "throughput"),
+  and the search stops when the bound reaches the k-th best found. A memory bound (weights,
+  gradients and optimizer states at the most sharding allowed, averaged over stages) rejects
+  candidates before any pricing. :func:`brute_force_plans` prices everything: the test oracle.
+- Within a candidate: ZeRO stages and optimizer dtypes only trade communication for memory
+  (ZeRO-1 <= 2 <= 3 in time), so for each recompute mode the first rung of that ladder that
+  fits is its best; recompute modes go cheapest first and stop once the lightest rung fits.
+- "fastest" with a scaling-efficiency floor runs twice: first the plan with the fewest
+  accelerator-seconds per step (the best tokens/s per accelerator), then the fastest plan
+  within ``best / min_scaling_efficiency`` accelerator-seconds; ``min_mfu`` is the same kind of cap.
+- Mixed fleets: :mod:`rayfleet.placement.mixed_fleet` for plans over all types, plus each type
+  alone through this search; the better plans win.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import Counter
+import math
 from dataclasses import dataclass, replace
-from typing import Iterator
+from functools import lru_cache
+from itertools import accumulate
 
 from rayfleet.errors import SpecError
-from rayfleet.placement.cost_model import GIB, PlanCost, balanced_plan, evaluate_plan, plan_memory, slowest_accelerator
-from rayfleet.placement.cost_params import CostParams
+from rayfleet.placement.cost_model import GIB, PlanCost, balanced_plan, evaluate_plan, plan_memory
+from rayfleet.placement.cost_params import CostParams, Link, hierarchical_allreduce_time, ring_time
 from rayfleet.placement.fleet_capacity import FleetCapacity
-from rayfleet.placement.memory_model import stage_memory, stage_param_counts
+from rayfleet.placement.memory_model import all_stage_param_counts, stage_activation_bytes, stage_static_bytes
+from rayfleet.placement.mixed_fleet import mixed_fleet_search
 from rayfleet.placement.model_spec import ModelSpec
-from rayfleet.placement.plan import RECOMPUTE_OPTIONS, ParallelPlan, validate_plan
+from rayfleet.placement.plan import ParallelPlan, validate_plan
+from rayfleet.placement.search_results import JobSize, PlanSearchResult, RankedPlan, Rejection
+from rayfleet.placement.search_space import (CoreShape, JobGoal, Objective, SearchSpace, core_shapes,
+                                             data_parallel_degrees, pipeline_degrees)
 from rayfleet.placement.step_time_model import edge_times, layer_times
+from rayfleet.platform.catalogue import AcceleratorSpec
 
-__all__ = ["RankedPlan", "Rejection", "PlanSearchResult", "SearchSpace", "search_plans", "brute_force_plans"]
-
-
-@dataclass(frozen=True)
-class RankedPlan:
-    """One feasible plan with its predicted cost; ``rank`` 1 is the fastest."""
-
-    rank: int
-    plan: ParallelPlan
-    cost: PlanCost
-
-    @property
-    def step_time_s(self) -> float:
-        return self.cost.step_time_s
-
-    @property
-    def peak_memory_gib(self) -> float:
-        return self.cost.peak_memory_gib
-
-    @property
-    def bottleneck(self) -> str:
-        return self.cost.step.bottleneck
+__all__ = ["RankedPlan", "Rejection", "PlanSearchResult", "SearchSpace", "JobGoal", "JobSize", "search_plans",
+           "brute_force_plans"]
 
 
 @dataclass(frozen=True)
-class Rejection:
-    """A shape that cannot run, and why (the first reason found)."""
-
-    shape: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class PlanSearchResult:
-    """Ranked plans plus an account of the rest.
-
-    Attributes:
-        ranked: feasible plans, fastest first (one per shape).
-        rejected: infeasible shapes with their reason.
-        num_shapes: shapes considered; ``num_pruned`` of them were never fully priced because
-            their lower bound could not beat the k-th best.
-    """
-
-    ranked: tuple[RankedPlan, ...]
-    rejected: tuple[Rejection, ...]
-    num_shapes: int
-    num_pruned: int
-
-    def rejection_summary(self) -> list[tuple[str, int]]:
-        """(reason category, count), most common first."""
-        return Counter(r.reason.split(":")[0].split(" Fix")[0] for r in self.rejected).most_common()
-
-
-@dataclass(frozen=True)
-class SearchSpace:
-    """Which choices the search may make (defaults follow common practice)."""
-
-    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    recompute: tuple[str, ...] = RECOMPUTE_OPTIONS
-    max_pp: int = 64
-    context_parallel: tuple[int, ...] | None = None  # None: (1,) below 16k tokens, else up to 8
-    zero_stage: int = 1
-    expert_tp_options: str = "1_or_tp"  # "1_or_tp": etp in {1, tp}; "1": etp = 1 only
-
-
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
-
-
-def _shapes(model: ModelSpec, capacity: FleetCapacity, space: SearchSpace) -> Iterator[tuple[int, int, int, int, int]]:
-    """(tp, cp, pp, ep, etp) candidates; dp follows from the fleet."""
-    domain = capacity.min_domain
-    cps = space.context_parallel or ((1,) if model.seq_len < 16384 else (1, 2, 4, 8))
-    tps = [t for t in _divisors(domain) if model.num_heads % t == 0]
-    eps = _divisors(model.num_experts) if model.is_moe else [1]
-    max_pp = min(model.num_layers, space.max_pp)
-    for tp in tps:
-        for cp in cps:
-            if capacity.is_mixed:  # a type's leftover accelerators may stay idle
-                pps = range(1, max_pp + 1)
-            else:  # a homogeneous fleet is filled exactly, so pp divides it
-                pps = [p for p in _divisors(max(1, capacity.total // (tp * cp))) if p <= max_pp] \
-                    if capacity.total % (tp * cp) == 0 else []
-            for pp in pps:
-                for ep in eps:
-                    etps = sorted({1, tp}) if space.expert_tp_options == "1_or_tp" else [1]
-                    for etp in etps if model.is_moe else [1]:
-                        yield tp, cp, pp, ep, etp
-
-
-def _replica_layout(model: ModelSpec, capacity: FleetCapacity, replica_size: int, mbs: int
-                    ) -> tuple[int, tuple[str, ...] | None, tuple[int, ...] | None] | str:
-    """(dp, replica types, micro-batches per replica) or a reason string."""
-    if not capacity.is_mixed:
-        (type_name, count), = ((t, c) for t, c in capacity.counts.items() if c)
-        if count % replica_size:
-            return f"fleet size: {count} accelerators is not a multiple of tp*cp*pp={replica_size}"
-        dp = count // replica_size
-        if model.global_batch_sequences % (dp * mbs):
-            return f"batch: global batch {model.global_batch_sequences} not divisible by dp*mbs={dp * mbs}"
-        return dp, None, None
-    types: list[str] = []
-    for type_name in sorted(capacity.counts):
-        types += [type_name] * (capacity.counts[type_name] // replica_size)
-    if not types:
-        return f"fleet size: no accelerator type has tp*cp*pp={replica_size} accelerators"
-    total_mb = model.global_batch_sequences // mbs
-    if model.global_batch_sequences % mbs or total_mb < len(types):
-        return f"batch: {model.global_batch_sequences} sequences cannot feed {len(types)} replicas at mbs={mbs}"
-    speeds = [capacity.accelerators[t].peak_tflops(model.precision) for t in types]
-    exact = [total_mb * s / sum(speeds) for s in speeds]
-    counts = [max(1, int(e)) for e in exact]
-    order = sorted(range(len(types)), key=lambda i: counts[i] - exact[i])
-    i = 0
-    while sum(counts) != total_mb:  # largest remainder, keeping every replica >= 1
-        j = order[i % len(order)]
-        step = 1 if sum(counts) < total_mb else -1
-        if counts[j] + step >= 1:
-            counts[j] += step
-        i += 1
-    return len(types), tuple(types), tuple(counts)
-
-
-def _build_plan(model: ModelSpec, capacity: FleetCapacity, shape: tuple[int, int, int, int, int], mbs: int,
-                recompute: str, space: SearchSpace) -> ParallelPlan | str:
-    tp, cp, pp, ep, etp = shape
-    found = _replica_layout(model, capacity, tp * cp * pp, mbs)
-    if isinstance(found, str):
-        return found
-    dp, types, microbatches = found
-    plan = ParallelPlan(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, micro_batch_size=mbs, recompute=recompute,
-                        stage_starts=tuple(range(pp)), zero_stage=space.zero_stage,
-                        replica_accelerators=types, replica_microbatches=microbatches)
-    try:
-        validate_plan(plan, model, scaleup_domain_size=capacity.min_domain)
-    except SpecError as err:
-        return f"{err.field.split('.')[-1]}: {err}"
-    if types is not None and ep * etp > tp * cp:
-        group = ep * etp // (tp * cp)
-        if any(types[i] != types[i - i % group] for i in range(len(types))) or len(types) % group:
-            return "ep: an EP group would straddle accelerator types"
-    return replace(plan, stage_starts=None)
-
-
-def _accel_arg(capacity: FleetCapacity, plan: ParallelPlan):
-    if plan.replica_accelerators is None:
-        (name,) = [t for t, c in capacity.counts.items() if c]
-        return capacity.accelerators[name]
-    return capacity.accelerators
-
-
-@dataclass(frozen=True)
-class _Bound:
-    """Lower bound on a shape's step time as a function of the micro-batch size.
-
-    With latencies dropped, a micro-batch's work summed over stages is ``mbs * work_per_sequence``
-    and the 1F1B pipeline takes ``sum_s T_s + (m - 1) max_s T_s >= W (1 + (m - 1) / pp)``, i.e.
-    ``work_per_sequence * (mbs + (S - mbs) / pp)`` for ``S`` sequences per replica. Recompute,
-    latency, imbalance and the DP/optimizer tail only add to it.
-    """
-
-    work_per_sequence: float
-    sequences: float
+class _Candidate:
+    core: CoreShape
     pp: int
-    with_bubble: bool
-
-    def at(self, mbs: int) -> float:
-        if not self.with_bubble:
-            return self.work_per_sequence * self.sequences / self.pp
-        return self.work_per_sequence * (mbs + (self.sequences - mbs) / self.pp)
+    dp: int
+    work_per_sequence: float  # seconds, whole model on one device, at the best micro-batch
+    sequences: float  # per replica per step
+    vpp_max: int
 
     @property
-    def lowest(self) -> float:
-        return min(self.at(1), self.work_per_sequence * self.sequences / self.pp)
+    def world(self) -> int:
+        return self.core.tp * self.core.cp * self.pp * self.dp
+
+    def step_bound(self, mbs: int) -> float:
+        return self.work_per_sequence * (self.sequences + mbs * (self.pp - 1) / self.vpp_max) / self.pp
+
+    def key_bound(self, objective: Objective, mbs: int) -> float:
+        return self.step_bound(mbs) * (self.world if objective == "throughput" else 1)
+
+    def describe(self) -> str:
+        c = self.core
+        return f"TP{c.tp} CP{c.cp} PP{self.pp} DP{self.dp} EP{c.ep} ETP{c.etp}"
 
 
-def _lower_bound(model: ModelSpec, plan: ParallelPlan, capacity: FleetCapacity, params: CostParams,
-                 max_mbs: int) -> _Bound:
-    """No plan of this shape (any mbs <= ``max_mbs``, any recompute, any split) is faster than this.
+def _key(cost: PlanCost, objective: Objective) -> tuple[float, float, tuple]:
+    accel_s = cost.step_time_s * cost.plan.world_size
+    main = accel_s if objective == "throughput" else cost.step_time_s
+    return (main, cost.step_time_s, cost.plan.shape())
 
-    Work per sequence is priced at the largest micro-batch, where GEMMs are most efficient.
-    """
+
+def _vpps(model: ModelSpec, pp: int, space: SearchSpace) -> list[int]:
+    """Virtual stages worth trying: those leaving 1-4 layers per chunk (what tuned recipes use:
+    Llama-3 70B PP8 VP5, DeepSeek-V3 PP8 VP4, Qwen3-30B PP2 VP24), within ``space``."""
+    if pp == 1:
+        return [1]
+    per_stage = model.num_layers / pp
+    wanted = {1, 2} | {max(1, round(per_stage / k)) for k in (1, 2, 3, 4)}
+    allowed = set(space.virtual_stages) | ({v for v in wanted if v > max(space.virtual_stages)}
+                                            if max(space.virtual_stages) > 1 else set())
+    return sorted(v for v in wanted & allowed if pp * v <= model.num_layers) or [1]
+
+
+def _static_bytes_floor(model: ModelSpec, core: CoreShape, pp: int, dp: int, space: SearchSpace,
+                        params: CostParams) -> float:
+    """Weights + gradients + optimizer states per device averaged over stages, at the most
+    sharding the space allows: no split, micro-batch or recompute choice gets below it."""
+    counts = all_stage_param_counts(model, ParallelPlan(tp=core.tp, ep=core.ep, etp=core.etp))[0]
+    z = max(space.zero_ladder)
+    opt = min(params.optimizer_bytes if d == "fp32" else params.optimizer_bytes_bf16 for d in space.optimizer_dtypes)
+    weight = params.param_bytes + (params.fp8_weight_cache_bytes if model.precision == "fp8" else 0)
+    edp = core.tp * core.cp * dp // (core.ep * core.etp)
+    total = 0.0
+    for n, shard in ((counts.dense, dp * core.cp), (counts.expert, edp)):
+        total += n * (weight / (shard if z >= 3 else 1) + params.grad_bytes / (shard if z >= 2 else 1)
+                      + opt / (shard if z >= 1 else 1))
+    return total / pp
+
+
+@lru_cache(maxsize=8192)
+def _work(model: ModelSpec, core: CoreShape, accel: AcceleratorSpec, params: CostParams, mbs: int,
+          recompute: str = "none") -> tuple[float, tuple[float, ...]]:
+    """(whole model, prefix sums of the layers cheapest first) seconds per sequence on one device
+    at micro-batch ``mbs``, latencies dropped: larger micro-batches only run GEMMs more
+    efficiently, so both fall with mbs."""
     free = replace(params, intra_latency_s=0.0, inter_latency_s=0.0)
-    probe = replace(plan, micro_batch_size=max_mbs, recompute="none", stage_starts=None)
-    groups: dict[str, float] = {}
-    if plan.replica_accelerators is None:
-        (name,) = [t for t, c in capacity.counts.items() if c]
-        groups[name] = model.global_batch_sequences / plan.dp
-    else:
-        for name, mb in zip(plan.replica_accelerators, plan.replica_microbatches or ()):
-            # micro-batch shares are rounded per mbs; stay safely below any of them
-            share = 0.9 * mb * plan.micro_batch_size
-            groups[name] = min(groups.get(name, share), share)
-    bounds = []
-    for name, sequences in groups.items():
-        accel = capacity.accelerators[name]
-        embed, head = edge_times(model, probe, accel, free)
-        work = (sum(t.total for t in layer_times(model, probe, accel, free)) + embed + head) / max_mbs
-        bounds.append(_Bound(work, sequences, plan.pp, with_bubble=plan.replica_accelerators is None))
-    return max(bounds, key=lambda b: b.lowest)
+    probe = ParallelPlan(tp=core.tp, cp=core.cp, ep=core.ep, etp=core.etp, dp=core.ep * core.etp,
+                         micro_batch_size=mbs, recompute=recompute)
+    embed, head = edge_times(model, probe, accel, free)
+    times = sorted(t.total / mbs for t in layer_times(model, probe, accel, free))
+    return sum(times) + (embed + head) / mbs, tuple(accumulate(times, initial=0.0))
 
 
-def _min_memory_fits(model: ModelSpec, plan: ParallelPlan, capacity: FleetCapacity, params: CostParams) -> str | None:
-    """Reason string when no split, micro-batch size or recompute can fit; None if one may.
+def _work_per_sequence(model: ModelSpec, core: CoreShape, accel: AcceleratorSpec, params: CostParams,
+                       max_mbs: int) -> float:
+    return _work(model, core, accel, params, max_mbs)[0]
 
-    Weights, gradients and optimizer states summed over stages do not depend on the split, so
-    their mean over stages bounds the fullest stage from below (activations only add).
-    """
-    probe = replace(plan, recompute="full",
-                    stage_starts=tuple(round(i * model.num_layers / plan.pp) for i in range(plan.pp)))
-    static = 0.0
-    for s in range(plan.pp):
-        mem = stage_memory(model, probe, s, num_microbatches=1, params=params, counts=stage_param_counts(model, probe, s))
-        static += mem.weights + mem.gradients + mem.optimizer
-    need = static / plan.pp
-    for name in set(plan.replica_accelerators or [t for t, c in capacity.counts.items() if c]):
-        usable = capacity.accelerators[name].hbm_gib * GIB * params.usable_memory_fraction
-        if need > usable:
-            return (f"memory: weights, gradients and optimizer states alone need {need / GIB:.1f} GiB per device "
-                    f"> {usable / GIB:.1f} GiB usable on {name}")
+
+def _candidates(model: ModelSpec, accel: AcceleratorSpec, lo: int, hi: int, space: SearchSpace,
+                params: CostParams) -> tuple[list[_Candidate], list[Rejection], int]:
+    """Every (core, pp, dp) whose size lies in [lo, hi], with its bound, minus the shapes that
+    are invalid or cannot fit memory however they are configured."""
+    out: list[_Candidate] = []
+    rejected: list[Rejection] = []
+    num_shapes = 0
+    usable = accel.hbm_gib * GIB * params.usable_memory_fraction
+    gbs = model.global_batch_sequences
+    for core in core_shapes(model, accel.scaleup_domain_size, space):
+        width = core.tp * core.cp
+        pps = pipeline_degrees(model, space, exact_world=lo if lo == hi else None, replica_width=width)
+        work: float | None = None
+        for pp in pps:
+            dps = data_parallel_degrees(model, core, pp, lo, hi, space)
+            if not dps:
+                continue
+            probe = ParallelPlan(tp=core.tp, cp=core.cp, pp=pp, dp=dps[0], ep=core.ep, etp=core.etp,
+                                 micro_batch_size=min(space.micro_batch_sizes), stage_starts=tuple(range(pp)))
+            try:
+                validate_plan(probe, model, scaleup_domain_size=accel.scaleup_domain_size)
+            except SpecError as err:
+                num_shapes += len(dps)
+                rejected.append(Rejection(f"TP{core.tp} CP{core.cp} PP{pp} EP{core.ep} ETP{core.etp}",
+                                          f"{err.field.split('.')[-1]}: {err}"))
+                continue
+            if work is None:
+                work = _work_per_sequence(model, core, accel, params, max(space.micro_batch_sizes))
+            vmax = max(_vpps(model, pp, space))
+            for dp in dps:
+                num_shapes += 1
+                cand = _Candidate(core, pp, dp, work, gbs / dp, vmax)
+                need = _static_bytes_floor(model, core, pp, dp, space, params)
+                if need > usable:
+                    rejected.append(Rejection(cand.describe(), f"memory: weights, gradients and optimizer states "
+                                              f"alone need {need / GIB:.1f} GiB per device > {usable / GIB:.1f} GiB "
+                                              f"usable on {accel.name}"))
+                    continue
+                out.append(cand)
+    return out, rejected, num_shapes
+
+
+def _ladder(space: SearchSpace) -> list[tuple[int, str]]:
+    return [(z, d) for z in space.zero_ladder for d in space.optimizer_dtypes]
+
+
+def _fitting_rungs(model: ModelSpec, plan: ParallelPlan, ladder: list[tuple[int, str]], usable: float,
+                   params: CostParams, *, first_only: bool) -> list[int]:
+    """Indices of the (ZeRO stage, optimizer dtype) rungs under which ``plan`` (stage_starts set)
+    fits ``usable`` bytes on every stage; activations are computed once for all rungs."""
+    counts = all_stage_param_counts(model, plan)
+    ranges = plan.stage_ranges(model.num_layers)
+    m = plan.num_microbatches(model.global_batch_sequences)
+    acts = [stage_activation_bytes(model, plan, s, num_microbatches=m, params=params) for s in range(plan.pp)]
+    out = []
+    for i, (zero, dtype) in enumerate(ladder):
+        if all(sum(stage_static_bytes(model, plan, counts[s], len(ranges[s]), params=params, zero_stage=zero,
+                                      optimizer_dtype=dtype)) + acts[s] <= usable for s in range(plan.pp)):
+            out.append(i)
+            if first_only:
+                break
+    return out
+
+
+@dataclass(frozen=True)
+class _Refined:
+    """What a candidate needs to fit memory, found at its least-memory configuration (smallest
+    micro-batch, no virtual stages): the lightest recompute mode that fits with any rung, and the
+    lightest rung that fits with the heaviest recompute -- no configuration needs less."""
+
+    lightest_recompute: int
+    lightest_rung: int
+    largest_mbs: tuple[int, ...]  # per recompute mode from the lightest that fits
+
+
+def _refine(model: ModelSpec, accel: AcceleratorSpec, cand: _Candidate, space: SearchSpace,
+            params: CostParams) -> _Refined | None:
+    c = cand.core
+    base = ParallelPlan(tp=c.tp, cp=c.cp, pp=cand.pp, dp=cand.dp, ep=c.ep, etp=c.etp,
+                        micro_batch_size=min(space.micro_batch_sizes))
+    plan = balanced_plan(model, base, accel, params)
+    usable = accel.hbm_gib * GIB * params.usable_memory_fraction
+    ladder = _ladder(space)
+    for i, recompute in enumerate(space.recompute):
+        rungs = _fitting_rungs(model, replace(plan, recompute=recompute), ladder, usable, params, first_only=True)
+        if rungs:
+            heaviest = replace(plan, recompute=space.recompute[-1])
+            rung = rungs[0] if i == len(space.recompute) - 1 else \
+                _fitting_rungs(model, heaviest, ladder, usable, params, first_only=True)[0]
+            largest = tuple(max(space.micro_batch_sizes) for rc in space.recompute[i:])
+            return _Refined(i, rung, largest)
     return None
 
 
-def _best_of_shape(model: ModelSpec, capacity: FleetCapacity, shape, space: SearchSpace, params: CostParams,
-                   exhaustive: bool, bound: _Bound | None = None, cutoff: float = float("inf")
-                   ) -> tuple[PlanCost | None, str | None]:
-    """The fastest fitting (mbs, recompute) choice of ``shape``; when not ``exhaustive``, skips
-    micro-batch sizes whose bound reaches ``cutoff`` and stops at the first recompute that fits."""
+def _largest_mbs(model: ModelSpec, accel: AcceleratorSpec, base: ParallelPlan, recompute: str,
+                 rungs: list[tuple[int, str]], usable: float, space: SearchSpace, params: CostParams) -> int:
+    smallest = min(space.micro_batch_sizes)
+    for mbs in sorted(space.micro_batch_sizes, reverse=True):
+        if mbs == smallest:
+            return mbs
+        if model.global_batch_sequences % (base.dp * mbs) == 0:
+            plan = balanced_plan(model, replace(base, micro_batch_size=mbs, recompute=recompute), accel, params)
+            if _fitting_rungs(model, plan, rungs, usable, params, first_only=True):
+                return mbs
+    return smallest
+
+
+def _refined_step_bound(model: ModelSpec, accel: AcceleratorSpec, cand: _Candidate, need: _Refined,
+                        space: SearchSpace, params: CostParams) -> float:
+    """No configuration of ``cand`` that fits memory steps faster than this: work at the largest
+    micro-batch that fits, with the lightest recompute that fits, over a pipeline whose slowest
+    stage holds at least ``ceil(L / pp)`` layers, plus the least ZeRO-2/3 exposure it needs."""
+    mbs_min = min(space.micro_batch_sizes)
+    fullest = -(-model.num_layers // cand.pp)
+    pipeline = math.inf
+    for recompute, mbs in zip(space.recompute[need.lightest_recompute:], need.largest_mbs):
+        work, prefix = _work(model, cand.core, accel, params, mbs, recompute)
+        pipeline = min(pipeline, max(work * (cand.sequences + mbs_min * (cand.pp - 1) / cand.vpp_max) / cand.pp,
+                                     cand.sequences * prefix[fullest]))
+    zero = _ladder(space)[need.lightest_rung][0]
+    return pipeline + _zero_floor(model, accel, cand, zero, params, max(need.largest_mbs))
+
+
+def _zero_floor(model: ModelSpec, accel: AcceleratorSpec, cand: _Candidate, zero: int, params: CostParams,
+                max_mbs: int) -> float:
+    """Least exposed ZeRO-2/3 communication per step of ``cand`` under ``zero``: per micro-batch
+    ``max(0, comm - overlap * compute)`` summed over micro-batches is at least the sum's
+    ``max(0, m * comm - overlap * total compute)``, smallest at the largest micro-batch; the
+    slowest stage is at least the mean stage (parameters / pp, work / pp)."""
+    if zero < 2:
+        return 0.0
+    c = cand.core
+    probe = ParallelPlan(tp=c.tp, cp=c.cp, pp=cand.pp, dp=cand.dp, ep=c.ep, etp=c.etp, zero_stage=zero)
+    whole = all_stage_param_counts(model, replace(probe, pp=1, dp=c.ep * c.etp))[0]
+    dense, expert = whole.dense / cand.pp, whole.expert / cand.pp
+    free = replace(params, intra_latency_s=0.0, inter_latency_s=0.0)
+    link, nic = Link.scaleup(accel, free), Link.scaleout(accel, free)
+    domain = accel.scaleup_domain_size
+    group = cand.dp * c.cp
+    comm = hierarchical_allreduce_time(dense * params.grad_reduce_bytes, group, min(group, max(1, domain // c.tp)),
+                                       link, nic) / 2
+    comm += hierarchical_allreduce_time(expert * params.grad_reduce_bytes, probe.edp,
+                                        min(probe.edp, max(1, domain // (c.ep * c.etp))), link, nic) / 2
+    if zero >= 3:
+        comm += 2 * ring_time((dense + expert) * params.param_bytes, group, link if group * c.tp <= domain else nic)
+    m = cand.sequences / max_mbs
+    return max(0.0, m * comm - params.dp_overlap_fraction * cand.sequences * cand.work_per_sequence / cand.pp)
+
+
+def _configurations(model: ModelSpec, plan: ParallelPlan, fits: list[tuple[int, list[int]]],
+                    ladder: list[tuple[int, str]], accel: AcceleratorSpec, params: CostParams,
+                    exhaustive: bool) -> list[ParallelPlan]:
+    """The plans worth pricing among ``fits`` ((virtual stages, fitting rungs) pairs).
+
+    Virtual stages change only the pipeline term: every stage's micro-batch time grows by
+    ``(vpp - 1)`` sends and the fill/drain shrinks ``vpp`` times (see step_time_model), so one
+    pricing at ``vpp = 1`` per rung gives every ``vpp`` in closed form; only the winner is priced
+    again. ``exhaustive`` returns every pair (the oracle checks the closed form)."""
+    if exhaustive:
+        return [replace(plan, vpp=v, zero_stage=ladder[r][0], optimizer_dtype=ladder[r][1])
+                for v, rungs in fits for r in rungs]
+    if len(fits) == 1:
+        (v, (r, *_)), = fits
+        return [replace(plan, vpp=v, zero_stage=ladder[r][0], optimizer_dtype=ladder[r][1])]
+    base: dict[int, tuple[float, tuple[float, ...], float, int]] = {}
+    best: tuple[float, int, int] | None = None
+    for v, (r, *_) in fits:
+        if r not in base:
+            one = evaluate_plan(model, replace(plan, zero_stage=ladder[r][0], optimizer_dtype=ladder[r][1]), accel,
+                                params=params)
+            m = one.plan.num_microbatches(model.global_batch_sequences)
+            base[r] = (one.step_time_s, one.step.stage_microbatch_s, one.step.pp_p2p / m, m)
+        total, stages, send, m = base[r]
+        slowest, whole = max(stages), sum(stages)
+        before = m * slowest + (whole - slowest)
+        grow = send * (v - 1)
+        after = m * (slowest + grow) + (whole + plan.pp * grow - slowest - grow) / v
+        t = total - before + after
+        if best is None or t < best[0]:
+            best = (t, v, r)
+    assert best is not None
+    _, v, r = best
+    return [replace(plan, vpp=v, zero_stage=ladder[r][0], optimizer_dtype=ladder[r][1])]
+
+
+def _best_of(model: ModelSpec, accel: AcceleratorSpec, cand: _Candidate, space: SearchSpace, params: CostParams,
+             objective: Objective, *, cutoff: float, accel_s_cap: float, exhaustive: bool, lightest: int = 0
+             ) -> tuple[PlanCost | None, str | None]:
+    """The best fitting configuration of ``cand`` (micro-batch, virtual stages, recompute, ZeRO,
+    optimizer dtype) under ``accel_s_cap`` accelerator-seconds per step; (None, reason) if none.
+
+    Stage boundaries are balanced once per (micro-batch, virtual stages) without recompute
+    (recompute scales every layer's compute alike, so the split barely moves)."""
+    c = cand.core
     best: PlanCost | None = None
     reason: str | None = None
+    ladder = _ladder(space)
+    usable = accel.hbm_gib * GIB * params.usable_memory_fraction
     for mbs in sorted(space.micro_batch_sizes):
-        if not exhaustive and bound is not None and bound.at(mbs) >= min(cutoff, best.step_time_s if best else cutoff):
+        if model.global_batch_sequences % (cand.dp * mbs):
             continue
-        fitted = False
-        for recompute in space.recompute:
-            plan = _build_plan(model, capacity, shape, mbs, recompute, space)
-            if isinstance(plan, str):
-                reason = reason or plan
-                break
-            accel = _accel_arg(capacity, plan)
-            plan = balanced_plan(model, plan, slowest_accelerator(model, plan, accel), params)
-            mem, mem_type, usable = plan_memory(model, plan, accel, params=params)  # cheap: check it first
-            if mem.total > usable:
-                reason = reason or f"memory: {mem.total / GIB:.1f} GiB > {usable / GIB:.1f} GiB usable on {mem_type}"
+        bound = cand.key_bound(objective, mbs)
+        if not exhaustive and bound >= min(cutoff, _key(best, objective)[0] if best else cutoff):
+            continue
+        any_fit = False
+        base = ParallelPlan(tp=c.tp, cp=c.cp, pp=cand.pp, dp=cand.dp, ep=c.ep, etp=c.etp, micro_batch_size=mbs)
+        split = balanced_plan(model, base, accel, params)  # virtual stages do not move the split
+        for recompute in space.recompute[lightest:]:
+            plan = replace(split, recompute=recompute)
+            fits = [(vpp, rungs) for vpp in _vpps(model, cand.pp, space)
+                    if (rungs := _fitting_rungs(model, replace(plan, vpp=vpp), ladder, usable, params,
+                                                first_only=not exhaustive))]
+            if not fits:
+                reason = reason or f"memory: does not fit {usable / GIB:.1f} GiB usable on {accel.name}"
                 continue
-            fitted = True
-            cost = evaluate_plan(model, plan, accel, params=params)
-            if best is None or cost.step_time_s < best.step_time_s:
-                best = cost
-            if not exhaustive:
-                break  # slower recompute modes cannot beat the first one that fits
-        if not fitted and not exhaustive and reason and reason.startswith("memory"):
-            break  # activations only grow with the micro-batch: larger ones cannot fit either
+            any_fit = True
+            for trial in _configurations(model, plan, fits, ladder, accel, params, exhaustive):
+                cost = evaluate_plan(model, trial, accel, params=params)
+                if cost.step_time_s * cand.world > accel_s_cap:
+                    reason = reason or "efficiency: below the scaling-efficiency / MFU floor"
+                elif best is None or _key(cost, objective) < _key(best, objective):
+                    best = cost
+            if any(rungs[0] == 0 for _, rungs in fits) and not exhaustive:
+                break  # heavier recompute only adds time once the lightest rung fits
+        if not any_fit and not exhaustive:
+            break  # activations only grow with the micro-batch
     return best, (None if best else reason)
 
 
-def _describe(shape) -> str:
-    tp, cp, pp, ep, etp = shape
-    return f"TP{tp} CP{cp} PP{pp} EP{ep} ETP{etp}"
+@dataclass
+class _Search:
+    found: list[PlanCost]
+    rejected: list[Rejection]
+    num_pruned: int = 0
 
 
-def _finish(found: list[PlanCost], rejected: list[Rejection], num_shapes: int, num_pruned: int,
-            top_k: int) -> PlanSearchResult:
-    found.sort(key=lambda c: (c.step_time_s, c.plan.shape()))
-    ranked = tuple(RankedPlan(i + 1, c.plan, c) for i, c in enumerate(found[:top_k]))
-    return PlanSearchResult(ranked=ranked, rejected=tuple(rejected), num_shapes=num_shapes, num_pruned=num_pruned)
+def _branch_and_bound(model: ModelSpec, accel: AcceleratorSpec, cands: list[_Candidate], space: SearchSpace,
+                      params: CostParams, objective: Objective, *, top_k: int, accel_s_cap: float,
+                      exhaustive: bool, refined: dict | None = None) -> _Search:
+    mbs_min = min(space.micro_batch_sizes)
+    order = sorted(cands, key=lambda c: (c.key_bound(objective, mbs_min), c.world))
+    heap: list[float] = []  # negated objective values of the best top_k
+    out = _Search([], [])
+    refined = {} if refined is None else refined  # candidate -> _Refined, shared by both passes
+    for i, cand in enumerate(order):
+        if cand.step_bound(mbs_min) * cand.world > accel_s_cap and not exhaustive:
+            out.num_pruned += 1  # cannot meet the efficiency floor
+            continue
+        cutoff = -heap[0] / (1 + space.optimality_gap) if len(heap) >= top_k else math.inf
+        if not exhaustive and cand.key_bound(objective, mbs_min) >= cutoff:
+            out.num_pruned += len(order) - i
+            break
+        lightest = 0
+        if not exhaustive:
+            if cand not in refined:
+                refined[cand] = _refine(model, accel, cand, space, params)
+            need = refined[cand]
+            if need is None:
+                out.rejected.append(Rejection(cand.describe(), f"memory: does not fit {accel.hbm_gib:.0f} GiB "
+                                              f"{accel.name} with any recompute, ZeRO stage or micro-batch"))
+                continue
+            lightest = need.lightest_recompute
+            step = _refined_step_bound(model, accel, cand, need, space, params)
+            if step * (cand.world if objective == "throughput" else 1) >= cutoff or step * cand.world > accel_s_cap:
+                out.num_pruned += 1  # the recompute or sharding it needs makes it lose
+                continue
+        best, reason = _best_of(model, accel, cand, space, params, objective, cutoff=cutoff,
+                                accel_s_cap=accel_s_cap, exhaustive=exhaustive, lightest=lightest)
+        if best is None:
+            if reason is None:
+                out.num_pruned += 1  # every micro-batch size was bounded out
+            else:
+                out.rejected.append(Rejection(cand.describe(), reason))
+            continue
+        out.found.append(best)
+        heapq.heappush(heap, -_key(best, objective)[0])
+        if len(heap) > top_k:
+            heapq.heappop(heap)
+    return out
+
+
+def _homogeneous(model: ModelSpec, capacity: FleetCapacity, goal: JobGoal, *, top_k: int, params: CostParams,
+                 space: SearchSpace, exhaustive: bool) -> PlanSearchResult:
+    (name, free), = ((t, n) for t, n in capacity.counts.items() if n)
+    accel = capacity.accelerators[name]
+    lo, hi = goal.size_range(free)
+    if lo > free:
+        raise SpecError("min_accelerators", lo, f"the fleet has only {free} free {name}",
+                        "lower min_accelerators or free more of the fleet")
+    cands, rejected, num_shapes = _candidates(model, accel, lo, hi, space, params)
+    cap = math.inf
+    if goal.min_mfu > 0:
+        cap = model.global_batch_tokens * 3 * model.model_forward_flops_per_token() / (
+            accel.peak_tflops(model.precision) * 1e12 * goal.min_mfu)
+    best_rate = 0.0
+    refined: dict = {}
+    if goal.objective == "fastest" and goal.min_scaling_efficiency > 0 and lo < hi:
+        efficient = _branch_and_bound(model, accel, cands, space, params, "throughput", top_k=1, accel_s_cap=cap,
+                                      exhaustive=exhaustive, refined=refined)
+        if efficient.found:
+            top = min(efficient.found, key=lambda c: _key(c, "throughput"))
+            best_rate = top.tokens_per_s / top.plan.world_size
+            cap = min(cap, top.step_time_s * top.plan.world_size / goal.min_scaling_efficiency)
+    search = _branch_and_bound(model, accel, cands, space, params, goal.objective, top_k=top_k, accel_s_cap=cap,
+                               exhaustive=exhaustive, refined=refined)
+    found = sorted(search.found, key=lambda c: _key(c, goal.objective))[:top_k]
+    ranked = tuple(RankedPlan(i + 1, c.plan, c) for i, c in enumerate(found))
+    size = _job_size(model, ranked, goal, free, hi, best_rate, name) if ranked else None
+    return PlanSearchResult(ranked, tuple(rejected + search.rejected), num_shapes, search.num_pruned, size)
+
+
+def _job_size(model: ModelSpec, ranked: tuple[RankedPlan, ...], goal: JobGoal, free: int, hi: int,
+              best_rate: float, name: str) -> JobSize:
+    top = ranked[0]
+    n = top.num_accelerators
+    rate = top.tokens_per_s_per_accelerator
+    plan = top.plan
+    if goal.fill_fleet or goal.min_accelerators == hi:
+        why = f"the job asked for exactly {n} {name}"
+    elif goal.objective == "throughput":
+        why = (f"most tokens/s per accelerator ({rate:,.0f}); more accelerators would add pipeline bubbles "
+               f"or communication per token")
+    elif n == hi:
+        why = f"fastest step; it takes every accelerator it may ({'max_accelerators' if hi < free else 'the free fleet'})"
+    elif plan.dp * plan.micro_batch_size == model.global_batch_sequences and best_rate and rate >= 0.999 * best_rate:
+        why = f"fastest step: the global batch of {model.global_batch_sequences} sequences is spread one micro-batch per replica"
+    else:
+        floor = f"{goal.min_scaling_efficiency:.0%} of the best {best_rate:,.0f} tokens/s per accelerator" if best_rate \
+            else f"MFU >= {goal.min_mfu:.0%}"
+        why = (f"fastest step that keeps {floor} ({rate:,.0f} here); larger jobs are faster only below that "
+               f"(lower --min-scaling-efficiency, or set --max-accelerators, to trade efficiency for speed)")
+    return JobSize(n, min(free, hi), why, best_rate)
+
+
+def _merge(results: list[PlanSearchResult], objective: Objective, top_k: int) -> PlanSearchResult:
+    found = sorted((r.cost for res in results for r in res.ranked), key=lambda c: _key(c, objective))[:top_k]
+    ranked = tuple(RankedPlan(i + 1, c.plan, c) for i, c in enumerate(found))
+    size = next((r.job_size for r in results if r.ranked and ranked and r.ranked[0].cost is ranked[0].cost), None)
+    return PlanSearchResult(ranked, tuple(x for r in results for x in r.rejected), sum(r.num_shapes for r in results),
+                            sum(r.num_pruned for r in results), size)
+
+
+def _search(model: ModelSpec, capacity: FleetCapacity, goal: JobGoal, *, top_k: int, params: CostParams,
+            space: SearchSpace, exhaustive: bool) -> PlanSearchResult:
+    if top_k < 1:
+        raise SpecError("top_k", top_k, "must be at least 1", "ask for one plan or more")
+    if not capacity.is_mixed:
+        return _homogeneous(model, capacity, goal, top_k=top_k, params=params, space=space, exhaustive=exhaustive)
+    found, rejected, shapes, pruned = mixed_fleet_search(model, capacity, top_k=top_k, params=params, space=space,
+                                                         exhaustive=exhaustive)
+    ranked = tuple(RankedPlan(i + 1, c.plan, c) for i, c in enumerate(sorted(found, key=lambda c: _key(c, "fastest"))))
+    mixed = PlanSearchResult(ranked[:top_k], tuple(rejected), shapes, pruned,
+                             JobSize(ranked[0].num_accelerators, capacity.total,
+                                     "fastest step over every accelerator type together") if ranked else None)
+    results = [mixed]
+    if not goal.fill_fleet:
+        for name, count in capacity.counts.items():
+            if count:
+                alone = FleetCapacity({name: capacity.accelerators[name]}, {name: count})
+                results.append(_homogeneous(model, alone, goal, top_k=top_k, params=params, space=space,
+                                            exhaustive=exhaustive))
+    return _merge(results, goal.objective, top_k)
 
 
 def search_plans(model: ModelSpec, capacity: FleetCapacity, *, top_k: int = 5, params: CostParams = CostParams(),
-                 space: SearchSpace = SearchSpace()) -> PlanSearchResult:
-    """The ``top_k`` fastest feasible plans (one per shape) by branch and bound."""
-    candidates: list[tuple[_Bound, tuple, ParallelPlan]] = []
-    rejected: list[Rejection] = []
-    num_shapes = 0
-    for shape in _shapes(model, capacity, space):
-        num_shapes += 1
-        plan = None
-        for mbs in space.micro_batch_sizes:  # any micro-batch size that makes the shape valid
-            plan = _build_plan(model, capacity, shape, mbs, "none", space)
-            if not isinstance(plan, str):
-                break
-        if isinstance(plan, str):
-            rejected.append(Rejection(_describe(shape), plan))
-            continue
-        too_big = _min_memory_fits(model, replace(plan, micro_batch_size=1), capacity, params)
-        if too_big:
-            rejected.append(Rejection(_describe(shape), too_big))
-            continue
-        candidates.append((_lower_bound(model, plan, capacity, params, max(space.micro_batch_sizes)), shape, plan))
-    candidates.sort(key=lambda c: c[0].lowest)
-    heap: list[float] = []  # negated step times of the best top_k
-    found: list[PlanCost] = []
-    pruned = 0
-    for i, (bound, shape, _) in enumerate(candidates):
-        cutoff = -heap[0] if len(heap) >= top_k else float("inf")
-        if bound.lowest >= cutoff:
-            pruned += len(candidates) - i
-            break
-        best, reason = _best_of_shape(model, capacity, shape, space, params, exhaustive=False, bound=bound,
-                                      cutoff=cutoff)
-        if best is None and reason is None:
-            pruned += 1  # every micro-batch size was bounded out: feasible but slower than the top k
-            continue
-        if best is None:
-            rejected.append(Rejection(_describe(shape), reason or "no valid micro-batch size"))
-            continue
-        found.append(best)
-        heapq.heappush(heap, -best.step_time_s)
-        if len(heap) > top_k:
-            heapq.heappop(heap)
-    return _finish(found, rejected, num_shapes, pruned, top_k)
+                 space: SearchSpace = SearchSpace(), goal: JobGoal | None = None) -> PlanSearchResult:
+    """The ``top_k`` best feasible plans (one per shape) by branch and bound.
+
+    ``goal`` ``None`` fills the free fleet exactly (a launcher given N workers); pass a
+    :class:`JobGoal` to let the planner choose the size.
+    """
+    return _search(model, capacity, goal or JobGoal(fill_fleet=True), top_k=top_k, params=params, space=space,
+                   exhaustive=False)
 
 
 def brute_force_plans(model: ModelSpec, capacity: FleetCapacity, *, top_k: int = 5,
-                      params: CostParams = CostParams(), space: SearchSpace = SearchSpace()) -> PlanSearchResult:
-    """Every shape x micro-batch x recompute priced; the oracle :func:`search_plans` must match."""
-    found: list[PlanCost] = []
-    rejected: list[Rejection] = []
-    num_shapes = 0
-    for shape in _shapes(model, capacity, space):
-        num_shapes += 1
-        best, reason = _best_of_shape(model, capacity, shape, space, params, exhaustive=True)
-        if best is None:
-            rejected.append(Rejection(_describe(shape), reason or "no valid micro-batch size"))
-        else:
-            found.append(best)
-    return _finish(found, rejected, num_shapes, 0, top_k)
+                      params: CostParams = CostParams(), space: SearchSpace = SearchSpace(),
+                      goal: JobGoal | None = None) -> PlanSearchResult:
+    """Every candidate x configuration priced; the oracle :func:`search_plans` must match."""
+    return _search(model, capacity, goal or JobGoal(fill_fleet=True), top_k=top_k, params=params, space=space,
+                   exhaustive=True)

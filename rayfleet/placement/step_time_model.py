@@ -2,9 +2,13 @@
 
 Design decisions:
 - Work is priced per layer and per micro-batch on one device, then assembled into a 1F1B
-  pipeline: ``sum_s T_s + (m - 1) * max_s T_s`` (fill/drain once through every stage, then the
-  slowest stage sets the pace), followed by the DP gradient reduction (partly hidden behind the
-  last backward) and the optimizer step (HBM-bound).
+  pipeline: ``m * max_s T_s + (sum_s T_s - max_s T_s) / vpp`` (the slowest stage sets the pace;
+  fill/drain passes once through the other stages, ``vpp`` times faster with interleaved virtual
+  stages, which send ``vpp`` times as often), followed by the DP gradient reduction (partly
+  hidden behind the last backward) and the optimizer step (HBM-bound).
+- ZeRO-2 reduce-scatters gradients every micro-batch and ZeRO-3 (FSDP) also all-gathers the
+  weights for its forward and its backward; prefetching hides them behind that micro-batch's
+  compute (``dp_overlap_fraction`` of it), so only the excess is on the critical path.
 - Compute: forward FLOPs per token from :class:`ModelSpec`, x3 for forward+backward, +1 forward
   with full recompute, +attention core forward with selective recompute. GEMMs run at the
   catalogue's peak for the model's precision (FP8 or BF16) times ``gemm_efficiency``; fused
@@ -24,6 +28,7 @@ Units: seconds per step unless a name says "per micro-batch".
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Sequence
 
 from rayfleet.placement.cost_params import CostParams, Link, all_to_all_time, hierarchical_allreduce_time, ring_time
@@ -99,8 +104,12 @@ def layer_time(model: ModelSpec, plan: ParallelPlan, layer: int, accel: Accelera
     if model.is_moe_layer(layer):
         routed = 2.0 * model.top_k * model.expert_params()
         rows = tokens / tp * model.top_k * plan.etp / (model.num_experts / plan.ep)
-        expert_eff = rows / (rows + params.gemm_rows_at_half_efficiency)
+        width = model.moe_ffn_hidden_size / plan.etp  # narrow experts also run below peak
+        expert_eff = rows / (rows + params.gemm_rows_at_half_efficiency) * width / (
+            width + params.gemm_width_at_half_efficiency)
         fwd_gemm += tokens * routed / plan.tp / gemm_peak * (1 / expert_eff - 1 / dense_eff)
+        # permute / unpermute / probability scaling of every routed copy: HBM-bound, fwd + bwd
+        fwd_gemm += tokens / tp * model.top_k * h * params.moe_permute_bytes / 3 / (accel.hbm_bandwidth_gbps * 1e9)
     fwd_core = tokens * core / plan.tp / attn_peak
     fwd = fwd_gemm + fwd_core
     recompute = fwd if plan.recompute == "full" else fwd_core if plan.recompute == "selective" else 0.0
@@ -129,7 +138,7 @@ def layer_time(model: ModelSpec, plan: ParallelPlan, layer: int, accel: Accelera
             ep_comm += ring_time(gathered * ag_bytes, plan.etp, link) + 3 * ring_time(gathered * rs_bytes, plan.etp, link)
     else:
         num_pairs += 1
-    tp_comm = num_pairs * pair if tp > 1 else 0.0
+    tp_comm = (1 - params.tp_overlap_fraction) * num_pairs * pair if tp > 1 else 0.0
 
     cp_comm = 0.0
     if plan.cp > 1:
@@ -146,8 +155,19 @@ def layer_time(model: ModelSpec, plan: ParallelPlan, layer: int, accel: Accelera
 
 
 def layer_times(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorSpec,
-                params: CostParams = CostParams()) -> list[LayerTime]:
-    """``layer_time`` of every layer, computing each distinct (kind, TP degree) once."""
+                params: CostParams = CostParams()) -> tuple[LayerTime, ...]:
+    """``layer_time`` of every layer, computing each distinct (kind, TP degree) once.
+
+    Only the degrees a layer sees (tp, cp, ep, etp, micro-batch, recompute, per-layer TP) matter,
+    so results are memoised on those: the planner prices one shape at many dp/pp/ZeRO choices."""
+    key = ParallelPlan(tp=plan.tp, cp=plan.cp, ep=plan.ep, etp=plan.etp, micro_batch_size=plan.micro_batch_size,
+                       recompute=plan.recompute, layer_tp=plan.layer_tp, dp=plan.ep * plan.etp)
+    return _layer_times(model, key, accel, params)
+
+
+@lru_cache(maxsize=16384)
+def _layer_times(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorSpec,
+                 params: CostParams) -> tuple[LayerTime, ...]:
     cache: dict[tuple[bool, int], LayerTime] = {}
     out = []
     for layer in range(model.num_layers):
@@ -155,7 +175,7 @@ def layer_times(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorSpec,
         if key not in cache:
             cache[key] = layer_time(model, plan, layer, accel, params)
         out.append(cache[key])
-    return out
+    return tuple(out)
 
 
 def edge_times(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorSpec,
@@ -168,9 +188,21 @@ def edge_times(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorSpec,
     return embed, head
 
 
+def _sharded_exposure(plan: ParallelPlan, counts: ParamCounts, allreduce_s: float, compute_s: float,
+                      params: CostParams, link: Link, nic: Link, domain: int) -> float:
+    """Exposed ZeRO-2/3 communication of one micro-batch: half the all-reduce (the gradient
+    reduce-scatter) plus, for ZeRO-3, two weight all-gathers, less what hides behind its compute."""
+    comm = allreduce_s / 2
+    if plan.zero_stage >= 3:
+        group = plan.dp * plan.cp
+        comm += 2 * ring_time(counts.total * params.param_bytes, group,
+                              link if group * plan.tp <= domain else nic)
+    return max(0.0, comm - params.dp_overlap_fraction * compute_s)
+
+
 def estimate_step_time(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorSpec, *,
                        num_microbatches: int, stage_counts: Sequence[ParamCounts],
-                       params: CostParams = CostParams(), times: list[LayerTime] | None = None) -> StepTimeBreakdown:
+                       params: CostParams = CostParams(), times: Sequence[LayerTime] | None = None) -> StepTimeBreakdown:
     """Step time of ``plan`` (its ``stage_starts`` already chosen) for a replica running
     ``num_microbatches`` micro-batches; ``stage_counts[s]`` = parameters per device of stage s."""
     times = times or layer_times(model, plan, accel, params)
@@ -185,7 +217,8 @@ def estimate_step_time(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorS
         tokens = plan.micro_batch_size * model.seq_len / plan.cp
         act = tokens * model.hidden_size / plan.tp * params.activation_bytes
         pp_link = nic if plan.tp * plan.cp * plan.dp >= domain else link
-        p2p = 2 * (pp_link.latency_s + act / pp_link.bytes_per_s)  # activation forward, gradient back
+        # activation forward, gradient back; each of the vpp chunks sends its own
+        p2p = 2 * plan.vpp * (pp_link.latency_s + act / pp_link.bytes_per_s)
 
     stage_t, parts = [], []
     for s, layers in enumerate(ranges):
@@ -203,7 +236,7 @@ def estimate_step_time(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorS
         parts.append((comp, tp_c, ep_c, cp_c, bwd))
 
     slowest = max(range(plan.pp), key=stage_t.__getitem__)
-    pipeline = sum(stage_t) + (m - 1) * stage_t[slowest]
+    pipeline = m * stage_t[slowest] + (sum(stage_t) - stage_t[slowest]) / plan.vpp
     comp, tp_c, ep_c, cp_c, _ = parts[slowest]
     steady = m * stage_t[slowest]
 
@@ -215,10 +248,9 @@ def estimate_step_time(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorS
                                            min(dense_group, max(1, domain // plan.tp)), link, nic)
         dp_t += hierarchical_allreduce_time(counts.expert * params.grad_reduce_bytes, expert_group,
                                             min(expert_group, max(1, domain // (plan.ep * plan.etp))), link, nic)
-        if plan.zero_stage >= 3:  # parameters gathered for every micro-batch, forward and backward
-            dp_t += 2 * m * ring_time(counts.total * params.param_bytes, dense_group,
-                                      link if dense_group * plan.tp <= domain else nic)
         exposed = max(0.0, dp_t - params.dp_overlap_fraction * parts[s][4])
+        if plan.zero_stage >= 2:  # never cheaper than ZeRO-1: the same bytes, more often
+            exposed = max(exposed, m * _sharded_exposure(plan, counts, dp_t, parts[s][0], params, link, nic, domain))
         shard = (counts.dense / (dense_group if plan.zero_stage >= 1 else 1)
                  + counts.expert / (expert_group if plan.zero_stage >= 1 else 1))
         opt = shard * params.optimizer_bytes_touched / (accel.hbm_bandwidth_gbps * 1e9)

@@ -134,16 +134,45 @@ def test_broken_sharding_is_caught() -> None:
     assert stage_param_counts(DENSE, plan, 0).dense != _numel(rank, experts=False)
 
 
-def test_fp8_adds_weight_caches_and_zero3_shards_weights() -> None:
+def test_fp8_weight_copies_are_sharded_by_zero3() -> None:
+    """Regression (issue 20): the FP8 weight copy was never sharded, even under ZeRO-3."""
+    from dataclasses import replace
+
     plan = ParallelPlan(tp=2, dp=4, ep=8, zero_stage=3)
     m = MIXTRAL_LIKE
     counts = stage_param_counts(m, plan, 0)
+    gathered = 2 * counts.total / m.num_layers  # two layers prefetched, unsharded
     bf16 = stage_memory(m, plan, 0, num_microbatches=1)
-    assert bf16.weights == pytest.approx(2 * (counts.dense / 4 + counts.expert / plan.edp))
+    assert bf16.weights == pytest.approx(2 * (counts.dense / 4 + counts.expert / plan.edp) + 2 * gathered)
+    fp8 = stage_memory(replace(m, precision="fp8"), plan, 0, num_microbatches=1)
+    assert fp8.weights - bf16.weights == pytest.approx(2 * (counts.dense / 4 + counts.expert / plan.edp)
+                                                       + 2 * gathered)
+    # without ZeRO-3 every rank keeps its whole FP8 copy
+    zero1 = replace(plan, zero_stage=1)
+    assert (stage_memory(replace(m, precision="fp8"), zero1, 0, num_microbatches=1).weights
+            - stage_memory(m, zero1, 0, num_microbatches=1).weights) == 2 * counts.total
+
+
+def test_zero_stages_shard_more_and_bf16_moments_save_four_bytes() -> None:
     from dataclasses import replace
 
-    fp8 = stage_memory(replace(m, precision="fp8"), plan, 0, num_microbatches=1)
-    assert fp8.weights - bf16.weights == 2 * counts.total
+    plan = ParallelPlan(tp=2, dp=4, ep=8)
+    deep = replace(MIXTRAL_LIKE, num_layers=16)  # ZeRO-3's two gathered layers are a small share
+    mems = {z: stage_memory(deep, replace(plan, zero_stage=z), 0, num_microbatches=1) for z in (0, 1, 2, 3)}
+    totals = [mems[z].weights + mems[z].gradients + mems[z].optimizer for z in (0, 1, 2, 3)]
+    assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4
+    counts = stage_param_counts(deep, plan, 0)
+    bf16 = stage_memory(deep, replace(plan, optimizer_dtype="bf16"), 0, num_microbatches=1)
+    assert mems[1].optimizer - bf16.optimizer == pytest.approx(4 * (counts.dense / 4 + counts.expert / plan.edp))
+
+
+def test_virtual_stages_keep_more_microbatches_in_flight() -> None:
+    from dataclasses import replace
+
+    plan = ParallelPlan(tp=2, pp=4, dp=2)
+    base = stage_memory(DENSE, plan, 0, num_microbatches=8).activations
+    vp = stage_memory(DENSE, replace(plan, vpp=2), 0, num_microbatches=8).activations
+    assert vp == pytest.approx(base * (1 + 3 / 8))
 
 
 def test_activations_shrink_with_recompute_and_grow_with_microbatch() -> None:
