@@ -32,6 +32,7 @@ __all__ = ["ParallelPlan", "RankCoords", "Recompute", "validate_plan", "even_sta
 
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_OPTIONS: tuple[Recompute, ...] = ("none", "selective", "full")
+OptimizerDtype = Literal["fp32", "bf16"]
 
 
 class RankCoords(NamedTuple):
@@ -62,6 +63,11 @@ class ParallelPlan:
         layer_tp: per-layer TP degree for attention and dense MLPs (heterogeneous TP), or None.
         replica_accelerators: accelerator type of each DP replica (mixed fleets), or None.
         replica_microbatches: micro-batches per step of each DP replica, or None (= equal).
+        vpp: virtual pipeline stages per rank (Megatron's interleaved 1F1B): each rank holds
+            ``vpp`` non-adjacent chunks of layers, which divides the fill/drain bubble by ``vpp``
+            at the cost of ``vpp`` times the stage-to-stage sends.
+        optimizer_dtype: dtype of Adam's moments: "fp32", or "bf16" (DeepSeek-V3, Megatron's
+            precision-aware optimizer) -- 4 bytes a parameter less; the master copy stays FP32.
     """
 
     tp: int = 1
@@ -77,6 +83,8 @@ class ParallelPlan:
     layer_tp: tuple[int, ...] | None = None
     replica_accelerators: tuple[str, ...] | None = None
     replica_microbatches: tuple[int, ...] | None = None
+    vpp: int = 1
+    optimizer_dtype: OptimizerDtype = "fp32"
 
     @classmethod
     def from_dict(cls, data: dict) -> "ParallelPlan":
@@ -118,12 +126,15 @@ class ParallelPlan:
                           in_stage // (self.etp * self.ep))
 
     def describe(self) -> str:
-        parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}"]
+        parts = [f"TP{self.tp}", f"PP{self.pp}" + (f" VP{self.vpp}" if self.vpp > 1 else ""), f"DP{self.dp}"]
         if self.cp > 1:
             parts.append(f"CP{self.cp}")
         if self.ep > 1 or self.etp > 1:
             parts += [f"EP{self.ep}", f"ETP{self.etp}"]
         parts.append(f"mbs{self.micro_batch_size}")
+        parts.append(f"ZeRO-{self.zero_stage}")
+        if self.optimizer_dtype != "fp32":
+            parts.append(f"adam:{self.optimizer_dtype}")
         if self.recompute != "none":
             parts.append(f"rc:{self.recompute}")
         return " ".join(parts)
@@ -151,7 +162,7 @@ def validate_plan(plan: ParallelPlan, model: ModelSpec, *, world_size: int | Non
     ``world_size`` (accelerators the plan must fill) and ``scaleup_domain_size`` (largest NVLink
     domain / super-node) are checked when given.
     """
-    for name in ("tp", "pp", "dp", "cp", "ep", "etp", "micro_batch_size"):
+    for name in ("tp", "pp", "dp", "cp", "ep", "etp", "micro_batch_size", "vpp"):
         if getattr(plan, name) < 1:
             raise SpecError(f"plan.{name}", getattr(plan, name), "must be at least 1", f"set plan.{name} >= 1")
     if world_size is not None and plan.world_size != world_size:
@@ -169,6 +180,9 @@ def validate_plan(plan: ParallelPlan, model: ModelSpec, *, world_size: int | Non
         raise SpecError("plan.recompute", plan.recompute, "unknown recompute mode", f"use one of {RECOMPUTE_OPTIONS}")
     if plan.zero_stage not in (0, 1, 2, 3):
         raise SpecError("plan.zero_stage", plan.zero_stage, "unknown ZeRO stage", "use 0, 1, 2 or 3")
+    if plan.optimizer_dtype not in ("fp32", "bf16"):
+        raise SpecError("plan.optimizer_dtype", plan.optimizer_dtype, "unknown optimizer state dtype",
+                        "use 'fp32' or 'bf16'")
 
 
 def _check_tensor_parallel(plan: ParallelPlan, model: ModelSpec, domain: int | None) -> None:
@@ -222,6 +236,9 @@ def _check_experts(plan: ParallelPlan, model: ModelSpec, domain: int | None) -> 
 
 def _check_stages(plan: ParallelPlan, model: ModelSpec) -> None:
     num_layers = model.num_layers
+    if plan.vpp > 1 and (plan.pp == 1 or plan.pp * plan.vpp > num_layers):
+        raise SpecError("plan.vpp", plan.vpp, f"virtual stages need pp > 1 and pp*vpp <= num_layers={num_layers} "
+                        f"(pp={plan.pp})", "use vpp=1, or fewer virtual stages")
     if plan.pp > num_layers:
         raise SpecError("plan.pp", plan.pp, f"more pipeline stages than layers ({num_layers})",
                         f"use pp <= {num_layers}")
