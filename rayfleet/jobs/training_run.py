@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import shlex
 import sys
 import time
 import uuid
@@ -203,17 +204,24 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "mean_tokens_per_s": sum(r.get("tokens_per_s", 0.0) for r in steady) / len(steady)}
 
 
+def training_entrypoint(spec_b64: str, *, max_failures: int | None = None, storage_path: str | None = None) -> str:
+    """The job's shell command line; every value is quoted (a path is data, never shell syntax)."""
+    entrypoint = f"python -m rayfleet.jobs.train --spec-b64 {shlex.quote(spec_b64)}"
+    if max_failures is not None:
+        entrypoint += f" --max-failures {int(max_failures)}"
+    if storage_path:
+        entrypoint += f" --storage-path {shlex.quote(storage_path)}"
+    return entrypoint
+
+
 def submit_training(spec, *, dashboard_url: str, max_failures: int | None = None,
                     storage_path: str | None = None) -> TrainingRun:
     """Submit ``spec`` (a ``TrainJobSpec``) as a Ray job running ``python -m rayfleet.jobs.train``."""
     from ray.job_submission import JobSubmissionClient
 
     client = JobSubmissionClient(dashboard_url)
-    entrypoint = f"python -m rayfleet.jobs.train --spec-b64 {encode_spec(spec.to_dict())}"
-    if max_failures is not None:
-        entrypoint += f" --max-failures {max_failures}"
-    if storage_path:
-        entrypoint += f" --storage-path {storage_path}"
+    entrypoint = training_entrypoint(encode_spec(spec.to_dict()), max_failures=max_failures,
+                                     storage_path=storage_path)
     job_id = client.submit_job(entrypoint=entrypoint,
                                submission_id=f"rayfleet-train-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}",
                                runtime_env={"env_vars": {"RAY_AUTH_MODE": "token", "PYTHONUNBUFFERED": "1"}},

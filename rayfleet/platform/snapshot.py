@@ -1,6 +1,7 @@
 """Node-local shared-memory snapshots of a training rank's state (flash checkpoints).
 
-Layout, per (job, rank), under a tmpfs root (``/dev/shm/rayfleet-snapshots`` by default)::
+Layout, per (job, rank), under a tmpfs root (``/dev/shm/rayfleet-<uid>/snapshots`` by default: one
+private directory per user, mode 0700, so users sharing a node cannot read or plant snapshots)::
 
     {root}/{job}/rank_{r:05d}/slot_{k}.data      tensors packed back to back (64-byte aligned)
     {root}/{job}/rank_{r:05d}/slot_{k}.objects   small non-tensor state (torch.save bytes)
@@ -48,7 +49,20 @@ __all__ = [
     "get_or_create_snapshot_actor", "open_node_snapshot_store",
 ]
 
-DEFAULT_SNAPSHOT_ROOT = "/dev/shm/rayfleet-snapshots"
+DEFAULT_SNAPSHOT_ROOT = f"/dev/shm/rayfleet-{os.getuid()}/snapshots"
+
+
+def _make_private_dirs(path: Path) -> None:
+    """``mkdir -p path`` where a ``rayfleet-<uid>`` component is created mode 0700 and must be
+    ours: a directory another user created there first (to read or plant snapshots) is refused."""
+    for parent in reversed((path, *path.parents)):
+        if parent.name.startswith("rayfleet-") and parent.name.removeprefix("rayfleet-").isdigit():
+            parent.mkdir(mode=0o700, exist_ok=True)
+            st = parent.lstat()
+            if parent.is_symlink() or st.st_uid != os.getuid() or st.st_mode & 0o077:
+                raise PermissionError(f"{parent} is not a private directory of this user (uid {os.getuid()}); "
+                                      "remove it or pass another snapshot root")
+    path.mkdir(parents=True, exist_ok=True)
 _ALIGN = 64
 _FORMAT = "rayfleet-snapshot/1"
 
@@ -132,7 +146,7 @@ class SnapshotStore:
         if num_slots < 2:
             raise ValueError("num_slots must be >= 2 so the previous snapshot survives a torn write")
         self.directory = Path(root) / job / f"rank_{rank:05d}"
-        self.directory.mkdir(parents=True, exist_ok=True)
+        _make_private_dirs(self.directory)
         self.num_slots = num_slots
         self.num_allocations = 0  # (re)mapped + pre-touched buffers, for tests and benchmarks
         self._buffers: dict[int, torch.Tensor] = {}
@@ -327,7 +341,7 @@ class SnapshotStoreActor:
 
     def __init__(self, root: str = DEFAULT_SNAPSHOT_ROOT) -> None:
         self._root = Path(root)
-        self._root.mkdir(parents=True, exist_ok=True)
+        _make_private_dirs(self._root)
 
     def root(self) -> str:
         return str(self._root)

@@ -7,6 +7,8 @@ Design decisions:
 - Values are JSON so the schema can grow without migrations; keys are namespaced strings
   (``node/<name>``, ``queue/<name>``, ...).
 - Every write is its own transaction: a crash never leaves half an update behind.
+- The event log is bounded (``max_events``, oldest dropped on append): a long-lived controller
+  recording every autoscaler decision must not grow its file and its queries without end.
 """
 
 from __future__ import annotations
@@ -44,7 +46,10 @@ class Event:
 class StateStore:
     """Thread-safe JSON key/value store and append-only event log in one SQLite file."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, max_events: int = 20_000) -> None:
+        if max_events < 1:
+            raise ValueError(f"max_events={max_events} must be >= 1")
+        self.max_events = max_events
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
@@ -76,8 +81,10 @@ class StateStore:
 
     def append_event(self, event: Event) -> None:
         with self._lock:
-            self._db.execute("INSERT INTO events(ts, kind, subject, cause, detail) VALUES(?,?,?,?,?)",
-                             (event.ts, event.kind, event.subject, event.cause, json.dumps(event.detail)))
+            cursor = self._db.execute("INSERT INTO events(ts, kind, subject, cause, detail) VALUES(?,?,?,?,?)",
+                                      (event.ts, event.kind, event.subject, event.cause, json.dumps(event.detail)))
+            # ids are increasing (AUTOINCREMENT): keep the newest max_events by id.
+            self._db.execute("DELETE FROM events WHERE id <= ?", (cursor.lastrowid - self.max_events,))
 
     def events(self, *, limit: int = 50, subject: str | None = None) -> list[Event]:
         """Newest ``limit`` events, oldest first."""

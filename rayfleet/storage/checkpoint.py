@@ -42,7 +42,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _DcpFsspecFileSystem
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+from rayfleet.storage.safe_dcp_reader import SafeFsspecReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from rayfleet.errors import SpecError
@@ -305,13 +307,15 @@ def apply_retention(uri: str, *, keep: int) -> list[int]:
 
 def load_checkpoint(uri: str, *, sharded: Mapping[str, Any], step: int | None = None,
                     process_group: dist.ProcessGroup | None = None,
-                    verify_checksums: bool = False) -> LoadedCheckpoint:
+                    verify_checksums: bool = True) -> LoadedCheckpoint:
     """Load a committed checkpoint collectively, filling ``sharded`` **in place**.
 
     ``sharded`` is a template with the same keys as saved, laid out for the *current* world
     (DTensors of the new sharding, e.g. from a freshly parallelized model and
     ``get_state_dict``); DCP reads the overlapping chunks, so any world size works. ``step``
     defaults to the latest committed one. Raises ``SpecError`` when there is none or it is corrupt.
+    ``verify_checksums`` (default on) reads every file against the manifest's CRC-32s first;
+    pass False to skip that read when the storage is trusted and the load is latency-critical.
     """
     rank, world = _rank_world(process_group)
     fs, root = fsspec.core.url_to_fs(uri)
@@ -334,7 +338,7 @@ def load_checkpoint(uri: str, *, sharded: Mapping[str, Any], step: int | None = 
                             "load an earlier step (apply_retention keeps several) or re-save")
     try:
         with _quiet_single_process():
-            dcp.load(sharded, storage_reader=FsspecReader(fs.unstrip_protocol(step_path)),  # type: ignore[arg-type]
+            dcp.load(sharded, storage_reader=SafeFsspecReader(fs.unstrip_protocol(step_path)),  # type: ignore[arg-type]
                      process_group=process_group, no_dist=world == 1)
     except CheckpointException as exc:
         causes = "; ".join(f"rank {r}: {e[0].__class__.__name__}: {e[0]}" for r, e in exc.failures.items())

@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import pickle
 import time
 from dataclasses import dataclass
 
@@ -125,5 +126,9 @@ def load_servable(uri: str) -> Servable:
                             "the copy is corrupt or was modified; export the model again")
         blobs[name] = data
     config = json.loads(blobs.pop(_CONFIG))
-    state_dict = torch.load(io.BytesIO(blobs.pop(_WEIGHTS)), map_location="cpu", weights_only=True)
+    try:  # weights_only: tensors and plain containers, never a pickled object or code
+        state_dict = torch.load(io.BytesIO(blobs.pop(_WEIGHTS)), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise SpecError("checkpoint", uri, f"{_WEIGHTS} holds more than tensors ({str(exc).splitlines()[0][:200]})",
+                        "export the weights as a plain state dict of tensors (save_servable does)") from None
     return Servable(config=config, state_dict=state_dict, metadata=manifest.get("metadata", {}), files=blobs)
