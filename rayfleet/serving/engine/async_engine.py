@@ -183,9 +183,7 @@ class AsyncEngine:
     async def _run(self) -> None:
         try:
             await self._loop()
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # check_health reports it; Serve replaces the replica
+        except Exception as exc:  # check_health reports it; Serve replaces the replica
             self._loop_error = exc
             log.error("replica %s: the engine loop died", self.name, exc_info=exc)
             raise

@@ -160,6 +160,11 @@ def build_openai_app(service: InferenceService, *, model_name: str, http: HttpSp
             raise APIError(400, "the body is not valid JSON", code="invalid_json") from None
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object")
+        try:  # JSON may escape lone UTF-16 surrogates ("\\ud800"), which no UTF-8 text can hold
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "the body contains a lone surrogate escape (\\ud800-\\udfff), which is not "
+                                "valid Unicode text", code="invalid_unicode") from None
         try:
             req = schema.model_validate(body)
         except ValidationError as exc:
