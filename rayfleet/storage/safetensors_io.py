@@ -74,25 +74,51 @@ class SafetensorsFile:
             begin, end = meta["data_offsets"]
             self.entries[name] = _Entry(_DTYPES[meta["dtype"]], tuple(meta["shape"]), base + begin, base + end)
 
-    def get(self, name: str, *, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """Tensor ``name``, or its ``[start, stop)`` slice along ``dim`` (only those bytes for dim 0)."""
+    def get(self, name: str, *, dim: int = 0, start: int | None = None, stop: int | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor ``name``, or its ``[start, stop)`` slice along ``dim`` (only those bytes for dim 0).
+
+        ``out``: a contiguous tensor of the slice's shape and dtype to read into (no extra copy).
+        """
         e = self.entries[name]
-        if start is None and stop is None:
-            return self._read(e, e.begin, e.end, e.shape)
-        lo, hi = start or 0, e.shape[dim] if stop is None else stop
-        if not 0 <= lo <= hi <= e.shape[dim]:
+        lo, hi = (0, e.shape[dim] if e.shape else 0) if start is None and stop is None else (
+            start or 0, e.shape[dim] if stop is None else stop)
+        if e.shape and not 0 <= lo <= hi <= e.shape[dim]:
             raise SpecError("shard", (name, dim, lo, hi), f"outside the tensor's shape {e.shape}",
                             "check the parallel plan against the model's dimensions")
-        if dim == 0:
-            row = (e.end - e.begin) // max(e.shape[0], 1)
-            return self._read(e, e.begin + lo * row, e.begin + hi * row, (hi - lo, *e.shape[1:]))
-        return self._read(e, e.begin, e.end, e.shape).narrow(dim, lo, hi - lo).clone()
+        if dim == 0 or not e.shape or (lo, hi) == (0, e.shape[dim]):
+            row = (e.end - e.begin) // max(e.shape[0], 1) if e.shape else 0
+            begin, end = (e.begin + lo * row, e.begin + hi * row) if e.shape else (e.begin, e.end)
+            shape = (hi - lo, *e.shape[1:]) if e.shape else ()
+            return self._read(e, begin, end, shape, out)
+        return _copy_out(self._read(e, e.begin, e.end, e.shape, None).narrow(dim, lo, hi - lo), out)
 
-    def _read(self, e: _Entry, begin: int, end: int, shape: tuple[int, ...]) -> torch.Tensor:
+    def _read(self, e: _Entry, begin: int, end: int, shape: tuple[int, ...],
+              out: torch.Tensor | None) -> torch.Tensor:
+        tensor = torch.empty(shape, dtype=e.dtype) if out is None else out
+        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != e.dtype or not tensor.is_contiguous():
+            return _copy_out(self._read(e, begin, end, shape, None), out)
         if begin == end:
-            return torch.empty(shape, dtype=e.dtype)
-        data = bytearray(self.fs.cat_file(self.path, start=begin, end=end))
-        return torch.frombuffer(data, dtype=e.dtype).reshape(shape)
+            return tensor
+        # Read straight into the tensor's memory: one copy from the file, none in Python.
+        view = memoryview(tensor.view(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
+        with self.fs.open(self.path, "rb") as f:
+            f.seek(begin)
+            done = 0
+            while done < end - begin:
+                n = f.readinto(view[done:])
+                if not n:
+                    raise SpecError("checkpoint", self.path, "ends before its header says",
+                                    "the file is truncated: copy or export it again")
+                done += n
+        return tensor
+
+
+def _copy_out(tensor: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return tensor.clone() if not tensor.is_contiguous() else tensor
+    out.copy_(tensor)
+    return out
 
 
 class HFCheckpoint:
@@ -134,10 +160,11 @@ class HFCheckpoint:
     def dtype(self, name: str) -> torch.dtype:
         return self._file(self.weight_map[name]).entries[name].dtype
 
-    def get(self, name: str, *, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+    def get(self, name: str, *, dim: int = 0, start: int | None = None, stop: int | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
         if name not in self.weight_map:
             raise SpecError("checkpoint", name, f"no such tensor in {self.uri}", "check the model's config.json")
-        return self._file(self.weight_map[name]).get(name, dim=dim, start=start, stop=stop)
+        return self._file(self.weight_map[name]).get(name, dim=dim, start=start, stop=stop, out=out)
 
     def side_files(self) -> dict[str, bytes]:
         """The tokenizer/generation files present (``SIDE_FILES``), name -> bytes."""

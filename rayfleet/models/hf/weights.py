@@ -46,7 +46,10 @@ class TensorSource(Protocol):
 
     def shape(self, name: str) -> tuple[int, ...]: ...
 
-    def get(self, name: str, *, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor: ...
+    def get(self, name: str, *, dim: int = 0, start: int | None = None, stop: int | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor or its slice; written into ``out`` (and returned) when given."""
+        ...
 
 
 class DictSource:
@@ -61,12 +64,13 @@ class DictSource:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.tensors[name].shape)
 
-    def get(self, name: str, *, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+    def get(self, name: str, *, dim: int = 0, start: int | None = None, stop: int | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
         t = self.tensors[name]
-        if start is None and stop is None:
-            return t
-        lo, hi = start or 0, t.shape[dim] if stop is None else stop
-        return t.narrow(dim, lo, hi - lo)
+        if start is not None or stop is not None:
+            lo, hi = start or 0, t.shape[dim] if stop is None else stop
+            t = t.narrow(dim, lo, hi - lo)
+        return t if out is None else out.copy_(t)
 
 
 @dataclass(frozen=True)
@@ -164,17 +168,27 @@ def _narrow(tensor: torch.Tensor, box: Box | None, first: int) -> torch.Tensor:
     return out if out is tensor else out.contiguous()
 
 
-def _read(source: TensorSource, name: str, box: Box | None) -> torch.Tensor:
+def _read(source: TensorSource, name: str, box: Box | None, out: torch.Tensor | None = None) -> torch.Tensor:
     if box is None:
-        return source.get(name)
-    return _narrow(source.get(name, dim=0, start=box[0][0], stop=box[0][1]), box, 1)
+        return source.get(name, out=out)
+    if all((lo, hi) == (0, n) for (lo, hi), n in zip(box[1:], source.shape(name)[1:])):
+        return source.get(name, dim=0, start=box[0][0], stop=box[0][1], out=out)  # rows only: read in place
+    part = _narrow(source.get(name, dim=0, start=box[0][0], stop=box[0][1]), box, 1)
+    return part if out is None else out.copy_(part)
 
 
 def _read_stacked(rule: WeightRule, source: TensorSource, keys: set[str], box: Box | None) -> torch.Tensor:
     lo, hi = box[0] if box is not None else (0, len(rule.sources))
     inner = box[1:] if box is not None else None
     if rule.sources[0] in keys:
-        return torch.stack([_read(source, rule.sources[e], inner) for e in range(lo, hi)])
+        # Each expert is read straight into its slot of the stacked tensor (no torch.stack copy).
+        first = _read(source, rule.sources[lo], inner)
+        stacked = torch.empty((hi - lo, *first.shape), dtype=first.dtype)
+        stacked[0] = first
+        del first
+        for i, e in enumerate(range(lo + 1, hi), start=1):
+            _read(source, rule.sources[e], inner, out=stacked[i])
+        return stacked
     if rule.fused is None or rule.fused[0] not in keys:
         raise SpecError("checkpoint", rule.sources[0], "tensor missing from the checkpoint",
                         "check that config.json matches the weights (architecture, layer and expert counts)")

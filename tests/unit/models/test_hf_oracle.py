@@ -102,3 +102,20 @@ def test_paged_greedy_decoding_matches_generate(saved, name):
     for prompt, got in zip(prompts, ours):
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=num_new, do_sample=False, pad_token_id=0)
         assert ref[0, len(prompt):].tolist() == got
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_the_serving_engine_decodes_like_generate(saved, name):
+    """The built-in engine (scheduler, block pool, prefix cache) on the loaded model; for
+    DeepSeek-V3 its KV pools hold the MLA latent and rotary key, of different widths."""
+    from rayfleet.serving.engine.llm_engine import EngineConfig, LLMEngine
+    from rayfleet.serving.engine.sampling import SamplingParams
+
+    hf, model, spec = _load_both(saved[name])
+    prompts = _prompts(spec.config.vocab_size, lengths=(6, 19))
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=32, model_id=name))
+    results = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    hf.generation_config.eos_token_id = None
+    for prompt, result in zip(prompts, results):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert list(result.output_token_ids) == ref[0, len(prompt):].tolist()
