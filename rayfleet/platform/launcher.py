@@ -175,12 +175,8 @@ class LocalFleet:
             topology_nodes=[asdict(n) | {"ray_node_id": None} for n in topology.nodes],
             num_cpus_per_node=num_cpus_per_node, object_store_bytes=object_store_mib * 1024 * 1024,
         )
-        dashboard_port = _free_port()
-        fleet.dashboard_url = f"http://127.0.0.1:{dashboard_port}"
         try:
-            fleet._spawn(head, head_address=None, head_port=port, dashboard_port=dashboard_port,
-                         system_config={**FAST_FAILURE_DETECTION, **(system_config or {})})
-            fleet._wait_for_start(fleet.nodes[0], timeout_s)
+            fleet._start_head(head, port, timeout_s, system_config={**FAST_FAILURE_DETECTION, **(system_config or {})})
             # One at a time: raylets starting together raced for ports ("bind: Address already
             # in use") on this machine.
             for node in topology.nodes:
@@ -214,6 +210,29 @@ class LocalFleet:
         self._procs = getattr(self, "_procs", {})
         self._procs[node.name] = proc
         return launched
+
+    def _start_head(self, head: NodeTopology, port: int, timeout_s: float, *, system_config: dict,
+                    attempts: int = 2) -> LaunchedNode:
+        """Start the head node; a failed start is retried once on fresh ports, as a worker's is.
+
+        On a loaded machine the head's own ``ray start`` was seen to fail with "GCS cannot find the
+        node" (Ray waits a fixed 30 s for its raylet to register), which failed a whole test session.
+        """
+        for attempt in range(attempts):
+            dashboard_port = _free_port()
+            self.address, self.dashboard_url = f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard_port}"
+            launched = self._spawn(head, head_address=None, head_port=port, dashboard_port=dashboard_port,
+                                   system_config=system_config)
+            try:
+                self._wait_for_start(launched, timeout_s)
+                return launched
+            except FleetStateError:
+                _signal_group(launched.pgid, signal.SIGKILL)
+                self.nodes.remove(launched)
+                if attempt == attempts - 1:
+                    raise
+                port = _free_port()
+        raise AssertionError("unreachable")
 
     def _start_worker(self, node: NodeTopology, timeout_s: float, *, attempts: int = 2) -> LaunchedNode:
         for attempt in range(attempts):
