@@ -420,7 +420,8 @@ def main() -> None:
             # One deployment per mode; the router policy is switched live and every prefix
             # cache emptied between runs (Serve start-up is the slow part of this benchmark).
             spec = {"name": f"bench-{mode}", "model": model, "engine": engine,
-                    "http": {"port": port, "route_prefix": "/bench"}, **extra}
+                    # loopback only, and the load generator measures the engines, not auth
+                    "http": {"port": port, "route_prefix": "/bench", "auth": "disabled"}, **extra}
             t0 = time.perf_counter()
             served = deploy(spec)
             replicas = [n for names in served.spec.replica_names().values() for n in names]

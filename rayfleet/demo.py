@@ -128,7 +128,7 @@ def step_serving(fleet, model_uri: str) -> None:
     try:
         print(f"deployed {served.status()['deployments']} in {time.monotonic() - started:.1f}s; "
               f"OpenAI base URL {served.openai_base_url}")
-        client = openai.OpenAI(base_url=served.openai_base_url, api_key="unused")
+        client = openai.OpenAI(base_url=served.openai_base_url, api_key=served.api_key)  # made by deploy
         prompt = "import json\n\ndef load(path):\n"
         out = client.completions.create(model="demo-tiny-fp8", prompt=prompt, max_tokens=48, temperature=0)
         print(f"completion (greedy, {out.usage.completion_tokens} tokens, finish={out.choices[0].finish_reason}):")
@@ -142,7 +142,8 @@ def step_serving(fleet, model_uri: str) -> None:
                 pieces.append(chunk.choices[0].delta.content)
         print(f"chat (streamed in {len(pieces)} chunks, first after {(first - sent) * 1e3:.0f} ms): "
               f"{''.join(pieces)!r}")
-        with urllib.request.urlopen(served.url + "/metrics", timeout=30) as resp:
+        scrape = urllib.request.Request(served.url + "/metrics", headers={"Authorization": f"Bearer {served.api_key}"})
+        with urllib.request.urlopen(scrape, timeout=30) as resp:
             metrics = {}
             for line in resp.read().decode().splitlines():
                 if line.startswith("rayfleet:") and not line.startswith("rayfleet:prefix_cache"):
@@ -164,12 +165,13 @@ def step_serving(fleet, model_uri: str) -> None:
     print(f"deleted app {served.name!r} and stopped Serve")
 
 
-def _stream_burst(base_url: str, model: str, *, clients: int, stop: threading.Event, results: list) -> list:
+def _stream_burst(base_url: str, model: str, *, clients: int, stop: threading.Event, results: list,
+                  api_key: str | None = None) -> list:
     """``clients`` threads streaming short completions until ``stop``; each request appended to
     ``results`` as (TTFT seconds or None, error or None)."""
     import openai
 
-    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=base_url, api_key=api_key or "unused", max_retries=0, timeout=120)
 
     def run(index: int) -> None:
         n = 0
@@ -232,7 +234,8 @@ def step_autoscaler(local: LocalFleet, fleet, workdir: str, model_uri: str) -> N
         print(f"elastic job {run.job_id} trains on 2 workers on {small.name}; Serve has 1 replica; "
               f"6 clients now stream requests")
         stop, results = threading.Event(), []
-        threads = _stream_burst(served.openai_base_url, "demo-tiny-fp8", clients=6, stop=stop, results=results)
+        threads = _stream_burst(served.openai_base_url, "demo-tiny-fp8", clients=6, stop=stop, results=results,
+                                api_key=served.api_key)
         try:
             _wait(lambda: any(h["running_at"] for h in shell.history()) or run.status() in ("FAILED", "STOPPED"),
                   300, "a lent replica serving")  # a deadline; 66 s measured on 2 loaded cores

@@ -62,10 +62,10 @@ def _expected_hashes(dataset: str, spec: dict) -> dict[int, int]:
 class Burst:
     """``clients`` threads streaming completions until stopped; every request is recorded."""
 
-    def __init__(self, base_url: str, clients: int) -> None:
+    def __init__(self, base_url: str, clients: int, api_key: str | None = None) -> None:
         import openai
 
-        self.client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+        self.client = openai.OpenAI(base_url=base_url, api_key=api_key or "unused", max_retries=0, timeout=120)
         self.results: list[dict] = []
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
@@ -131,7 +131,7 @@ def test_burst_lends_an_accelerator_from_training_to_serve_and_back(local_fleet,
                    interval_s=0.5, what="the job's first steps at 4 workers")
         assert "on 4 workers" in run.logs(), run.logs()[-3000:]
 
-        burst = Burst(served.openai_base_url, clients=6).start()
+        burst = Burst(served.openai_base_url, clients=6, api_key=served.api_key).start()
         try:
             try:
                 # A deadline, not the goal: on 2 loaded cores the replica's process start competes

@@ -44,6 +44,7 @@ class ServeDeployment:
 
     spec: ServeSpec
     url: str
+    api_key: str | None = None  # what clients send (``Authorization: Bearer``); None: auth disabled
 
     @property
     def name(self) -> str:
@@ -71,7 +72,9 @@ class ServeDeployment:
         import json
         import urllib.request
 
-        with urllib.request.urlopen(self.url + "/v1/block_usage", timeout=30) as resp:
+        request = urllib.request.Request(self.url + "/v1/block_usage", headers=(
+            {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}))
+        with urllib.request.urlopen(request, timeout=30) as resp:
             return json.loads(resp.read())
 
     def shutdown(self) -> None:
@@ -129,6 +132,12 @@ def deploy(spec: ServeSpec | dict[str, Any] | str | Path, *, address: str | None
     serves. Raises ``SpecError`` for a bad spec and ``ServeDeployError`` if the app does not
     come up within ``timeout_s``."""
     spec = load_serve_spec(spec) if isinstance(spec, (str, Path)) else ServeSpec.parse(spec)
+    api_key = None
+    if spec.engine.kind != "vllm":  # API keys of the built-in app (``openai_api.auth``): a key is
+        from rayfleet.serving.openai_api.auth import ensure_client_key  # made when none is configured
+
+        http, api_key = ensure_client_key(spec.http, app_name=spec.name)
+        spec = spec.model_copy(update={"http": http})
     _ensure_connected(address)
     from ray import serve
 
@@ -158,4 +167,4 @@ def deploy(spec: ServeSpec | dict[str, Any] | str | Path, *, address: str | None
     host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     url = f"http://{host}:{port}{spec.http.route_prefix.rstrip('/')}"
     _wait_healthy(url, deadline, path=health_path)
-    return ServeDeployment(spec=spec, url=url)
+    return ServeDeployment(spec=spec, url=url, api_key=api_key)

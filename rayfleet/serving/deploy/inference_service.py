@@ -259,7 +259,7 @@ class InferenceService:
         A timeout or a stream that ends unfinished is charged to ``replica`` (excluded and
         reported; it was charged to "?" and the same replica was retried)."""
         it = stream.__aiter__()
-        finished = False
+        finished = named = False
         try:
             while True:
                 try:
@@ -271,6 +271,8 @@ class InferenceService:
                 except asyncio.TimeoutError:
                     raise ReplicaUnavailableError(replica, f"no token for {self.request_timeout_s:g} s") from None
                 finished = bool(chunk.get("finished"))
+                if "replica" in chunk and not named:  # a pool's client names the replica it reached
+                    replica, named = chunk["replica"], True
                 yield chunk
         finally:
             await it.aclose()

@@ -119,6 +119,7 @@ class AsyncEngine:
         self._step_started: float | None = None  # clock() at the start of the running step
         self._num_step_failures = 0  # failed steps in a row
         self._loop_error: BaseException | None = None
+        self._closing = False
         # Runs on the engine thread after every step that did work (e.g. the expert balancer's
         # window accounting and placement updates), so it never overlaps a forward.
         self.after_step = after_step
@@ -184,6 +185,8 @@ class AsyncEngine:
         try:
             await self._loop()
         except Exception as exc:  # check_health reports it; Serve replaces the replica
+            if self._closing:  # shutdown() stopped the executor under a running step
+                return
             self._loop_error = exc
             log.error("replica %s: the engine loop died", self.name, exc_info=exc)
             raise
@@ -389,6 +392,7 @@ class AsyncEngine:
         return await self._call(collect)
 
     def shutdown(self) -> None:
+        self._closing = True
         if self._task is not None:
             self._task.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -17,13 +17,14 @@ from __future__ import annotations
 import hmac
 import json
 import os
+import secrets
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 from rayfleet.errors import SpecError
 
-__all__ = ["resolve_api_keys", "ApiKeyMiddleware", "OPEN_PATHS"]
+__all__ = ["resolve_api_keys", "ApiKeyMiddleware", "OPEN_PATHS", "ensure_client_key"]
 
 OPEN_PATHS = frozenset({"/health"})
 
@@ -96,3 +97,31 @@ class ApiKeyMiddleware:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"www-authenticate", b"Bearer")]})
         await send({"type": "http.response.body", "body": body})
+
+
+def ensure_client_key(http: Any, *, app_name: str, key_dir: str | Path | None = None,
+                      environ: Mapping[str, str] | None = None) -> tuple[Any, str | None]:
+    """``(http spec to deploy, key a client should send)`` for a deploy from this process.
+
+    ``auth: disabled`` gives ``(http, None)``. A key found in the spec's sources here is used as
+    is. With none, a fresh random key is written (mode 0600) to ``<key_dir>/<app_name>.key``
+    (default ``~/.rayfleet/api-keys``) and the returned spec reads it from there: auth stays on
+    without anyone choosing a key, and the spec carries the file's path, never the key. The
+    ingress must be able to read that path (a local fleet shares this machine's files; on a
+    cluster, give the key through the nodes' environment or a shared file instead).
+    """
+    if http.auth == "disabled":
+        return http, None
+    keys = resolve_api_keys(auth=http.auth, env_names=http.api_keys.env, file=http.api_keys.file, environ=environ)
+    if keys:
+        return http, sorted(keys)[0]
+    directory = Path(key_dir).expanduser() if key_dir else Path.home() / ".rayfleet" / "api-keys"
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = directory / f"{app_name}.key"
+    key = "rf-" + secrets.token_urlsafe(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    os.chmod(path, 0o600)
+    api_keys = http.api_keys.model_copy(update={"file": str(path)})
+    return http.model_copy(update={"api_keys": api_keys}), key

@@ -316,3 +316,36 @@ def test_router_polls_slowly_while_idle_and_at_once_when_a_request_arrives(refer
     assert busy_polls >= 2, busy_polls  # woken by the route, then fast while the request runs
     assert tokens == reference(prompt, 30)
     local.shutdown()
+
+
+def test_a_stalled_stream_is_charged_to_the_replica_that_had_it_and_resumed_elsewhere(reference):
+    """Regression: a token timeout was charged to replica "?", so the same replica was picked
+    again (up to 3 x request_timeout_s) and never reported."""
+    local = build_local(spec("colocated", replicas=2, request_timeout_s=1.5))
+    real = local.clients["colocated-0"].generate
+    stalled = []
+
+    async def stalls_after_two_chunks(request_id, prompt, params, cache_salt):
+        n = 0
+        async for chunk in real(request_id, prompt, params, cache_salt):
+            yield chunk
+            n += 1
+            if n == 2:
+                stalled.append(request_id)
+                await asyncio.Event().wait()  # a wedged replica: no more tokens, no error
+
+    local.clients["colocated-0"].generate = stalls_after_two_chunks  # ranks first (equal snapshots)
+    reported = []
+    report = local.router.report_failure
+
+    async def record(replica):
+        reported.append(replica)
+        await report(replica)
+
+    local.service.router.report_failure = record
+    prompt = encode_completion_prompt("charge the right replica")
+    assert _collect(local, prompt, 12) == reference(prompt, 12)
+    assert stalled and reported == ["colocated-0"]
+    assert _count(local.service.metrics.resumes) == 1
+    assert_no_leaks(local)
+    local.shutdown()

@@ -280,3 +280,30 @@ def test_a_request_failing_in_the_engine_is_a_500_with_its_id_while_another_fini
     assert api.status == 500 and "cmpl-abc" in api.message and "nan" not in api.message.lower()
     local.engines["colocated-0"].check_health()
     local.shutdown()
+
+
+def test_deploying_without_a_configured_key_makes_a_private_one_the_app_then_requires(tmp_path, monkeypatch):
+    from rayfleet.serving.openai_api.auth import ensure_client_key
+
+    monkeypatch.delenv("RAYFLEET_LIMITS_KEY")
+    http = ServeSpec.parse(spec()).http
+    deployed, key = ensure_client_key(http, app_name="app1", key_dir=tmp_path / "keys")
+    path = tmp_path / "keys" / "app1.key"
+    assert deployed.api_keys.file == str(path) and key and key not in deployed.model_dump_json()
+    assert path.stat().st_mode & 0o777 == 0o600 and path.read_text().strip() == key
+    local = build_local(spec())
+    app = build_openai_app_for(local, deployed)
+    with TestClient(app) as client:
+        assert client.get("/v1/models").status_code == 401
+        assert client.get("/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    monkeypatch.setenv("RAYFLEET_LIMITS_KEY", "configured")
+    assert ensure_client_key(http, app_name="app2", key_dir=tmp_path / "keys") == (http, "configured")
+    off = ServeSpec.parse(spec(auth="disabled")).http
+    assert ensure_client_key(off, app_name="app3", key_dir=tmp_path / "keys") == (off, None)
+    local.shutdown()
+
+
+def build_openai_app_for(local, http):
+    from rayfleet.serving.openai_api.app import build_openai_app
+
+    return build_openai_app(local.service, model_name="tiny", http=http)
