@@ -52,6 +52,9 @@ def handle_serve(args: argparse.Namespace) -> int:
     print(f"serving {spec.model.served_name!r} ({spec.mode}) as app {spec.name!r} in "
           f"{time.monotonic() - started:.1f}s")
     print(f"OpenAI base URL: {served.openai_base_url}   metrics: {served.url}/metrics")
+    if served.api_key:  # the key itself stays in its file (terminals get logged)
+        where = served.spec.http.api_keys.file or ", ".join(f"${n}" for n in served.spec.http.api_keys.env)
+        print(f"API key (send 'Authorization: Bearer <key>'): in {where}")
     if args.detach:
         return 0
     print("Ctrl-C to stop")
