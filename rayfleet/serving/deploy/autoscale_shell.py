@@ -279,7 +279,9 @@ def _replica_nodes(app_name: str, deployment: str) -> list[str]:
 
     node_of = {n["NodeID"]: (n.get("Labels") or {}).get(L.NODE, "") for n in ray.nodes()}
     cls = f"ServeReplica:{app_name}:{deployment}"
-    alive = list_actors(filters=[("state", "=", "ALIVE"), ("class_name", "=", cls)], limit=10000)
+    # This cluster's address: with another Ray instance on the host, "auto" is ambiguous.
+    alive = list_actors(address=ray.get_runtime_context().gcs_address,
+                        filters=[("state", "=", "ALIVE"), ("class_name", "=", cls)], limit=10000)
     return sorted(node_of.get(a.node_id, "") for a in alive)
 
 
