@@ -86,7 +86,9 @@ def _pool_accelerators(app: str, pool: str) -> list[str]:
     from rayfleet.platform import labels as L
 
     node_type = {n["NodeID"]: (n.get("Labels") or {}).get(L.ACCELERATOR_TYPE, "") for n in ray.nodes()}
-    actors = list_actors(filters=[("state", "=", "ALIVE"), ("class_name", "=", f"ServeReplica:{app}:{pool}")])
+    # This cluster's address: another Ray instance on the host makes "auto" ambiguous.
+    actors = list_actors(address=ray.get_runtime_context().gcs_address,
+                         filters=[("state", "=", "ALIVE"), ("class_name", "=", f"ServeReplica:{app}:{pool}")])
     return sorted(node_type.get(a.node_id, "") for a in actors)
 
 
