@@ -250,7 +250,9 @@ def build_openai_app(service: InferenceService, *, model_name: str, http: HttpSp
 
     _routes(app, service, model_name, created, handle)
     keys = resolve_api_keys(auth=http.auth, env_names=http.api_keys.env, file=http.api_keys.file)
-    return app if keys is None else ApiKeyMiddleware(app, keys=keys)
+    if keys is not None:  # outermost: a request without a key reaches nothing, not even a 404
+        app.add_middleware(ApiKeyMiddleware, keys=keys)
+    return app
 
 
 def _routes(app: FastAPI, service: InferenceService, model_name: str, created: int, handle: Any) -> None:
