@@ -307,3 +307,17 @@ def build_openai_app_for(local, http):
     from rayfleet.serving.openai_api.app import build_openai_app
 
     return build_openai_app(local.service, model_name="tiny", http=http)
+
+
+def test_a_lone_surrogate_escape_is_a_400_not_a_500():
+    """Regression (found by the fuzz test): ``"\\ud800"`` is valid JSON but no UTF-8 text; encoding
+    the prompt raised ``UnicodeEncodeError`` and the client got a 500."""
+    local = build_local(spec())
+    with TestClient(local.app(), headers=AUTH) as client:
+        for path, body in [("/v1/completions", {"prompt": "\ud800"}),
+                           ("/v1/completions", {"prompt": "ok", "stop": ["\udfff"]}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud83d"}]})]:
+            error = _assert_openai_error(client.post(path, content=json.dumps(body),
+                                                     headers={"content-type": "application/json"}), 400)
+            assert error["code"] == "invalid_unicode"
+    local.shutdown()
