@@ -1,7 +1,14 @@
 """Colocation benchmark: one fleet shared by training and inference, simulated for a week.
 
-    python benchmarks/colocation.py            # 8,192 accelerators x 7 days, and the 1,024 smoke scale
-    python benchmarks/colocation.py --quick    # 1,024-accelerator smoke scale only (<= 60 s)
+    python benchmarks/colocation.py            # offered loads 60/80/95% (1,024 accelerators x 7 days),
+                                               # then saturated: 8,192 accelerators x 7 days, and 1,024
+    python benchmarks/colocation.py --quick    # offered loads at 1,024 x 2 days, saturated 1,024 x 2 days
+
+Offered load (``--loads``) = (training work offered + inference's mean need at the target
+utilization) / capacity. Below saturation policies differ in how fast jobs finish and how much
+work they lose, not only in how full they keep the fleet; utilization counts only stepping
+training jobs (a job paused for a snapshot or restart holds its accelerators, ``held``, without
+using them) and Serve replicas its load needs.
 
 Drives rayfleet's autoscaler policy (the same ``AutoscalerPolicy`` the fleet controller runs)
 and two baselines on the same trace and seed (see ``rayfleet/platform/sim``):
@@ -72,6 +79,19 @@ def table(scale: int, results: dict[str, dict]) -> str:
     return f"{scale:,} accelerators\n" + format_table(head, rows)
 
 
+def load_table(by_load: dict[float, dict[str, dict]]) -> str:
+    rows = []
+    for load, results in by_load.items():
+        for mode, r in results.items():
+            rows.append((f"{load:.0%}", mode, f"{r['utilization']:.1%}", f"{r['held_share']:.1%}",
+                         _fmt(r["mean_jct_h"], ".2f"), _fmt(r["p95_jct_h"], ".1f"), f"{r['slo_attainment']:.2%}",
+                         f"{r['lost_training_accel_h']:,.0f} ({r['training_lost_share']:.2%})", r["preemptions"],
+                         r["resizes"], f"{r['jobs_completed']}/{r['jobs_arrived']}"))
+    head = ("offered", "policy", "util", "held", "mean JCT h*", "p95 JCT h*", "SLO attained", "train lost accel-h",
+            "full-job preempt", "resizes", "jobs done")
+    return format_table(head, rows)
+
+
 def plot(results: dict[str, dict], path: Path, *, accel_per_serve_replica: int) -> bool:
     try:
         import matplotlib
@@ -107,9 +127,12 @@ def main() -> int:
     ap.add_argument("--peak-to-trough", type=float, default=3.0)
     ap.add_argument("--inference-share", type=float, default=0.4,
                     help="share of the fleet Serve needs at its diurnal peak")
+    ap.add_argument("--loads", default="0.6,0.8,0.95", help="offered loads (share of capacity) at 1,024 accelerators")
     ap.add_argument("--json", default=str(RESULTS / "colocation.json"), help="the PNG goes beside it")
     args = ap.parse_args()
     scales = [1024] if args.quick else [1024, 8192]
+    if args.quick:
+        args.days = min(args.days, 2.0)
     base = SimConfig(days=args.days, seed=args.seed, peak_to_trough=args.peak_to_trough,
                      inference_peak_share=args.inference_share)
     print(f"ran on: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()} "
@@ -118,6 +141,10 @@ def main() -> int:
     for f in fields(base.costs):
         print(f"  {f.name} = {getattr(base.costs, f.name)}")
     start = time.perf_counter()
+    by_load = {}
+    for load in (float(x) for x in args.loads.split(",") if x):
+        print(f"offered load {load:.0%}:", flush=True)
+        by_load[load] = run_scale(replace(base, num_accelerators=1024, offered_load=load))
     results = {}
     for scale in scales:
         results[scale] = run_scale(replace(base, num_accelerators=scale))
@@ -126,7 +153,8 @@ def main() -> int:
     png = Path(args.json).with_suffix(".png")
     drew = plot(results[scales[-1]], png, accel_per_serve_replica=base.serve_replica_accelerators)
     payload = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(base).items()},
-               "scales": {str(s): r for s, r in results.items()}, "wall_s": wall, "png": str(png) if drew else None}
+               "scales": {str(s): r for s, r in results.items()},
+               "offered_loads_1024": {str(k): v for k, v in by_load.items()}, "wall_s": wall, "png": str(png) if drew else None}
     Path(args.json).write_text(json.dumps(payload, indent=1, default=str))
     bound = args.inference_share * (1 - (1 + 1 / args.peak_to_trough) / 2)
     print(f"\nwrote {args.json}" + (f" and {png}" if drew else " (matplotlib missing: no PNG)") + f"; total {wall:.0f}s")
@@ -135,6 +163,11 @@ def main() -> int:
           "(the most sharing can win back on utilization, before bursts and fragmentation).")
     print("goals: util >= 90% and >= 25 pts above static; SLO >= 99%; training lost <= 2%; "
           "handover p50/p99 <= 30/120 s (modeled)\n")
+    if by_load:
+        print(f"offered load below saturation, 1,024 accelerators x {args.days:g} days (same trace and seed per load)")
+        print(load_table(by_load))
+        print()
+    print(f"saturated (training offered {base.training_load_factor:g}x its quota):")
     for scale in scales:
         print(table(scale, results[scale]))
         print()

@@ -133,7 +133,10 @@ def _decision_recorder(run_name: str, slots: list):
 
         from rayfleet.platform.fleet_events import record_fleet_event
 
-        detail = {k: v for k, v in asdict(decision).items() if isinstance(v, (int, float, str, tuple))}
+        # cause and action travel as the event's own fields (a duplicate "cause" keyword made the
+        # controller's fire-and-forget call fail, so the event never showed in `rayfleet status`)
+        detail = {k: v for k, v in asdict(decision).items()
+                  if k not in ("cause", "action") and isinstance(v, (int, float, str, tuple))}
         if not record_fleet_event(f"job:{run_name}", decision.action, decision.cause, detail):
             print(f"rayfleet: could not record {decision.action} (no fleet controller)", flush=True)
         if decision.action == "cordon_and_reform":

@@ -25,9 +25,11 @@ Design decisions:
   recalled (its lend is already paid, and the shell could only cancel it half-started); it goes
   in a later window once it runs; a grown-back job is not resized again within ``job_resize_cooldown_s``; training only
   grows when no deployment is short or at risk.
-- Giving back: accelerators lent by a job are returned to it first (before queued jobs, which
-  the queues admit); growth of a job above what it was admitted at happens only when no
-  training job waits (``pending_training_accelerators == 0``).
+- Giving back: accelerators lent by a job are returned to it, but only out of what is free
+  beyond the queued training's gang minimums (``reserve_for_queue``): a queued job has made no
+  progress yet, so admitting it first shortens mean completion time (lenders-first made the
+  policy lose to whole-job preemption on JCT in the simulator). Growth of a job above what it
+  was admitted at happens only when no training job waits (``pending_training_accelerators == 0``).
 - Every decision carries a human-readable ``reason``; the controller records it as an event.
 """
 
@@ -341,6 +343,10 @@ class AutoscalerPolicy:
         candidates.sort(key=lambda t: (-lent.get(t.job_id, 0), -t.priority, t.job_id))
         smallest = min((t.replica_size for t in candidates), default=0)
         open_nodes = [n for n, f in work.free.items() if smallest and f >= smallest]
+        # Accelerators each type may still give to growth: what is free beyond the queue's need.
+        budget = {kind: sum(f for n, f in work.free.items() if obs.node_type.get(n) == kind)
+                  - (obs.pending_training_accelerators.get(kind, 0) if cfg.reserve_for_queue else 0)
+                  for kind in {t.accelerator_type for t in candidates}}
         for t in candidates:
             if not open_nodes:
                 break
@@ -360,8 +366,10 @@ class AutoscalerPolicy:
             for node in sorted((n for n in open_nodes if work.free[n] >= t.replica_size
                                 and obs.node_type.get(n) == t.accelerator_type),
                                key=lambda n: (n not in mine, work.free[n], n)):
-                while size + t.replica_size <= limit and work.free[node] >= t.replica_size:
+                while (size + t.replica_size <= limit and work.free[node] >= t.replica_size
+                       and budget[t.accelerator_type] >= t.replica_size):
                     work.free[node] -= t.replica_size
+                    budget[t.accelerator_type] -= t.replica_size
                     size += t.replica_size
                     nodes.append(node)
                 if size + t.replica_size > limit:

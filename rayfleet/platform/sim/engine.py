@@ -13,7 +13,8 @@ Design decisions:
   ``root -> serving | training -> prod | research`` where Serve's replicas count as a
   guaranteed workload of ``serving`` (so training borrows Serve's idle quota).
 - Training progress is linear in accelerators (work in accelerator-seconds): a resize changes the
-  rate, a pause (snapshot + restart) stops it. Lost work: pauses x size, and on a whole-job
+  rate, a pause (snapshot + restart) stops it, and a paused job's accelerators are held but not
+  utilized. Lost work: pauses x size, and on a whole-job
   preemption the work since the last snapshot.
 """
 
@@ -54,6 +55,11 @@ class SimConfig:
     # Offered training work / the accelerators training owns by quota. Above 1: training always
     # has queued work (as on real shared fleets), so idle accelerators are the policy's doing.
     training_load_factor: float = 1.6
+    # Offered load of the whole fleet (training work + inference's mean need at the target
+    # utilization) / accelerators. When set, it replaces ``training_load_factor``: below 1 the
+    # fleet is not saturated, so policies differ in how fast they run jobs, not only in how
+    # full they keep the fleet (at 1.6 every policy is near 100% and queues grow all week).
+    offered_load: float | None = None
     warmup_s: float = 12 * 3600.0  # metrics ignore the first hours (the fleet starts empty)
     size_scale: int = 8
     max_job_duration_s: float = 2 * DAY_S
@@ -66,6 +72,19 @@ class SimConfig:
     def peak_serve_replicas(self) -> int:
         """Replicas Serve needs at the diurnal peak (the static split's partition)."""
         return max(1, round(self.inference_peak_share * self.num_accelerators / self.serve_replica_accelerators))
+
+    def mean_inference_share(self) -> float:
+        """Inference's mean need as a share of the fleet: the diurnal envelope's mean (bursts left out)."""
+        return self.inference_peak_share * (1 + 1 / self.peak_to_trough) / 2
+
+    def training_load(self) -> float:
+        """Offered training work / the accelerators training owns by quota (from ``offered_load`` when set)."""
+        if self.offered_load is None:
+            return self.training_load_factor
+        if not 0.0 < self.offered_load <= 2.0:
+            raise ValueError(f"offered_load={self.offered_load}: use a share of capacity in (0, 2], e.g. 0.8")
+        train_share = 1 - self.peak_serve_replicas * self.serve_replica_accelerators / self.num_accelerators
+        return max(0.01, self.offered_load - self.mean_inference_share()) / train_share
 
 
 class Simulation:
@@ -94,7 +113,7 @@ class Simulation:
         ])
         self.arrivals = load_philly_arrivals(
             c.trace_dir / "philly_jobs.csv", horizon_s=c.days * DAY_S, training_accelerators=train_quota,
-            load_factor=c.training_load_factor, size_scale=c.size_scale, replica_size=c.train_replica_accelerators,
+            load_factor=c.training_load(), size_scale=c.size_scale, replica_size=c.train_replica_accelerators,
             max_duration_s=c.max_job_duration_s, seed=c.seed)
         self.request_costs = load_request_costs(c.trace_dir / "azure2023_conv.csv")
         self.demand = DemandModel(peak_replicas=c.peak_serve_replicas * c.costs.target_utilization,
@@ -128,12 +147,15 @@ class Simulation:
             ttft = c.costs.ttft_base_s / (1 - rho) if rho < 0.99 else 100 * c.costs.ttft_slo_s
             self._act(now, desired, running, min(ttft, 100 * c.costs.ttft_slo_s))
             self._admit(now)
-            training = sum(j.size for j in self.jobs.values())
+            # Utilized = stepping: a job pausing for a snapshot or restart holds its accelerators
+            # but does no work on them (it counts in ``held`` only).
+            training = sum(j.size for j in self.jobs.values() if j.paused_until <= now)
             self.metrics.recording = now >= c.warmup_s
             self.metrics.sample(now=now, load=load, within_slo=within, desired=desired,
                                 serve_held=len(self.serve) * c.serve_replica_accelerators,
                                 serve_useful=min(len(self.serve), desired) * c.serve_replica_accelerators,
-                                training=training, queued=sum(len(p) for p in self.pending.values()))
+                                training=training, training_held=sum(j.size for j in self.jobs.values()),
+                                queued=sum(len(p) for p in self.pending.values()))
         return self.metrics.result(mode=self.mode, config=c, jobs_running=list(self.jobs.values()),
                                    pending=[j for p in self.pending.values() for j in p], end_s=c.days * DAY_S)
 

@@ -1,8 +1,8 @@
 """What the colocation simulator measures, and how.
 
-- *Allocated-accelerator utilization*: time-average share of accelerators doing work that needs
-  them: training allocations (including jobs pausing for a resize) plus Serve replicas up to the
-  number its load needs at the target utilization. Serve replicas beyond that (a static
+- *Utilization*: time-average share of accelerators doing work that needs them: training jobs
+  that are stepping (a job pausing for a snapshot, restart or resize holds its accelerators but
+  is not counted) plus Serve replicas up to the number its load needs at the target utilization. Serve replicas beyond that (a static
   partition at night, the hysteresis tail) count as idle; ``held_share`` counts them too.
 - *SLO attainment*: request-weighted share of requests whose TTFT meets the SLO (per tick:
   all of them while replica utilization is below the SLO utilization, else the share that the
@@ -55,6 +55,7 @@ class SimResult:
     jobs_arrived: int
     jobs_completed: int
     mean_jct_h: float
+    p95_jct_h: float
     mean_queue_delay_h: float
     censored_jobs: int
     timeline: dict = field(repr=False, default_factory=dict)
@@ -80,12 +81,12 @@ class MetricsRecorder:
         self.timeline = {"t_h": [], "utilization": [], "serve_demand": [], "serve_held": [], "training": [], "queued": []}
 
     def sample(self, *, now: float, load: float, within_slo: float, desired: int, serve_held: int, serve_useful: int,
-               training: int, queued: int) -> None:
+               training: int, training_held: int, queued: int) -> None:
         if not self.recording:
             return
         self.ticks += 1
         self.useful_sum += (training + serve_useful) / self.n
-        self.held_sum += (training + serve_held) / self.n
+        self.held_sum += (training_held + serve_held) / self.n
         self.load_sum += load
         self.within_sum += load * within_slo
         self.ticks_within += within_slo >= 1.0
@@ -125,6 +126,7 @@ class MetricsRecorder:
             preemptions=self.preemptions, resizes=self.resizes, node_requests=self.node_requests,
             jobs_arrived=len(self.jct) + len(jobs_running) + len(pending), jobs_completed=len(self.jct),
             mean_jct_h=statistics.fmean(jct) / 3600 if jct else float("nan"),
+            p95_jct_h=_pct(jct, 0.95) / 3600,
             mean_queue_delay_h=statistics.fmean(delay) / 3600 if delay else float("nan"),
             censored_jobs=len(unfinished),
             timeline=self.timeline)

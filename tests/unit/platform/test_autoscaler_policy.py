@@ -119,10 +119,23 @@ def test_scale_down_after_window_then_training_grows_back():
     down = kinds(r, ScaleServe)
     assert down and down[0].remove_from_nodes == ("n1",) and "load low for 540s" not in down[0].reason
     r = policy.decide(state, obs(720, {"n0": 0, "n1": 4, "n2": 0, "n3": 0}, [serve(1, 1, nodes=["n3"])], lent_jobs,
-                                 pending={"H100": 64}))
+                                 pending={"H100": 2}))  # the queue's 2 fit beside the 2 given back
     (grow,) = kinds(r, GrowTraining)
     assert grow.new_size == 6 and grow.nodes == ("n1",) and "give back 2" in grow.reason
     assert r.state.lent == {}
+
+
+def test_queued_training_is_admitted_before_lent_accelerators_go_back():
+    """Free accelerators the queue needs stay free for admission; lenders get only the rest.
+    (Lenders-first made shared lose to whole-job preemption on JCT in the simulator.)"""
+    lent = AutoscalerState(lent={"a": 2})
+    jobs = [train("a", ["n0", "n0"], max_size=8)]
+    free = {"n0": 0, "n1": 4, "n2": 0, "n3": 0}
+    waiting = obs(720, free, [serve(1, 1, nodes=["n3"])], jobs, pending={"H100": 4})
+    assert not kinds(AutoscalerPolicy(AutoscalerConfig(job_resize_cooldown_s=0)).decide(lent, waiting), GrowTraining)
+    lenders_first = AutoscalerPolicy(AutoscalerConfig(job_resize_cooldown_s=0, reserve_for_queue=False))
+    (grow,) = kinds(lenders_first.decide(lent, waiting), GrowTraining)
+    assert grow.new_size == 6 and "give back 2" in grow.reason  # takes 2 of the 4 the queue waits for
 
 
 def test_no_growth_while_serve_is_at_risk():

@@ -56,3 +56,26 @@ def test_demand_envelope_peak_to_trough():
     assert max(values) == pytest.approx(100, rel=1e-3) and min(values) == pytest.approx(25, rel=1e-2)
     with pytest.raises(ValueError, match="peak_to_trough"):
         DemandModel(peak_replicas=1, peak_to_trough=20)
+
+
+def test_offered_load_sets_the_training_work_offered():
+    base = SimConfig(num_accelerators=1024)
+    assert base.training_load() == base.training_load_factor  # saturated default
+    # 0.4 at peak, 3:1 diurnal -> inference needs 0.4 * (1 + 1/3) / 2 = 26.7% on average
+    assert base.mean_inference_share() == pytest.approx(0.2667, abs=1e-3)
+    at80 = SimConfig(num_accelerators=1024, offered_load=0.8)
+    train_share = 1 - at80.peak_serve_replicas * 8 / 1024
+    assert at80.training_load() * train_share + at80.mean_inference_share() == pytest.approx(0.8)
+    with pytest.raises(ValueError, match="offered_load"):
+        SimConfig(offered_load=3.0).training_load()
+
+
+def test_only_stepping_training_counts_as_utilized():
+    """A job pausing for a restart holds its accelerators without using them: with restarts that
+    take an hour, held share stays up while utilization drops (before, both counted the same)."""
+    from dataclasses import replace
+
+    cheap = build_simulation("shared", SMALL).run()
+    slow = build_simulation("shared", replace(SMALL, costs=replace(SMALL.costs, restart_s=3600.0))).run()
+    assert cheap.utilization <= cheap.held_share
+    assert slow.held_share - slow.utilization > cheap.held_share - cheap.utilization + 0.01
