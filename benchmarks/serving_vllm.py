@@ -135,10 +135,10 @@ def _apps(model_dir: Path, port: int) -> list[tuple[str, str, dict]]:
             "colocated": pool, "http": http}
     return [("builtin", "rayfleet prefix+load", builtin),
             ("vllm", "rayfleet prefix+load", {**vllm, "name": "bench-vllm-rayfleet",
-                                              "vllm": {"device": "cpu", "kv_cache_gib": 0.5,
+                                              "vllm": {"device": "cpu", "kv_cache_gib": 1,
                                                        "request_router": "rayfleet"}}),
             ("vllm", "PrefixCacheAffinityRouter", {**vllm, "name": "bench-vllm-pca",
-                                                   "vllm": {"device": "cpu", "kv_cache_gib": 0.5,
+                                                   "vllm": {"device": "cpu", "kv_cache_gib": 1,
                                                             "request_router": "prefix_cache_affinity"}})]
 
 

@@ -130,7 +130,7 @@ class VLLMSpec(_Strict):
     kv_connector: Literal["nixl", "shared_storage"] = "nixl"
     kv_storage_path: str | None = None
     request_router: Literal["rayfleet", "prefix_cache_affinity", "power_of_two"] | None = None
-    kv_cache_gib: float = Field(1.0, gt=0)  # device cpu: VLLM_CPU_KVCACHE_SPACE per replica
+    kv_cache_gib: int = Field(1, ge=1)  # device cpu: VLLM_CPU_KVCACHE_SPACE per replica (whole GiB only)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # device gpu
     enforce_eager: bool | None = None  # None: eager on CPU (no graphs to capture), graphs on GPU
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)  # other vLLM engine arguments, verbatim

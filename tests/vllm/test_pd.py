@@ -30,7 +30,7 @@ def pd_app(vllm_fleet, tiny_model_dir, tmp_path_factory):
             "mode": "disaggregated",
             "prefill": {"replicas": 1, "accelerators_per_replica": 1, "accelerator_type": "H100"},
             "decode": {"replicas": 1, "accelerators_per_replica": 1, "accelerator_type": "H100"},
-            "vllm": {"device": "cpu", "kv_connector": "nixl", "kv_cache_gib": 0.5},
+            "vllm": {"device": "cpu", "kv_connector": "nixl", "kv_cache_gib": 1},
             "http": {"route_prefix": "/pd"}}
     path = tmp_path_factory.mktemp("pd") / "pd.yaml"
     path.write_text(yaml.safe_dump(spec))

@@ -45,7 +45,7 @@ def pool_app(vllm_fleet, tiny_model_dir, tmp_path_factory):
             "engine": {"kind": "vllm", "block_size": 32, "max_model_len": 512, "max_num_seqs": 8,
                        "max_num_batched_tokens": 512},
             "mode": "colocated", "colocated": {"replicas": 2, "accelerators_per_replica": 1, "accelerator_type": "A100"},
-            "vllm": {"device": "cpu", "kv_cache_gib": 0.5},  # request_router: rayfleet (the default)
+            "vllm": {"device": "cpu", "kv_cache_gib": 1},  # request_router: rayfleet (the default)
             "http": {"port": port}}
     work = tmp_path_factory.mktemp("pool")
     (work / "pool.yaml").write_text(yaml.safe_dump(spec))

@@ -178,7 +178,7 @@ def _runtime_env(spec: ServeSpec) -> dict[str, Any]:
     if spec.vllm.device == "cpu":
         # Required on CPU (no KV size is derived from free memory there), and the default thread
         # binding (auto) reserves one of a two-core machine's cores for nothing.
-        env.update({"VLLM_CPU_KVCACHE_SPACE": f"{spec.vllm.kv_cache_gib:g}", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+        env.update({"VLLM_CPU_KVCACHE_SPACE": str(spec.vllm.kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
     env.update(spec.vllm.env)
     return {"env_vars": env}
 

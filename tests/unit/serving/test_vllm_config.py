@@ -31,6 +31,8 @@ def test_engine_shorthand_and_default_builtin():
     ({"engine": "sglang", "model": {"hf": "/m"}}, "engine.kind"),
     ({"engine": "vllm", "model": {"hf": "/m"}, "vllm": {"kv_connector": "shared_storage"}}, "vllm.kv_storage_path"),
     ({"engine": "vllm", "model": {"hf": "/m", "preset": "tiny"}}, "model"),
+    # vLLM reads VLLM_CPU_KVCACHE_SPACE as an int: 0.5 failed every replica at engine start.
+    ({"engine": "vllm", "model": {"hf": "/m"}, "vllm": {"kv_cache_gib": 0.5}}, "vllm.kv_cache_gib"),
 ])
 def test_bad_specs_name_the_field(fields, field_name):
     with pytest.raises(SpecError) as err:
@@ -118,10 +120,10 @@ def test_unknown_accelerator_type_is_a_clear_error():
 
 def test_user_engine_kwargs_win_and_env_is_added():
     spec = _spec(vllm={"engine_kwargs": {"enforce_eager": False, "seed": 7}, "env": {"VLLM_LOGGING_LEVEL": "DEBUG"},
-                       "kv_cache_gib": 2.5})
+                       "kv_cache_gib": 2})
     cfg = llm_config_fields(spec, "colocated")
     assert cfg["engine_kwargs"]["enforce_eager"] is False and cfg["engine_kwargs"]["seed"] == 7
-    assert cfg["runtime_env"]["env_vars"]["VLLM_CPU_KVCACHE_SPACE"] == "2.5"
+    assert cfg["runtime_env"]["env_vars"]["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert cfg["runtime_env"]["env_vars"]["VLLM_LOGGING_LEVEL"] == "DEBUG"
 
 
