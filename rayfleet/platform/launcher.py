@@ -212,8 +212,8 @@ class LocalFleet:
         return launched
 
     def _start_head(self, head: NodeTopology, port: int, timeout_s: float, *, system_config: dict,
-                    attempts: int = 2) -> LaunchedNode:
-        """Start the head node; a failed start is retried once on fresh ports, as a worker's is.
+                    attempts: int = 3) -> LaunchedNode:
+        """Start the head node; a failed start is retried on fresh ports, as a worker's is.
 
         On a loaded machine the head's own ``ray start`` was seen to fail with "GCS cannot find the
         node" (Ray waits a fixed 30 s for its raylet to register), which failed a whole test session.
@@ -234,7 +234,7 @@ class LocalFleet:
                 port = _free_port()
         raise AssertionError("unreachable")
 
-    def _start_worker(self, node: NodeTopology, timeout_s: float, *, attempts: int = 2) -> LaunchedNode:
+    def _start_worker(self, node: NodeTopology, timeout_s: float, *, attempts: int = 3) -> LaunchedNode:
         for attempt in range(attempts):
             launched = self._spawn(node, head_address=self.address)
             try:
