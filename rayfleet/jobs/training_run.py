@@ -157,6 +157,14 @@ class TrainingRun:
     def metrics(self) -> MetricsTable:
         return MetricsTable(tuple(parse_metrics_lines(self.logs())))
 
+    def plot(self, path: str | None = None):
+        """Loss and tokens/s against step (a matplotlib ``Figure``: a notebook shows it); also
+        saved as PNG at ``path`` when given. Rank 0 writes the same plot as ``metrics.png``
+        beside the run's Parquet metrics when the run ends."""
+        from rayfleet.jobs.metrics import plot_metrics
+
+        return plot_metrics(self.metrics().rows, path)
+
     def cancel(self) -> bool:
         return bool(self.client.stop_job(self.job_id))
 

@@ -52,3 +52,19 @@ def test_overrides_parse_yaml_values_and_reject_bad_items():
     assert out == {"steps": 20, "plan": {"dp": 2, "ep": 2}, "data": {"uri": "/x"}}
     with pytest.raises(SpecError, match="--set"):
         apply_overrides({}, ["no-equals-sign"])
+
+
+def test_run_plot_draws_loss_and_throughput_from_the_job_log(tmp_path) -> None:
+    from rayfleet.jobs.training_run import TrainingRun, format_metrics_line
+
+    class _JobLogs:  # what Ray's JobSubmissionClient answers for get_job_logs
+        def get_job_logs(self, job_id: str) -> str:
+            return "\n".join(["starting"] + [format_metrics_line({"step": s, "rank": 0, "loss": 4.0 / s,
+                                                                  "tokens_per_s": 100.0 * s}) for s in range(1, 6)])
+
+    run = TrainingRun(job_id="j", dashboard_url="http://127.0.0.1:1", _client=_JobLogs())
+    fig = run.plot(str(tmp_path / "run.png"))
+    loss_ax, speed_ax = fig.axes
+    assert list(loss_ax.lines[0].get_xdata()) == [1, 2, 3, 4, 5]
+    assert list(speed_ax.lines[0].get_ydata()) == [100.0, 200.0, 300.0, 400.0, 500.0]
+    assert (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG"
