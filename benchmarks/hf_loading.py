@@ -5,7 +5,8 @@ In one run:
   ``rayfleet model export``'s writer): ~1.6 GiB by default, ~20 MiB with ``--quick``;
 - baseline: one process loads the whole model through the same lazy reader
   (``rayfleet.storage.safetensors_io.HFCheckpoint`` + ``rayfleet.models.hf.load_hf_weights``),
-  and one loads it with ``safetensors.torch.load_file`` (the reference library, every shard);
+  and one loads it with ``safetensors.torch.load_file`` (the reference library, every shard; it
+  maps the files, so the benchmark touches every page to make it actually read them);
 - the product path: 4 rank processes at once, each loading only its slice for EP = TP = 4
   (``rayfleet.models.hf.sharding.layout_shard_fn``: a quarter of the experts of every MoE layer,
   Megatron row/column quarters of attention and the output head, the rest replicated).
@@ -96,6 +97,10 @@ def worker(folder: str, mode: str, rank: int) -> dict:
         state = {}
         for shard in sorted(Path(folder).glob("*.safetensors")):
             state.update(load_file(str(shard)))
+        # load_file maps the file: touch one byte per page so the data is read and resident
+        # (otherwise its time and RSS would leave out the reading).
+        touched = sum(int(t.reshape(-1).view(torch.uint8)[::4096].sum()) for t in state.values() if t.numel())
+        assert touched >= 0
     else:
         ckpt = HFCheckpoint(folder)
         spec = from_hf_config(ckpt.config)
