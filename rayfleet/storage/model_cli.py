@@ -27,7 +27,7 @@ from rayfleet.errors import SpecError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["register", "import_hf_model", "export_hf_model", "ModelTransfer"]
+__all__ = ["register", "import_hf_model", "export_hf_model", "create_random_hf_model", "ModelTransfer"]
 
 
 
@@ -126,6 +126,24 @@ def export_hf_model(source: str, out: str, *, max_shard_bytes: int = 1 << 30) ->
     write_files(out, files)  # config.json last among the small files: it marks a usable folder
     return ModelTransfer(source, out, spec.architecture, len(tensors), sum(t.numel() for t in tensors.values()),
                          tuple(sorted([*names, *files])), time.perf_counter() - start)
+
+
+def create_random_hf_model(out: str, hf_config: dict[str, Any], *, seed: int = 0,
+                           files: dict[str, bytes] | None = None) -> ModelTransfer:
+    """Write a randomly initialised model of ``hf_config`` as an HF folder (no download, no
+    transformers): rayfleet's init from ``seed``, exported like a trained model."""
+    from rayfleet.models import build_model
+    from rayfleet.models.hf import export_hf_weights, from_hf_config, to_hf_config
+    from rayfleet.storage.safetensors_io import write_files, write_safetensors_shards
+
+    start = time.perf_counter()
+    spec = from_hf_config(hf_config)
+    tensors, _ = export_hf_weights(spec, build_model(spec.config, seed=seed).state_dict())
+    names = write_safetensors_shards(out, tensors)
+    side = {**(files or {}), "config.json": json.dumps(to_hf_config(spec), indent=2, sort_keys=True).encode()}
+    write_files(out, side)
+    return ModelTransfer("random", out, spec.architecture, len(tensors), sum(t.numel() for t in tensors.values()),
+                         tuple(sorted([*names, *side])), time.perf_counter() - start)
 
 
 def _inspect(args: argparse.Namespace) -> int:

@@ -96,3 +96,15 @@ def test_analytic_parameter_counts_equal_the_built_models(name):
     model = build_model(spec.config, device="meta")
     assert spec.config.num_params().total == sum(p.numel() for p in model.parameters())
 
+
+
+def test_a_random_model_created_without_transformers_loads_in_transformers(tmp_path):
+    from rayfleet.storage.model_cli import create_random_hf_model
+
+    config = hf_config_dict("qwen3_moe")
+    create_random_hf_model(str(tmp_path / "m"), config, seed=3)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
+    ours = build_model(from_hf_config(config).config, seed=3).eval()
+    tokens = torch.randint(0, config["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf(tokens).logits - ours(tokens)).abs().max().item() <= 1e-4
