@@ -140,16 +140,29 @@ def build_openai_app(service: InferenceService, *, model_name: str, http: HttpSp
     http = http or HttpSpec()
     app = FastAPI(title="rayfleet OpenAI-compatible API")
     install_error_handlers(app)
-    created = int(time.time())
-    limits = _Limits(http.limits)
+    completions = _Completions(service, model_name=model_name, http=http)
+    _routes(app, service, model_name, int(time.time()), completions.handle)
+    keys = resolve_api_keys(auth=http.auth, env_names=http.api_keys.env, file=http.api_keys.file)
+    if keys is not None:  # outermost: a request without a key reaches nothing, not even a 404
+        app.add_middleware(ApiKeyMiddleware, keys=keys)
+    return app
 
-    async def read_body(request: Request, schema: type) -> Any:
-        cap = http.limits.max_body_bytes
+
+class _Completions:
+    """``POST /v1/completions`` and ``/v1/chat/completions``: the checks of the module doc in
+    order, then the choices (``generation``) shaped by ``_Response``."""
+
+    def __init__(self, service: InferenceService, *, model_name: str, http: HttpSpec) -> None:
+        self.service, self.model_name, self.http = service, model_name, http
+        self.limits = _Limits(http.limits)
+
+    async def _read_json(self, request: Request) -> dict[str, Any]:
+        cap = self.http.limits.max_body_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > cap:
             raise APIError(413, f"the body has {declared} bytes; at most {cap} are accepted", code="body_too_large")
         data, size = [], 0
-        async for part in request.stream():
+        async for part in request.stream():  # counted as read: Content-Length may be absent or wrong
             size += len(part)
             if size > cap:
                 raise APIError(413, f"the body exceeds {cap} bytes", code="body_too_large")
@@ -165,6 +178,11 @@ def build_openai_app(service: InferenceService, *, model_name: str, http: HttpSp
         except UnicodeEncodeError:
             raise APIError(400, "the body contains a lone surrogate escape (\\ud800-\\udfff), which is not "
                                 "valid Unicode text", code="invalid_unicode") from None
+        return body
+
+    async def read_body(self, request: Request, schema: type) -> Any:
+        """The validated request model; APIError 413/400/404 otherwise."""
+        body = await self._read_json(request)
         try:
             req = schema.model_validate(body)
         except ValidationError as exc:
@@ -173,86 +191,89 @@ def build_openai_app(service: InferenceService, *, model_name: str, http: HttpSp
         refusal = req.refusals()
         if refusal is not None:
             raise APIError(400, refusal[1], param=refusal[0], code="unsupported_parameter")
-        if req.model is not None and req.model != model_name:
-            raise APIError(404, f"the model {req.model[:100]!r} does not exist; this server serves {model_name!r}",
-                           param="model", code="model_not_found")
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(404, f"the model {req.model[:100]!r} does not exist; this server serves "
+                                f"{self.model_name!r}", param="model", code="model_not_found")
         return req
 
-    async def plan(req: Any, prompts: list[list[int]], *, chat: bool, rid: str,
+    async def plan(self, req: Any, prompts: list[list[int]], *, chat: bool, rid: str,
                    num_logprobs: int | None) -> list[ChoiceJob]:
+        """One ``ChoiceJob`` per (prompt, choice), after the deployment limits and the context."""
+        lim = self.http.limits
         n = req.n or 1
-        if n > http.limits.max_n:
-            raise APIError(400, f"n={n} is above this server's limit of {http.limits.max_n}", param="n")
-        if len(prompts) > http.limits.max_batch_prompts:
-            raise APIError(400, f"{len(prompts)} prompts in one request; at most {http.limits.max_batch_prompts}",
+        if n > lim.max_n:
+            raise APIError(400, f"n={n} is above this server's limit of {lim.max_n}", param="n")
+        if len(prompts) > lim.max_batch_prompts:
+            raise APIError(400, f"{len(prompts)} prompts in one request; at most {lim.max_batch_prompts}",
                            param="prompt")
-        stops = limits.check_stop(req.stop)
-        ctx = await service.max_model_len()
+        stops = self.limits.check_stop(req.stop)
+        ctx = await self.service.max_model_len()
         asked = req.effective_max_tokens if chat else req.max_tokens
         jobs = []
         for p, prompt in enumerate(prompts):
-            param = "messages" if chat else "prompt"
-            if any(not 0 <= t < _TOKENIZER.vocab_size for t in prompt):
-                raise APIError(400, f"token ids must be in [0, {_TOKENIZER.vocab_size})", param=param)
-            if len(prompt) >= ctx:
-                raise APIError(400, f"the prompt has {len(prompt)} tokens but the context is {ctx} tokens (room for "
-                                    "at least one generated token is needed); shorten the prompt",
-                               param=param, code="context_length_exceeded")
-            room = ctx - len(prompt)
-            if asked is not None and asked > room:
-                raise APIError(400, f"this model's context is {ctx} tokens; you asked for {len(prompt)} prompt + "
-                                    f"{asked} completion tokens; lower max_tokens to at most {room}",
-                               param="max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens",
-                               code="context_length_exceeded")
+            room = _room(prompt, ctx, asked, chat=chat, max_param="max_completion_tokens"
+                         if chat and req.max_completion_tokens else "max_tokens")
             max_tokens = asked if asked is not None else (room if chat else min(16, room))
             params = _sampling(req, stops, max_tokens, num_logprobs)
             jobs += [ChoiceJob(p * n + i, p, prompt, choice_params(params, i), f"{rid}-{p * n + i}") for i in range(n)]
         return jobs
 
-    async def handle(request: Request, *, chat: bool) -> Any:
-        req = await read_body(request, ChatCompletionRequest if chat else CompletionRequest)
+    async def handle(self, request: Request, *, chat: bool) -> Any:
+        req = await self.read_body(request, ChatCompletionRequest if chat else CompletionRequest)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         prompts = [encode_chat(req.messages)] if chat else _prompts(req)
         num_lp = (req.top_logprobs or 0) if chat and req.logprobs else (None if chat else req.logprobs)
+        retry = self.http.limits.retry_after_s
         try:
-            jobs = await plan(req, prompts, chat=chat, rid=rid, num_logprobs=num_lp)
+            jobs = await self.plan(req, prompts, chat=chat, rid=rid, num_logprobs=num_lp)
         except Exception as exc:  # noqa: BLE001 - e.g. no replica has reported its context yet
-            raise service_error(exc, rid, retry_after_s=http.limits.retry_after_s) from None
-        limits.admit(len(jobs), reserve=not req.stream)
-        num_prompt = sum(len(p) for p in prompts)
-        ctx = _Response(rid, model_name, chat, req, prompts, num_prompt)
+            raise service_error(exc, rid, retry_after_s=retry) from None
+        self.limits.admit(len(jobs), reserve=not req.stream)
+        ctx = _Response(rid, self.model_name, chat, req, prompts, sum(len(p) for p in prompts))
         if req.stream:
-            return StreamingResponse(_sse(ctx, jobs), media_type="text/event-stream")
+            return StreamingResponse(self.sse(ctx, jobs), media_type="text/event-stream")
         try:
-            results = await run_choices(service, jobs, cache_salt=req.cache_salt)
+            results = await run_choices(self.service, jobs, cache_salt=req.cache_salt)
         except Exception as exc:  # noqa: BLE001 - mapped to a status; internals logged, not sent
-            raise service_error(exc, rid, retry_after_s=http.limits.retry_after_s) from None
+            raise service_error(exc, rid, retry_after_s=retry) from None
         finally:
-            limits.in_flight -= len(jobs)
+            self.limits.in_flight -= len(jobs)
         return ctx.body(results)
 
-    async def _sse(ctx: "_Response", jobs: list[ChoiceJob]) -> AsyncIterator[bytes]:
-        limits.in_flight += len(jobs)
-        stream = stream_choices(service, jobs, cache_salt=ctx.req.cache_salt)
+    async def sse(self, ctx: "_Response", jobs: list[ChoiceJob]) -> AsyncIterator[bytes]:
+        """The stream's body; counts its jobs in flight from its first byte to its end."""
+        self.limits.in_flight += len(jobs)
+        stream = stream_choices(self.service, jobs, cache_salt=ctx.req.cache_salt)
         try:
             async for item in stream:
                 if isinstance(item, ChoiceEvent):
                     yield R.sse(ctx.chunk(item))
-                else:
-                    if ctx.include_usage:
-                        yield R.sse(ctx.usage_chunk(item))
+                elif ctx.include_usage:
+                    yield R.sse(ctx.usage_chunk(item))
         except Exception as exc:  # noqa: BLE001 - the stream ends with an error event, never a hang
-            yield R.sse(service_error(exc, ctx.rid, retry_after_s=http.limits.retry_after_s).body())
+            yield R.sse(service_error(exc, ctx.rid, retry_after_s=self.http.limits.retry_after_s).body())
         finally:
-            limits.in_flight -= len(jobs)
+            self.limits.in_flight -= len(jobs)
             await stream.aclose()
         yield b"data: [DONE]\n\n"
 
-    _routes(app, service, model_name, created, handle)
-    keys = resolve_api_keys(auth=http.auth, env_names=http.api_keys.env, file=http.api_keys.file)
-    if keys is not None:  # outermost: a request without a key reaches nothing, not even a 404
-        app.add_middleware(ApiKeyMiddleware, keys=keys)
-    return app
+
+def _room(prompt: list[int], ctx: int, asked: int | None, *, chat: bool, max_param: str) -> int:
+    """Tokens left for the completion; 400 for bad ids, a prompt that fills the context, or
+    ``max_tokens`` beyond it (never a silent clamp)."""
+    param = "messages" if chat else "prompt"
+    if any(not 0 <= t < _TOKENIZER.vocab_size for t in prompt):
+        raise APIError(400, f"token ids must be in [0, {_TOKENIZER.vocab_size})", param=param)
+    if len(prompt) >= ctx:
+        raise APIError(400, f"the prompt has {len(prompt)} tokens but the context is {ctx} tokens (room for "
+                            "at least one generated token is needed); shorten the prompt",
+                       param=param, code="context_length_exceeded")
+    room = ctx - len(prompt)
+    if asked is not None and asked > room:
+        raise APIError(400, f"this model's context is {ctx} tokens; you asked for {len(prompt)} prompt + "
+                            f"{asked} completion tokens; lower {max_param} to at most {room}",
+                       param=max_param, code="context_length_exceeded")
+    return room
 
 
 def _routes(app: FastAPI, service: InferenceService, model_name: str, created: int, handle: Any) -> None:
