@@ -52,11 +52,13 @@ NCCL init and loading take longer at that scale): the table also prints the larg
 failure that still meets the goal.
 
 The table's "between steps" figure is rank 0's time from the end of one step to the start of the
-next (reporting + hooks). rayfleet calls ``ray.train.report`` every step; Ray Train's per-worker
-result queue holds one report and is drained only when the controller polls
-(``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, 2 s by default), so steps shorter than the poll interval
-are paced by it (measured here: ~1.9 s between 0.1-0.3 s steps at 2 s, ~0.3 s at 0.5 s, which
-also cuts *detect*). ``--health-check-interval-s`` sets that variable for the fleet.
+next (reporting + hooks). Ray Train's per-worker result queue holds one report and is drained
+only when the controller polls (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, 2 s by default); when
+rayfleet called ``ray.train.report`` every step, steps shorter than the poll interval were paced
+by it (measured: ~1.9 s between 0.1-0.3 s steps). It now reports to Ray Train only once per
+``RAYFLEET_TRAIN_REPORT_INTERVAL_S`` of step time and streams metrics from a background thread
+(issue 19), so this figure is milliseconds. ``--health-check-interval-s`` sets the poll interval
+for the fleet (it also cuts *detect*).
 
     python benchmarks/recovery.py                 # ~4.5 min here (load average 2-10)
     python benchmarks/recovery.py --steps 16 --kills 1 --health-check-interval-s 0.5
