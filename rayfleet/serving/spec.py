@@ -364,7 +364,8 @@ class ServeSpec(_Strict):
         return {"prefill": self.prefill, "decode": self.decode}
 
     def replica_names(self) -> dict[str, list[str]]:
-        """Role -> Serve deployment names of its replicas, e.g. ``{"prefill": ["prefill-0"]}``."""
+        """Role -> names of its replicas, e.g. ``{"prefill": ["prefill-0"]}`` (in-process apps; a
+        deployed pool is one Serve deployment named after its role)."""
         return {role: [f"{role}-{i}" for i in range(pool.replicas)] for role, pool in self.pools().items()}
 
 
