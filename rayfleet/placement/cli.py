@@ -1,11 +1,17 @@
 """``rayfleet plan``: rank parallel plans for a model on a fleet and show where the ranks go.
 
     rayfleet plan examples/models/mixtral-8x7b.yaml --fleet H100:64 --top 5 --layout
+    rayfleet plan examples/models/llama3-8b.yaml --fleet H100:100000        # the planner picks the size
+    rayfleet plan deepseek-v3 --fleet H100:10000 --max-accelerators 2048 --objective throughput
     rayfleet plan deepseek-v3 --nodes 128 --accelerator H100 --racks 8
     rayfleet plan model.yaml --fleet H100:64,P800:64          # mixed fleet
 
-The fleet is synthetic (``--fleet TYPE:ACCELERATORS[,...]`` or ``--nodes/--accelerator/...``);
-the model is a YAML file (see ``examples/models``) or a preset name. Pure: no cluster needed.
+The fleet is what is free: the plan takes as many accelerators as its objective wants --
+``fastest`` (default: the fastest step that keeps ``--min-scaling-efficiency`` of the best
+tokens/s per accelerator) or ``throughput`` (most tokens/s per accelerator) -- within
+``--max-accelerators`` and ``--min-mfu``; ``--exact N`` plans for exactly N. The fleet is
+synthetic (``--fleet TYPE:ACCELERATORS[,...]`` or ``--nodes/--accelerator/...``); the model is a
+YAML file (see ``examples/models``) or a preset name. Pure: no cluster needed.
 """
 
 from __future__ import annotations
@@ -29,6 +35,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--racks", type=int, default=None, help="racks (default: 16 servers per rack)")
     p.add_argument("--racks-per-block", type=int, default=4)
     p.add_argument("--top", type=int, default=5, help="plans to show")
+    p.add_argument("--objective", choices=("fastest", "throughput"), default="fastest",
+                   help="fastest step, or most tokens/s per accelerator")
+    p.add_argument("--max-accelerators", type=int, default=None, help="take at most this many")
+    p.add_argument("--exact", type=int, default=None, help="take exactly this many (fixed-size job)")
+    p.add_argument("--min-mfu", type=float, default=0.0, help="skip plans below this MFU (0-1)")
+    p.add_argument("--min-scaling-efficiency", type=float, default=0.8,
+                   help="with 'fastest': keep at least this share of the best tokens/s per accelerator (0-1)")
     p.add_argument("--layout", action="store_true", help="also print plan 1's rank -> accelerator layout")
     p.set_defaults(func=handle_plan)
 
@@ -50,15 +63,30 @@ def _topology(args: argparse.Namespace):
 def handle_plan(args: argparse.Namespace) -> int:
     """Print the ranked plans (and optionally the best plan's layout); 1 when none is feasible."""
     from rayfleet.placement import search
+    from rayfleet.placement.fleet_capacity import fleet_capacity_of
     from rayfleet.placement.layout import build_layout
     from rayfleet.placement.model_spec import load_model_spec
-    from rayfleet.placement.report import format_layout, format_plans
+    from rayfleet.placement.plan_tables import format_layout, format_plans
+    from rayfleet.placement.planner import search_plans
+    from rayfleet.placement.search_space import JobGoal
 
     if args.top < 1:
         raise SpecError("--top", args.top, "must be at least 1", "pass --top 1 or more")
     model = load_model_spec(args.model)
+    if args.exact is not None:
+        goal = JobGoal.exactly(args.exact)
+    else:
+        goal = JobGoal(objective=args.objective, max_accelerators=args.max_accelerators, min_mfu=args.min_mfu,
+                       min_scaling_efficiency=args.min_scaling_efficiency)
+    if args.fleet and not args.nodes and not args.layout:
+        # a fleet string needs no topology to plan on (12,500 node records at 100,000 GPUs)
+        capacity = fleet_capacity_of(args.fleet, num_racks=args.racks)
+        result = search_plans(model, capacity, top_k=args.top, goal=goal)
+        fleet = ", ".join(f"{n:,} x {t}" for t, n in sorted(capacity.counts.items()))
+        print(format_plans(result, model, fleet=fleet))
+        return 0 if result.ranked else 1
     topology = _topology(args)
-    result = search(model, topology, top_k=args.top)
+    result = search(model, topology, top_k=args.top, goal=goal)
     fleet = ", ".join(f"{n} x {t}" for t, n in sorted(topology.accelerator_types().items()))
     print(format_plans(result, model, fleet=f"{fleet} on {len(topology.nodes)} nodes"))
     if not result.ranked:

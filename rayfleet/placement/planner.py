@@ -453,8 +453,11 @@ def _job_size(model: ModelSpec, ranked: tuple[RankedPlan, ...], goal: JobGoal, f
                f"or communication per token")
     elif n == hi:
         why = f"fastest step; it takes every accelerator it may ({'max_accelerators' if hi < free else 'the free fleet'})"
-    elif plan.dp * plan.micro_batch_size == model.global_batch_sequences and best_rate and rate >= 0.999 * best_rate:
-        why = f"fastest step: the global batch of {model.global_batch_sequences} sequences is spread one micro-batch per replica"
+    elif plan.dp * plan.micro_batch_size == model.global_batch_sequences:
+        why = (f"fastest step: the global batch of {model.global_batch_sequences} sequences feeds at most {plan.dp} "
+               f"replicas of micro-batch {plan.micro_batch_size}; more accelerators per replica (TP/CP/PP) "
+               + (f"would fall below {goal.min_scaling_efficiency:.0%} of the best {best_rate:,.0f} tokens/s per "
+                  f"accelerator" if best_rate else "would be slower"))
     else:
         floor = f"{goal.min_scaling_efficiency:.0%} of the best {best_rate:,.0f} tokens/s per accelerator" if best_rate \
             else f"MFU >= {goal.min_mfu:.0%}"

@@ -202,15 +202,20 @@ def _score(runs: Sequence[PublishedRun], params: CostParams) -> tuple[float, flo
     return max(abs(e) for e in errors), sum(e * e for e in errors)
 
 
-def fit_efficiency(runs: Sequence[PublishedRun], start: CostParams = CostParams(), *, rounds: int = 3) -> CostParams:
-    """Coordinate search over :data:`FITTED_FIELDS` minimising the worst |log(predicted /
-    measured)| (then the sum of squares) over ``runs``; returns the fitted parameters."""
+def fit_efficiency(runs: Sequence[PublishedRun], start: CostParams = CostParams(), *, rounds: int = 3,
+                   fields: Sequence[str] | None = None) -> CostParams:
+    """Coordinate search over :data:`FITTED_FIELDS` (or the named ``fields``) minimising the
+    worst |log(predicted / measured)| (then the sum of squares) over ``runs``."""
     if not runs:
         raise SpecError("runs", 0, "nothing to fit", "mark some published runs `fit: true`")
+    unknown = sorted(set(fields or ()) - set(FITTED_FIELDS))
+    if unknown:
+        raise SpecError("fields", unknown, "not fitted constants", f"use some of {sorted(FITTED_FIELDS)}")
+    grids = {k: v for k, v in FITTED_FIELDS.items() if fields is None or k in fields}
     best, score = start, _score(runs, start)
     for _ in range(rounds):
         improved = False
-        for name, grid in FITTED_FIELDS.items():
+        for name, grid in grids.items():
             for value in grid:
                 trial = replace(best, **{name: value})
                 s = _score(runs, trial)

@@ -1,4 +1,4 @@
-"""Readable tables of ranked plans and layouts (for ``rayfleet plan`` and notebooks).
+"""Plain-text tables of ranked plans and rank layouts (for ``rayfleet plan`` and notebooks).
 
 Plain fixed-width text so it reads the same in a terminal, a log and a test assertion.
 """
@@ -9,7 +9,7 @@ from typing import Iterable
 
 from rayfleet.placement.layout import Layout
 from rayfleet.placement.model_spec import ModelSpec
-from rayfleet.placement.planner import PlanSearchResult
+from rayfleet.placement.search_results import PlanSearchResult
 from rayfleet.platform.topology import AcceleratorSlot, FleetTopology
 
 __all__ = ["format_plans", "format_layout"]
@@ -22,24 +22,30 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def format_plans(result: PlanSearchResult, model: ModelSpec, *, fleet: str = "") -> str:
-    """The ranked plans with memory, step time, throughput and bottleneck, then why others fail."""
+    """The ranked plans (size, degrees, memory, step time, throughput per accelerator, MFU,
+    bottleneck), how many accelerators the best takes and why, then why other shapes fail."""
     head = (f"model {model.name}: {model.total_params() / 1e9:.1f}B params ({model.active_params() / 1e9:.1f}B "
             f"active), seq {model.seq_len}, batch {model.global_batch_sequences} x {model.seq_len} tokens, "
             f"{model.precision}" + (f" | fleet {fleet}" if fleet else ""))
     rows = []
     for rp in result.ranked:
         p, c = rp.plan, rp.cost
-        rows.append([str(rp.rank), f"TP{p.tp}", f"PP{p.pp}", f"DP{p.dp}", f"CP{p.cp}", f"EP{p.ep}", f"ETP{p.etp}",
-                     str(p.micro_batch_size), p.recompute, f"{c.peak_memory_gib:.1f}",
-                     f"{c.step_time_s:.3f}", f"{c.tokens_per_s / 1e3:,.0f}k", f"{100 * c.mfu:.1f}%", rp.bottleneck])
-    table = _table(["#", "TP", "PP", "DP", "CP", "EP", "ETP", "mbs", "recompute", "mem GiB", "step s",
-                    "tok/s", "MFU", "bottleneck"], rows) if rows else "no feasible plan"
+        rows.append([str(rp.rank), f"{p.world_size:,}", f"TP{p.tp}", f"PP{p.pp}" + (f"x{p.vpp}" if p.vpp > 1 else ""),
+                     f"DP{p.dp}", f"CP{p.cp}", f"EP{p.ep}", f"ETP{p.etp}", str(p.micro_batch_size),
+                     f"{p.zero_stage}", p.optimizer_dtype, p.recompute, f"{c.peak_memory_gib:.1f}",
+                     f"{c.step_time_s:.3f}", f"{rp.tokens_per_s_per_accelerator:,.0f}", f"{100 * c.mfu:.1f}%",
+                     rp.bottleneck])
+    table = _table(["#", "accel", "TP", "PPxVP", "DP", "CP", "EP", "ETP", "mbs", "ZeRO", "adam", "recompute",
+                    "mem GiB", "step s", "tok/s/acc", "MFU", "bottleneck"], rows) if rows else "no feasible plan"
     lines = [head, table]
     if result.ranked:
         best = result.ranked[0]
         starts = best.plan.stage_starts or (0,)
         lines.append(f"plan 1 stages start at layers {list(starts)}"
                      + (f"; replicas {_replicas(best.plan)}" if best.plan.replica_accelerators else ""))
+    if result.job_size is not None:
+        size = result.job_size
+        lines.append(f"job size: {size.num_accelerators:,} of {size.num_free:,} accelerators -- {size.reason}")
     summary = result.rejection_summary()
     lines.append(f"{result.num_shapes} shapes considered, {len(result.ranked)} shown, {result.num_pruned} "
                  f"pruned by bound, {len(result.rejected)} infeasible"

@@ -1,0 +1,57 @@
+"""The cost model against published H100 training runs (calibration/published_runs.yaml)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from rayfleet.errors import SpecError
+from rayfleet.placement.calibration import (PUBLISHED_RUNS_PATH, fit_efficiency, load_published_runs, predict_run,
+                                            rank_published_plan)
+from rayfleet.placement.cost_params import CostParams
+
+RUNS = load_published_runs()
+# Cases where the planner's top prediction beats the published plan by more than 5% and the
+# published shape is not in its top 3 (see the report in benchmarks/placement.py --calibration).
+# Each is a known modelling gap; the test below fails when one closes, so the list stays true.
+KNOWN_RANKING_GAPS: frozenset[str] = frozenset()
+
+
+def test_table_has_the_required_runs_and_sources() -> None:
+    ids = {r.id for r in RUNS}
+    assert {"mbridge-llama3-8b-h100", "mbridge-llama3-70b-h100"} <= ids
+    assert sum(r.model.is_moe for r in RUNS) >= 3 and sum(not r.fit for r in RUNS) >= 1
+    assert all(r.source and r.tokens_per_s_per_gpu > 0 for r in RUNS)
+    by_id = {r.id: r for r in RUNS}
+    assert by_id["mbridge-llama3-8b-h100"].step_time_s == pytest.approx(9.31, abs=0.01)
+    assert by_id["mbridge-llama3-70b-h100"].step_time_s == pytest.approx(10.1, abs=0.05)
+
+
+@pytest.mark.parametrize("run", RUNS, ids=[r.id for r in RUNS])
+def test_predicted_throughput_within_15_percent(run) -> None:
+    prediction = predict_run(run)
+    assert abs(prediction.error) <= 0.15, (run.id, prediction.tokens_per_s_per_gpu, run.tokens_per_s_per_gpu)
+
+
+@pytest.mark.parametrize("run", RUNS, ids=[r.id for r in RUNS])
+def test_published_plan_ranks_where_experts_put_it(run) -> None:
+    ranking = rank_published_plan(run)
+    holds = (ranking.rank is not None and ranking.rank <= 3) or ranking.gap_to_top <= 0.05
+    assert holds == (run.id not in KNOWN_RANKING_GAPS), (run.id, ranking.rank, ranking.gap_to_top,
+                                                           ranking.top_plan.describe())
+
+
+def test_fit_recovers_a_perturbed_constant() -> None:
+    run = next(r for r in RUNS if r.id == "mbridge-llama3-8b-h100")
+    wrong = replace(CostParams(), gemm_efficiency=0.8)
+    assert predict_run(run, wrong).error > 0.3
+    fitted = fit_efficiency([run], wrong, fields=["gemm_efficiency"], rounds=1)
+    assert abs(predict_run(run, fitted).error) < 0.03
+
+
+def test_bad_table_rows_name_the_field(tmp_path) -> None:
+    bad = tmp_path / "runs.yaml"
+    bad.write_text(PUBLISHED_RUNS_PATH.read_text().replace("num_gpus: 8,", "num_gpus: 12,", 1))
+    with pytest.raises(SpecError, match="num_gpus"):
+        load_published_runs(bad)
