@@ -35,7 +35,7 @@ from rayfleet.placement.search_space import JobGoal, SearchSpace
 from rayfleet.platform.catalogue import get_accelerator
 
 __all__ = ["PublishedRun", "RunPrediction", "PlanRanking", "load_published_runs", "predict_run", "rank_published_plan",
-           "fit_efficiency", "PUBLISHED_RUNS_PATH", "FITTED_FIELDS"]
+           "fit_efficiency", "PUBLISHED_RUNS_PATH", "FITTED_FIELDS", "RECIPE_SPACE"]
 
 PUBLISHED_RUNS_PATH = Path(__file__).with_name("published_runs.yaml")
 # The constants the fit may move, with the grid it searches (everything else is physics or bytes).
@@ -137,9 +137,13 @@ def load_published_runs(path: str | Path = PUBLISHED_RUNS_PATH) -> tuple[Publish
                             "check the published degrees")
         plan = ParallelPlan(tp=p.tp, pp=p.pp, cp=p.cp, vpp=p.vpp, ep=p.ep, etp=p.etp, dp=p.num_gpus // width,
                             micro_batch_size=p.micro_batch_size, zero_stage=p.zero_stage)
-        # uneven splits are balanced by the cost model: validate with placeholder boundaries
-        validate_plan(replace(plan, stage_starts=tuple(range(plan.pp))), model,
-                      scaleup_domain_size=get_accelerator(run.hardware).scaleup_domain_size)
+        try:  # uneven splits are balanced by the cost model: validate with placeholder boundaries
+            validate_plan(replace(plan, stage_starts=tuple(range(plan.pp))), model,
+                          scaleup_domain_size=get_accelerator(run.hardware).scaleup_domain_size)
+        except SpecError as err:
+            why_fix = str(err).split(": ", 1)[-1]
+            why, _, fix = why_fix.rpartition(". Fix: ")
+            raise SpecError(f"runs[{i}] ({run.id}).{err.field}", err.value, why, fix) from None
         out.append(PublishedRun(run.id, run.source, get_accelerator(run.hardware).name, model, plan,
                                 run.tokens_per_s_per_gpu, run.fit))
     return tuple(out)
@@ -182,9 +186,15 @@ class PlanRanking:
         return self.published_step_s / self.top_step_s - 1
 
 
+# What the published recipes' framework (Megatron-Core) chooses from: its distributed optimizer
+# (ZeRO-1) or FSDP (ZeRO-3), with FP32 Adam states by default.
+RECIPE_SPACE = SearchSpace(zero_stages=(1, 3), optimizer_dtypes=("fp32",))
+
+
 def rank_published_plan(run: PublishedRun, params: CostParams = CostParams(), *, top_k: int = 3,
-                        space: SearchSpace = SearchSpace()) -> PlanRanking:
-    """Search the published size and report the published shape's rank and gap to the top."""
+                        space: SearchSpace = RECIPE_SPACE) -> PlanRanking:
+    """Search the published size and report the published shape's rank (shape = tp, cp, pp, dp,
+    ep, etp) among the planner's ``top_k`` and its predicted gap to the top plan."""
     accel = get_accelerator(run.hardware)
     capacity = FleetCapacity({accel.name: accel}, {accel.name: run.num_gpus})
     result = search_plans(run.model, capacity, top_k=top_k, params=params, space=space,

@@ -13,9 +13,17 @@ from rayfleet.placement.cost_params import CostParams
 
 RUNS = load_published_runs()
 # Cases where the planner's top prediction beats the published plan by more than 5% and the
-# published shape is not in its top 3 (see the report in benchmarks/placement.py --calibration).
-# Each is a known modelling gap; the test below fails when one closes, so the list stays true.
-KNOWN_RANKING_GAPS: frozenset[str] = frozenset()
+# published shape is not in its top 3 (benchmarks/placement.py --calibration prints them all).
+# Each is a known modelling gap; the test below fails when one closes, so the list stays true:
+# - Llama-3 70B (both containers): the top is TP4 PP4 VP5 CP2 (+12%), the shape Megatron-Bridge
+#   runs on GB200/B200 -- on H100 the published PP8 is likely chosen for memory headroom the
+#   memory model does not see (TE workspaces, NCCL buffers, fragmentation).
+# - DeepSeek-V3 (+24%) and Qwen3-235B (+53%): the model prefers EP8 inside a server with a
+#   deeper pipeline over cross-node EP64 / EP32; every MoE run in the table uses cross-node EP,
+#   so nothing constrains the intra-node all-to-all and the per-expert costs of many local experts.
+KNOWN_RANKING_GAPS: frozenset[str] = frozenset({
+    "mbridge-llama3-70b-h100", "mbridge-llama3-70b-h100-25.11", "mbridge-deepseek-v3-h100",
+    "mbridge-qwen3-235b-a22b-h100"})
 
 
 def test_table_has_the_required_runs_and_sources() -> None:
@@ -53,5 +61,5 @@ def test_fit_recovers_a_perturbed_constant() -> None:
 def test_bad_table_rows_name_the_field(tmp_path) -> None:
     bad = tmp_path / "runs.yaml"
     bad.write_text(PUBLISHED_RUNS_PATH.read_text().replace("num_gpus: 8,", "num_gpus: 12,", 1))
-    with pytest.raises(SpecError, match="num_gpus"):
+    with pytest.raises(SpecError, match=r"runs\[0\] \(mbridge-llama3-8b-h100\)\.plan"):
         load_published_runs(bad)
