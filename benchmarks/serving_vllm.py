@@ -104,7 +104,7 @@ def _prefix_counters(url: str, engine: str) -> tuple[float, float]:
         from rayfleet.serving.vllm.metrics import metric_sum, scrape_vllm_metrics
 
         samples = scrape_vllm_metrics()
-        return metric_sum(samples, "prefix_cache_queries_total"), metric_sum(samples, "prefix_cache_hits_total")
+        return metric_sum(samples, "prefix_cache_queries"), metric_sum(samples, "prefix_cache_hits")
     import urllib.request
 
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()

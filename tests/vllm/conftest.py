@@ -110,6 +110,20 @@ def vllm_fleet(tmp_path_factory):
         fleet.down()
 
 
+def replica_ids(dashboard_url: str, app: str, deployment_prefix: str = "") -> set[str]:
+    """Serve's unique ids of ``app``'s live replicas whose deployment starts with
+    ``deployment_prefix``: the ``ReplicaId`` label of vLLM's metrics (actor names are
+    ``SERVE_REPLICA::<app>#<deployment>#<id>``)."""
+    from ray.util.state import list_actors
+
+    out = set()
+    for actor in list_actors(address=dashboard_url, filters=[("state", "=", "ALIVE")], limit=1000):
+        parts = (actor.name or "").removeprefix("SERVE_REPLICA::").split("#")
+        if len(parts) == 3 and parts[0] == app and parts[1].startswith(deployment_prefix):
+            out.add(parts[2])
+    return out
+
+
 def long_prompt(seed: int, num_words: int = 120) -> str:
     """A prompt of several KV blocks (the tiny tokenizer makes about one token per word)."""
     words = ("the fleet serves mixture of experts models on shared accelerators while training jobs lend "

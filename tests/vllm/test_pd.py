@@ -11,7 +11,7 @@ import sys
 import pytest
 import yaml
 
-from .conftest import long_prompt, wait_until
+from .conftest import long_prompt, replica_ids, wait_until
 
 APP = "vllm-pd"
 MODEL = "tiny-moe"
@@ -50,30 +50,32 @@ def _client(url: str):
     return OpenAI(base_url=url, api_key="unused", timeout=300, max_retries=0)
 
 
-def _decode_counters() -> dict[str, float]:
+def _decode_counters(dashboard_url: str) -> dict[str, float]:
     """The decode replica's NIXL and external-prefix counters (Ray's Prometheus)."""
-    from rayfleet.serving.vllm.metrics import scrape_vllm_metrics
+    from rayfleet.serving.vllm.metrics import named, scrape_vllm_metrics
 
+    decode, prefill = replica_ids(dashboard_url, APP, "Decode"), replica_ids(dashboard_url, APP, "Prefill")
+    assert decode and prefill
     out = {"nixl_bytes": 0.0, "nixl_transfers": 0.0, "external_hits": 0.0, "prefill_prompt_tokens": 0.0}
     for s in scrape_vllm_metrics():
         replica = s.labels.get("ReplicaId", "")
-        if f"{APP}#Decode" in replica:
-            if s.name.endswith("nixl_bytes_transferred_sum"):
+        if replica in decode:
+            if named(s.name, "nixl_bytes_transferred_sum"):
                 out["nixl_bytes"] += s.value
-            elif s.name.endswith("nixl_bytes_transferred_count"):
+            elif named(s.name, "nixl_bytes_transferred_count"):
                 out["nixl_transfers"] += s.value
-            elif s.name.endswith("external_prefix_cache_hits_total"):
+            elif named(s.name, "external_prefix_cache_hits"):
                 out["external_hits"] += s.value
-        elif f"{APP}#Prefill" in replica and s.name.endswith("prompt_tokens_total"):
+        elif replica in prefill and named(s.name, "prompt_tokens"):
             out["prefill_prompt_tokens"] += s.value
     return out
 
 
-def test_decode_receives_the_prompts_kv_over_nixl(pd_app):
+def test_decode_receives_the_prompts_kv_over_nixl(pd_app, vllm_fleet):
     """A prompt of several blocks: the decode engine must load its full blocks from the prefill
     engine (external prefix-cache hits, NIXL bytes), not recompute them."""
     url, spec = pd_app
-    before = _decode_counters()
+    before = _decode_counters(vllm_fleet.dashboard_url)
     prompt = long_prompt(21, 200)  # a prompt no earlier test sent: nothing of it is cached anywhere
     reply = _client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
     assert reply.usage.completion_tokens == 8
@@ -81,7 +83,7 @@ def test_decode_receives_the_prompts_kv_over_nixl(pd_app):
     assert full_blocks_tokens >= 4 * BLOCK
 
     def moved() -> dict[str, float] | None:
-        now = _decode_counters()
+        now = _decode_counters(vllm_fleet.dashboard_url)
         delta = {k: now[k] - before[k] for k in now}
         return delta if delta["external_hits"] >= full_blocks_tokens - BLOCK and delta["nixl_bytes"] > 0 else None
 

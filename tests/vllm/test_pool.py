@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import long_prompt, wait_until
+from .conftest import long_prompt, replica_ids, wait_until
 
 APP = "vllm-pool"
 MODEL = "tiny-moe"
@@ -108,23 +108,25 @@ def test_openai_client_chat_completions_and_streaming(pool_app, vllm_fleet):
     vllm_fleet.results["colocated"] = dict(zip(prompts, texts))  # the PD app must say the same
 
 
-def _prompt_tokens_by_replica() -> dict[str, float]:
-    from rayfleet.serving.vllm.metrics import scrape_vllm_metrics
+def _prompt_tokens_by_replica(uids: set[str]) -> dict[str, float]:
+    from rayfleet.serving.vllm.metrics import named, scrape_vllm_metrics
 
     out: dict[str, float] = {}
     for s in scrape_vllm_metrics():
-        if s.name.endswith("prompt_tokens_total") and APP in s.labels.get("ReplicaId", ""):
+        if named(s.name, "prompt_tokens") and s.labels.get("ReplicaId") in uids:
             out[s.labels["ReplicaId"]] = out.get(s.labels["ReplicaId"], 0.0) + s.value
     return out
 
 
-def test_prefix_aware_router_keeps_each_tenant_on_one_replica(pool_app):
+def test_prefix_aware_router_keeps_each_tenant_on_one_replica(pool_app, vllm_fleet):
     """Two tenants, each with its own long system prefix, alternate; a prefix-aware router sends
     every request of a tenant to the replica that holds its prefix, so each replica's prompt
     token count grows by exactly one tenant's total (a random router splits them; with 4
     requests per tenant that happens by chance with probability 2/2^8)."""
     client = _client(pool_app)
-    before = _prompt_tokens_by_replica()
+    uids = replica_ids(vllm_fleet.dashboard_url, APP, "RayfleetLLMServer")
+    assert len(uids) == 2
+    before = _prompt_tokens_by_replica(uids)
     totals = {"a": 0, "b": 0}
     for i in range(4):
         for tenant, prefix in (("a", long_prompt(11, 90)), ("b", long_prompt(12, 50))):
@@ -133,7 +135,7 @@ def test_prefix_aware_router_keeps_each_tenant_on_one_replica(pool_app):
             totals[tenant] += reply.usage.prompt_tokens
 
     def grown() -> dict[str, float] | None:
-        now = _prompt_tokens_by_replica()
+        now = _prompt_tokens_by_replica(uids)
         delta = {r: now.get(r, 0.0) - before.get(r, 0.0) for r in now}
         return delta if sum(delta.values()) >= sum(totals.values()) else None
 
@@ -158,14 +160,14 @@ def test_replicas_publish_rayfleets_routing_stats(pool_app):
     assert any(len(s["block_hashes"]) > 0 for s in stats)
 
 
-def test_vllm_metrics_reach_rays_prometheus_with_vllms_names(pool_app):
-    from rayfleet.serving.vllm.metrics import metric_sum, scrape_vllm_metrics
+def test_vllm_metrics_reach_rays_prometheus_with_vllms_names(pool_app, vllm_fleet):
+    from rayfleet.serving.vllm.metrics import metric_sum, named, scrape_vllm_metrics
 
     samples = scrape_vllm_metrics()
     names = {s.name for s in samples}
-    for wanted in ("num_requests_running", "prompt_tokens_total", "prefix_cache_hits_total", "kv_cache_usage_perc"):
-        assert any(n.endswith(wanted) and "vllm" in n for n in names), (wanted, sorted(names)[:40])
-    replicas = {s.labels.get("ReplicaId") for s in samples if APP in s.labels.get("ReplicaId", "")}
-    assert len(replicas) == 2
+    for wanted in ("num_requests_running", "prompt_tokens", "prefix_cache_hits", "kv_cache_usage_perc"):
+        assert any(named(n, wanted) for n in names), (wanted, sorted(names)[:40])
+    uids = replica_ids(vllm_fleet.dashboard_url, APP, "RayfleetLLMServer")
+    assert {s.labels.get("ReplicaId") for s in samples} >= uids and len(uids) == 2  # one series set per replica
     # The repeated tenant prefixes above were served from the prefix cache.
-    assert metric_sum(samples, "prefix_cache_hits_total") > 0
+    assert metric_sum(samples, "prefix_cache_hits") > 0

@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-__all__ = ["MetricSample", "parse_samples", "scrape_vllm_metrics", "metric_sum"]
+__all__ = ["MetricSample", "parse_samples", "scrape_vllm_metrics", "metric_sum", "named"]
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,17 @@ def scrape_vllm_metrics(*, contains: str = "vllm", timeout_s: float = 10.0) -> l
     return samples
 
 
+def named(name: str, suffix: str) -> bool:
+    """Whether an exported sample ``name`` is vLLM's metric ``suffix``: counters may carry
+    Prometheus' ``_total`` once or twice depending on the exporter (``prompt_tokens`` matches
+    ``ray_vllm:prompt_tokens_total``); histogram parts keep their own suffix (``_sum``)."""
+    base = name[:-len("_total")] if name.endswith("_total") else name
+    # Anchored at vLLM's prefix, so prefix_cache_hits does not match external_prefix_cache_hits.
+    return any(n.endswith(f"vllm{sep}{suffix}") for n in (base, name) for sep in (":", "_"))
+
+
 def metric_sum(samples: Iterable[MetricSample], suffix: str, **labels: str) -> float:
-    """Sum of the samples whose name ends with ``suffix`` (e.g. ``nixl_bytes_transferred_sum``)
-    and whose labels include ``labels``; 0.0 when there is none."""
+    """Sum of the samples named ``suffix`` (see ``named``; e.g. ``prefix_cache_hits`` or
+    ``nixl_bytes_transferred_sum``) whose labels include ``labels``; 0.0 when there is none."""
     return sum(s.value for s in samples
-               if s.name.endswith(suffix) and all(s.labels.get(k) == v for k, v in labels.items()))
+               if named(s.name, suffix) and all(s.labels.get(k) == v for k, v in labels.items()))

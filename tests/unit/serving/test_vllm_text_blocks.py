@@ -39,3 +39,26 @@ def test_served_blocks_evict_least_recently_used():
     assert served.hashes() == frozenset({1, 3, 4}) and len(served) == 3
     with pytest.raises(ValueError):
         ServedBlocks(0)
+
+
+def test_metric_names_and_sums_from_prometheus_text():
+    from rayfleet.serving.vllm.metrics import metric_sum, named, parse_samples
+
+    text = """# HELP ray_vllm:prompt_tokens_total Prompt tokens
+# TYPE ray_vllm:prompt_tokens_total counter
+ray_vllm:prompt_tokens_total{ReplicaId="app#A#1",model_name="m"} 120.0
+ray_vllm:prompt_tokens_total{ReplicaId="app#A#2",model_name="m"} 30.0
+# HELP ray_serve_num_http_requests_total Requests
+# TYPE ray_serve_num_http_requests_total counter
+ray_serve_num_http_requests_total{route="/"} 5.0
+"""
+    samples = parse_samples(text)
+    assert len(samples) == 2  # Serve's own metric is not vLLM's
+    assert metric_sum(samples, "prompt_tokens") == 150.0
+    assert metric_sum(samples, "prompt_tokens", ReplicaId="app#A#2") == 30.0
+    assert metric_sum(samples, "generation_tokens") == 0.0
+    assert named("ray_vllm:prefix_cache_hits_total", "prefix_cache_hits")
+    assert named("ray_vllm:nixl_bytes_transferred_sum", "nixl_bytes_transferred_sum")
+    assert named("ray_vllm_prompt_tokens_total", "prompt_tokens")  # ':' sanitized away
+    assert not named("ray_vllm:external_prefix_cache_hits_total", "prefix_cache_hits")
+    assert named("ray_vllm:external_prefix_cache_hits_total", "external_prefix_cache_hits")
