@@ -81,11 +81,11 @@ def test_bad_spec_fails_before_any_worker_starts(local_fleet, dataset, override,
     spec = _spec(dataset, **override)
     if spec.get("data") is None:
         spec["data"] = {"uri": dataset, "seq_len": 64}
-    before = _num_train_workers()
+    before = _num_train_workers(local_fleet.dashboard_url)
     with pytest.raises(SpecError) as err:
         local_fleet.sdk.train(spec)
     assert field in str(err.value) and "Fix:" in str(err.value)
-    assert _num_train_workers() == before
+    assert _num_train_workers(local_fleet.dashboard_url) == before
 
 
 def test_a_mixed_kind_plan_holds_its_accelerators_in_a_reservation_group(local_fleet, dataset):
@@ -132,10 +132,12 @@ def _live_topology():
     return FleetTopology.from_ray_nodes(ray.nodes())
 
 
-def _num_train_workers() -> int:
+def _num_train_workers(address: str) -> int:
     from ray.util.state import list_actors
 
-    return sum(1 for a in list_actors(filters=[("state", "=", "ALIVE")]) if "RayTrainWorker" in (a.class_name or ""))
+    # the fleet's own address: with other Ray clusters on the host, none is "the" local one
+    return sum(1 for a in list_actors(address=address, filters=[("state", "=", "ALIVE")])
+               if "RayTrainWorker" in (a.class_name or ""))
 
 
 def _losses(run) -> dict[int, float]:
