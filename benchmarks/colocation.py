@@ -129,8 +129,11 @@ def main() -> int:
                     help="share of the fleet Serve needs at its diurnal peak")
     ap.add_argument("--loads", default="0.6,0.8,0.95", help="offered loads (share of capacity) at 1,024 accelerators")
     ap.add_argument("--json", default=str(RESULTS / "colocation.json"), help="the PNG goes beside it")
+    ap.add_argument("--scales", default=None, help="saturated runs' fleet sizes, e.g. 1024,8192 ('' for none)")
     args = ap.parse_args()
     scales = [1024] if args.quick else [1024, 8192]
+    if args.scales is not None:
+        scales = [int(x) for x in args.scales.split(",") if x]
     if args.quick:
         args.days = min(args.days, 2.0)
     base = SimConfig(days=args.days, seed=args.seed, peak_to_trough=args.peak_to_trough,
@@ -151,7 +154,8 @@ def main() -> int:
     wall = time.perf_counter() - start
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     png = Path(args.json).with_suffix(".png")
-    drew = plot(results[scales[-1]], png, accel_per_serve_replica=base.serve_replica_accelerators)
+    shown = results[scales[-1]] if scales else by_load[max(by_load)]
+    drew = plot(shown, png, accel_per_serve_replica=base.serve_replica_accelerators)
     payload = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(base).items()},
                "scales": {str(s): r for s, r in results.items()},
                "offered_loads_1024": {str(k): v for k, v in by_load.items()}, "wall_s": wall, "png": str(png) if drew else None}
