@@ -70,7 +70,7 @@ class FleetController:
         self._agents: dict[str, object] = {}
         self.autoscaler = SharedAutoscaler(
             free_accelerators=self._free_accelerators, request_nodes=_request_nodes,
-            record=lambda subject, kind, cause, detail: self._event(subject, kind, cause, **detail))
+            record=self._record)
         self._event("controller", "controller_started", f"restored {len(self._records)} node record(s)")
         self._stop = threading.Event()
         self._reconcile_s = reconcile_s
@@ -82,7 +82,11 @@ class FleetController:
         self.store.put(f"node/{record.name}", record.to_json())
 
     def _event(self, subject: str, kind: str, cause: str, **detail) -> None:
-        self.store.append_event(Event(ts=time.time(), kind=kind, subject=subject, cause=cause, detail=detail))
+        self._record(subject, kind, cause, detail)
+
+    def _record(self, subject: str, kind: str, cause: str, detail: dict) -> None:
+        # detail stays a dict: keys such as "cause" must not collide with the event's own fields
+        self.store.append_event(Event(ts=time.time(), kind=kind, subject=subject, cause=cause, detail=dict(detail)))
         log.info("%s %s: %s", subject, kind, cause)
 
     # -- reconcile ------------------------------------------------------------------------
@@ -292,7 +296,7 @@ class FleetController:
         """An event from outside the controller (a shell's handover, a job's health decision), with its cause.
         Subjects: ``job:<name>``, ``serve:<name>``, a node name, ``controller``."""
         with self._lock:
-            self._event(subject, kind, cause, **(detail or {}))
+            self._record(subject, kind, cause, detail or {})
 
     def _free_accelerators(self) -> tuple[dict[str, int], dict[str, str]]:
         available = available_resources_per_node()

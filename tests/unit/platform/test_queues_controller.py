@@ -76,3 +76,7 @@ def test_record_event_is_the_one_way_in_for_shell_and_job_events(controller):
     event = controller.events(limit=1)[0]
     assert (event.subject, event.kind, event.cause, event.detail) == ("job:tiny", "node_lost",
                                                                       "node n1 of the layout died", {"workers": 4})
+    # a detail that repeats the event's own field names is kept, not a TypeError in the actor
+    # (regression: a health decision's asdict() carries "cause" and the event was lost)
+    controller.record_event("job:tiny", "rollback", "loss spike", {"cause": "loss spike", "kind": "x", "step": 7})
+    assert controller.events(limit=1)[0].detail == {"cause": "loss spike", "kind": "x", "step": 7}
