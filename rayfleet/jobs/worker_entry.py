@@ -35,27 +35,16 @@ def _device():
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray
     import ray.train
-    import torch
     import torch.distributed as dist
 
-    from rayfleet.jobs.training_run import format_metrics_line
     from rayfleet.jobs.health_monitor import HealthMonitor
     from rayfleet.jobs.health_policy import SlowRankPolicy
     from rayfleet.jobs.loop import PolledFlag, train_worker
-    from rayfleet.jobs.metrics import MetricsWriter, ReportPacer, StepStream, export_ray_metrics, write_run_plot
+    from rayfleet.jobs.metrics import MetricsWriter, ReportPacer, StepStream, write_run_plot
     from rayfleet.jobs.spec import TrainJobSpec
-    from rayfleet.jobs.worker_ranks import rerank_process_group
     from rayfleet.placement.plan import ParallelPlan
-    from rayfleet.platform import labels as L
 
-    device = _device()
-    if device.type == "cpu":
-        context = ray.train.get_context()
-        per_node = max(1, context.get_local_world_size())
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
-    node = ray.get_runtime_context().get_node_labels().get(L.NODE, "")
-    slots = [tuple(s) for s in config["slots"]]
-    assignment = rerank_process_group(slots, node=node, backend="nccl" if device.type == "cuda" else "gloo")
+    slots, assignment = _join_worker_group(config)
     rank = dist.get_rank()
     spec = TrainJobSpec.model_validate(config["spec"])
     plan = ParallelPlan.from_dict(config["plan"])
@@ -66,12 +55,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                            on_decision=_decision_recorder(os.path.basename(config["run_dir"].rstrip("/")), slots)
                            if rank == 0 else None)
     announced = [False]
-    queue = config.get("metrics_queue")
-    sinks = [] if rank != 0 else [
-        (lambda row: queue.put({k: v for k, v in row.items() if not hasattr(v, "shape")})) if queue is not None
-        else (lambda row: print(format_metrics_line(row), flush=True)),
-        writer.write, lambda row: export_ray_metrics(row, job=spec.name)]
-    stream = StepStream(sinks)
+    stream = StepStream(_metric_sinks(config, job=spec.name, writer=writer) if rank == 0 else [])
     poll_s = float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2"))
     pacer = ReportPacer(float(os.environ.get("RAYFLEET_TRAIN_REPORT_INTERVAL_S", 2 * poll_s)))
 
@@ -102,6 +86,37 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 write_run_plot(config["run_dir"])
             except Exception as exc:  # noqa: BLE001 - a missing plot must not fail the job
                 print(f"rayfleet: no metrics plot ({exc})", flush=True)
+
+
+def _join_worker_group(config: dict[str, Any]) -> tuple[list[tuple[str, int]], Any]:
+    """Take this worker's share of the host's cores (CPU) and re-form the default process group
+    with layout ranks; returns the layout's slots and this worker's rank assignment."""
+    import ray
+    import ray.train
+    import torch
+
+    from rayfleet.jobs.worker_ranks import rerank_process_group
+    from rayfleet.platform import labels as L
+
+    device = _device()
+    if device.type == "cpu":
+        per_node = max(1, ray.train.get_context().get_local_world_size())
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
+    node = ray.get_runtime_context().get_node_labels().get(L.NODE, "")
+    slots = [tuple(s) for s in config["slots"]]
+    assignment = rerank_process_group(slots, node=node, backend="nccl" if device.type == "cuda" else "gloo")
+    return slots, assignment
+
+
+def _metric_sinks(config: dict[str, Any], *, job: str, writer: Any) -> list:
+    """Where rank 0's step rows go: the driver's queue (else the log), Parquet, Ray metrics."""
+    from rayfleet.jobs.metrics import export_ray_metrics
+    from rayfleet.jobs.training_run import format_metrics_line
+
+    queue = config.get("metrics_queue")
+    to_driver = ((lambda row: queue.put({k: v for k, v in row.items() if not hasattr(v, "shape")}))
+                 if queue is not None else (lambda row: print(format_metrics_line(row), flush=True)))
+    return [to_driver, writer.write, lambda row: export_ray_metrics(row, job=job)]
 
 
 def _checkpoint_hook(spec: Any, config: dict[str, Any], *, slots: list, rank: int):
