@@ -41,11 +41,12 @@ from rayfleet.serving.kv.transfer import HandoffId, KVHandle, KVPayload, KVTrans
 from rayfleet.serving.engine.request import RequestOutput
 from rayfleet.serving.routing.policy import ReplicaSnapshot
 from rayfleet.serving.engine.sampling import SamplingParams
-from rayfleet.serving.errors import RequestFailedError
+from rayfleet.serving.errors import ReplicaUnavailableError, RequestFailedError
 
 log = logging.getLogger(__name__)
 __all__ = ["AsyncEngine", "PrefillReply", "ReplicaState", "BlockUsage", "load_engine"]
 
+_LOOP_DIED = object()  # put in every request queue when the loop dies (see ``_run``)
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
@@ -146,6 +147,8 @@ class AsyncEngine:
         return await asyncio.get_running_loop().run_in_executor(self._executor, lambda: fn(*args, **kwargs))
 
     def _ensure_loop(self) -> None:
+        if self._loop_error is not None:  # never a crash loop: fail fast until Serve replaces us
+            raise ReplicaUnavailableError(self.name, f"its engine loop died ({type(self._loop_error).__name__})")
         if self._task is None or self._task.done():
             self._wake, self._stepped = asyncio.Event(), asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run())
@@ -188,8 +191,16 @@ class AsyncEngine:
             if self._closing:  # shutdown() stopped the executor under a running step
                 return
             self._loop_error = exc
+            for queue in self._queues.values():  # no request waits on a loop that is gone
+                queue.put_nowait(_LOOP_DIED)
             log.error("replica %s: the engine loop died", self.name, exc_info=exc)
             raise
+
+    async def _next(self, queue: asyncio.Queue) -> tuple[RequestOutput, PrefillResult | None]:
+        item = await queue.get()
+        if item is _LOOP_DIED:
+            raise ReplicaUnavailableError(self.name, f"its engine loop died ({type(self._loop_error).__name__})")
+        return item
 
     def check_health(self) -> None:
         """Raise ``RuntimeError`` if the loop died, a step is wedged or steps keep failing
@@ -262,7 +273,7 @@ class AsyncEngine:
         first = True
         try:
             while not finished:
-                out, _ = await queue.get()
+                out, _ = await self._next(queue)
                 finished = out.finished
                 yield self._chunk(request_id, out, first=first)
                 first = False
@@ -298,7 +309,7 @@ class AsyncEngine:
                              cache_salt=cache_salt, prefill_only=True)
             self._wake.set()
             while True:
-                out, result = await queue.get()
+                out, result = await self._next(queue)
                 if out.finished:
                     finished = True
                     break
@@ -354,7 +365,7 @@ class AsyncEngine:
             yield {"token_ids": [], "finished": False, "committed": True, "replica": self.name}
             first = True
             while not finished:
-                out, _ = await queue.get()
+                out, _ = await self._next(queue)
                 finished = out.finished
                 yield self._chunk(request_id, out, first=first)
                 first = False

@@ -146,3 +146,34 @@ def test_non_finite_and_out_of_range_sampling_values_are_refused(field, value):
     with pytest.raises(SpecError, match=field):
         SamplingParams(**{field: value})
     torch.Generator().manual_seed(2**64 - 1)  # the seed range SamplingParams allows fits torch
+
+
+def test_a_dead_engine_loop_fails_health_and_fast_instead_of_restarting(tiny_model):
+    """Regression: a crashed loop was restarted by every call (router polls included) and
+    crashed again, about 2,000 tracebacks a minute, while Serve saw a healthy replica."""
+    from rayfleet.serving.errors import ReplicaUnavailableError
+    from rayfleet.serving.kv.transfer import LocalTransport
+
+    transport = LocalTransport(owner="colocated-0", lease_s=5)
+
+    def expire_breaks(*, now):
+        raise OSError("the KV lease table is gone")
+
+    transport.expire = expire_breaks  # fault injection: the loop body fails outside any step
+    engine = AsyncEngine(_engine(tiny_model), name="colocated-0", transport=transport)
+
+    async def scenario():
+        with pytest.raises(ReplicaUnavailableError):  # in flight when the loop died: told, not left waiting
+            await _collect(engine, "first", PROMPT, SamplingParams(max_tokens=8, temperature=0))
+        for _ in range(100):
+            if engine._task.done():
+                break
+            await asyncio.sleep(0.01)
+        with pytest.raises(RuntimeError, match="engine loop died"):
+            engine.check_health()
+        with pytest.raises(ReplicaUnavailableError, match="engine loop died"):
+            await _collect(engine, "second", PROMPT, SamplingParams(max_tokens=2, temperature=0))
+        assert engine._task.done()  # not restarted
+
+    asyncio.run(scenario())
+    engine.shutdown()
