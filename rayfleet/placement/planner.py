@@ -333,10 +333,17 @@ def _best_of(model: ModelSpec, accel: AcceleratorSpec, cand: _Candidate, space: 
         bound = cand.key_bound(objective, mbs)
         if not exhaustive and bound >= min(cutoff, _key(best, objective)[0] if best else cutoff):
             continue
-        any_fit = False
+        any_fit = bounded = False
         base = ParallelPlan(tp=c.tp, cp=c.cp, pp=cand.pp, dp=cand.dp, ep=c.ep, etp=c.etp, micro_batch_size=mbs)
         split = balanced_plan(model, base, accel, params)  # virtual stages do not move the split
         for recompute in space.recompute[lightest:]:
+            if not exhaustive:  # this micro-batch and recompute's own work bound (heavier only adds)
+                work = _work(model, c, accel, params, mbs, recompute)[0]
+                step = work * (cand.sequences + mbs * (cand.pp - 1) / cand.vpp_max) / cand.pp
+                if step * (cand.world if objective == "throughput" else 1) >= min(
+                        cutoff, _key(best, objective)[0] if best else cutoff) or step * cand.world > accel_s_cap:
+                    bounded = True
+                    break
             plan = replace(split, recompute=recompute)
             fits = [(vpp, rungs) for vpp in _vpps(model, cand.pp, space)
                     if (rungs := _fitting_rungs(model, replace(plan, vpp=vpp), ladder, usable, params,
@@ -353,8 +360,8 @@ def _best_of(model: ModelSpec, accel: AcceleratorSpec, cand: _Candidate, space: 
                     best = cost
             if any(rungs[0] == 0 for _, rungs in fits) and not exhaustive:
                 break  # heavier recompute only adds time once the lightest rung fits
-        if not any_fit and not exhaustive:
-            break  # activations only grow with the micro-batch
+        if not any_fit and not bounded and not exhaustive:
+            break  # nothing fit: activations only grow with the micro-batch
     return best, (None if best else reason)
 
 

@@ -50,6 +50,7 @@ class SearchSpace:
     virtual_stages: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8)
     optimizer_dtypes: tuple[str, ...] = ("fp32", "bf16")
     expert_tp_options: str = "1_or_tp"  # "1_or_tp": etp in {1, tp}; "1": etp = 1 only
+    min_expert_width_per_etp_rank: int = 1024
     optimality_gap: float = 0.05  # branch and bound stops within this relative gap of the optimum
 
     @property
@@ -135,7 +136,10 @@ def core_shapes(model: ModelSpec, domain: int, space: SearchSpace) -> Iterator[C
     for tp in tps:
         for cp in context_parallel_degrees(model, space):
             for ep in eps:
-                etps = sorted({1, tp}) if space.expert_tp_options == "1_or_tp" and model.is_moe else [1]
+                # expert-TP only where experts stay wide once split (Mixtral's 14336, not
+                # DeepSeek's 2048): narrow GEMMs run below peak, and ETP=1 is the fine-grained norm
+                wide = model.moe_ffn_hidden_size // tp >= space.min_expert_width_per_etp_rank
+                etps = sorted({1, tp}) if space.expert_tp_options == "1_or_tp" and model.is_moe and wide else [1]
                 for etp in etps:
                     yield CoreShape(tp, cp, ep, etp)
 
