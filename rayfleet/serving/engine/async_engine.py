@@ -188,8 +188,8 @@ class AsyncEngine:
         try:
             await self._loop()
         except Exception as exc:  # check_health reports it; Serve replaces the replica
-            if self._closing:  # shutdown() stopped the executor under a running step
-                return
+            if self._closing or "cannot schedule new futures" in str(exc):
+                return  # shutdown() or interpreter exit stopped the executor under the loop
             self._loop_error = exc
             for queue in self._queues.values():  # no request waits on a loop that is gone
                 queue.put_nowait(_LOOP_DIED)
