@@ -5,6 +5,7 @@ Plain fixed-width text so it reads the same in a terminal, a log and a test asse
 
 from __future__ import annotations
 
+import re
 from typing import Iterable
 
 from rayfleet.placement.layout import Layout
@@ -50,9 +51,18 @@ def format_plans(result: PlanSearchResult, model: ModelSpec, *, fleet: str = "")
     lines.append(f"{result.num_shapes} shapes considered, {len(result.ranked)} shown, {result.num_pruned} "
                  f"pruned by bound, {len(result.rejected)} infeasible"
                  + (": " + ", ".join(f"{n} x {reason}" for reason, n in summary) if summary else ""))
-    for rej in result.rejected[:3]:
+    examples = list(result.rejected[:3])
+    if not result.ranked:  # show the shapes that came closest to fitting, not the first tried
+        examples = sorted(result.rejected, key=_needed_gib)[:3]
+    for rej in examples:
         lines.append(f"  e.g. {rej.shape}: {rej.reason}")
     return "\n".join(lines)
+
+
+def _needed_gib(rejection) -> float:
+    """The GiB a memory rejection says it needs (infinity for other reasons)."""
+    match = re.search(r"(\d+(?:\.\d+)?) GiB", rejection.reason)
+    return float(match.group(1)) if rejection.reason.startswith("memory") and match else float("inf")
 
 
 def _replicas(plan) -> str:
