@@ -171,11 +171,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: 2; --quick: 1)")
     parser.add_argument("--json", type=Path, default=RESULTS / "fp8_parity.json", help="results; the PNG goes beside it")
     args = parser.parse_args()
     if args.quick:  # every variant runs end to end; too few steps for parity to mean anything
         args.steps, args.seeds = 12, 1
+    # One thread for the smoke run: on a busy 2-core machine two threads ran 4x slower (spinning).
+    args.threads = args.threads or (1 if args.quick else 2)
     torch.set_num_threads(args.threads)
     window = min(WINDOW, args.steps)
     cfg = preset("tiny")
