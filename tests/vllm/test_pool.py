@@ -118,6 +118,21 @@ def _prompt_tokens_by_replica(uids: set[str]) -> dict[str, float]:
     return out
 
 
+def _settled_prompt_tokens(uids: set[str]) -> dict[str, float]:
+    """The counters once Ray's metrics agent has exported everything earlier tests sent (two
+    scrapes a report interval apart agree); a stale baseline once added 202 tokens to a replica."""
+    previous: dict[str, float] | None = None
+
+    def settled() -> dict[str, float] | None:
+        nonlocal previous
+        now = _prompt_tokens_by_replica(uids)
+        same = now == previous
+        previous = now
+        return now if same else None
+
+    return wait_until(settled, timeout_s=120, interval_s=12, what="vLLM's counters to settle")
+
+
 def test_prefix_aware_router_keeps_each_tenant_on_one_replica(pool_app, vllm_fleet):
     """Two tenants, each with its own long system prefix, alternate; a prefix-aware router sends
     every request of a tenant to the replica that holds its prefix, so each replica's prompt
@@ -126,7 +141,7 @@ def test_prefix_aware_router_keeps_each_tenant_on_one_replica(pool_app, vllm_fle
     client = _client(pool_app)
     uids = replica_ids(vllm_fleet.dashboard_url, APP, "RayfleetLLMServer")
     assert len(uids) == 2
-    before = _prompt_tokens_by_replica(uids)
+    before = _settled_prompt_tokens(uids)
     totals = {"a": 0, "b": 0}
     for i in range(4):
         for tenant, prefix in (("a", long_prompt(11, 90)), ("b", long_prompt(12, 50))):
