@@ -55,5 +55,8 @@ def test_quickstart_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     assert "TP" in text and "MFU" in text  # the plan table
     assert "restored step" in text and "from shm" in text  # the fault recovered from shared memory
     assert "SUCCEEDED" in text
+    pictures = [out for c in notebook.cells if c.cell_type == "code" for out in c.get("outputs", [])
+                if "image/png" in out.get("data", {})]
+    assert pictures, "run.plot() showed no picture of the training run"
     assert "0 failed" in text and "lent replica" in text and "serving" in text
     assert "ShrinkTraining" in text and "GrowTraining" in text  # rayfleet status shows the decisions
