@@ -191,6 +191,10 @@ def stage_activation_bytes(model: ModelSpec, plan: ParallelPlan, stage: int, *, 
                            params: CostParams = CostParams()) -> float:
     """Activations one device of ``stage`` holds at its peak (1F1B, see the module docstring)."""
     layers = plan.stage_ranges(model.num_layers)[stage]
+    if plan.layer_tp is None:  # memoised on plain values: plans differing in dp share the answer
+        return _stage_acts(model, plan.tp, plan.cp, plan.micro_batch_size, plan.recompute, plan.vpp, plan.pp,
+                           min(plan.pp - stage, num_microbatches), layers.start, layers.stop,
+                           stage == plan.pp - 1, params)
     in_flight = min(plan.pp - stage, num_microbatches)
     if plan.vpp > 1:
         in_flight *= 1 + (plan.pp - 1) / (plan.pp * plan.vpp)
@@ -211,6 +215,23 @@ def stage_activation_bytes(model: ModelSpec, plan: ParallelPlan, stage: int, *, 
     if stage == plan.pp - 1:
         # logits and their gradient for the micro-batch being finished (vocab-parallel)
         acts += 2 * tokens * _ceil_div(model.vocab_size, plan.tp) * params.logits_bytes
+    return acts
+
+
+@lru_cache(maxsize=65536)
+def _stage_acts(model: ModelSpec, tp: int, cp: int, mbs: int, recompute: str, vpp: int, pp: int, in_flight: int,
+                start: int, stop: int, last: bool, params: CostParams) -> float:
+    scale = 1 + (pp - 1) / (pp * vpp) if vpp > 1 else 1.0
+    tokens = mbs * model.seq_len / cp
+    kinds = _layer_kinds(model, start, stop)
+    per_layer = [_layer_acts(model, tp, cp, mbs, recompute, moe, params) for moe, _ in kinds]
+    if recompute == "full":
+        acts = in_flight * scale * (stop - start) * tokens * model.hidden_size / tp * params.activation_bytes \
+            + max(per_layer)
+    else:
+        acts = in_flight * scale * sum(b * n for b, (_, n) in zip(per_layer, kinds))
+    if last:
+        acts += 2 * tokens * _ceil_div(model.vocab_size, tp) * params.logits_bytes
     return acts
 
 
