@@ -40,6 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-accelerators", type=int, default=None, help="take at most this many")
     p.add_argument("--exact", type=int, default=None, help="take exactly this many (fixed-size job)")
     p.add_argument("--min-mfu", type=float, default=0.0, help="skip plans below this MFU (0-1)")
+    p.add_argument("--bf16-moments", action="store_true",
+                   help="also consider BF16 Adam moments (DeepSeek-V3's recipe; 4 bytes a parameter less)")
     p.add_argument("--min-scaling-efficiency", type=float, default=0.8,
                    help="with 'fastest': keep at least this share of the best tokens/s per accelerator (0-1)")
     p.add_argument("--layout", action="store_true", help="also print plan 1's rank -> accelerator layout")
@@ -68,7 +70,7 @@ def handle_plan(args: argparse.Namespace) -> int:
     from rayfleet.placement.model_spec import load_model_spec
     from rayfleet.placement.plan_tables import format_layout, format_plans
     from rayfleet.placement.planner import search_plans
-    from rayfleet.placement.search_space import JobGoal
+    from rayfleet.placement.search_space import JobGoal, SearchSpace
 
     if args.top < 1:
         raise SpecError("--top", args.top, "must be at least 1", "pass --top 1 or more")
@@ -78,15 +80,16 @@ def handle_plan(args: argparse.Namespace) -> int:
     else:
         goal = JobGoal(objective=args.objective, max_accelerators=args.max_accelerators, min_mfu=args.min_mfu,
                        min_scaling_efficiency=args.min_scaling_efficiency)
+    space = SearchSpace(optimizer_dtypes=("fp32", "bf16") if args.bf16_moments else ("fp32",))
     if args.fleet and not args.nodes and not args.layout:
         # a fleet string needs no topology to plan on (12,500 node records at 100,000 GPUs)
         capacity = fleet_capacity_of(args.fleet, num_racks=args.racks)
-        result = search_plans(model, capacity, top_k=args.top, goal=goal)
+        result = search_plans(model, capacity, top_k=args.top, goal=goal, space=space)
         fleet = ", ".join(f"{n:,} x {t}" for t, n in sorted(capacity.counts.items()))
         print(format_plans(result, model, fleet=fleet))
         return 0 if result.ranked else 1
     topology = _topology(args)
-    result = search(model, topology, top_k=args.top, goal=goal)
+    result = search(model, topology, top_k=args.top, goal=goal, space=space)
     fleet = ", ".join(f"{n} x {t}" for t, n in sorted(topology.accelerator_types().items()))
     print(format_plans(result, model, fleet=f"{fleet} on {len(topology.nodes)} nodes"))
     if not result.ranked:

@@ -48,7 +48,9 @@ class SearchSpace:
     zero_stage: int | None = None
     zero_stages: tuple[int, ...] = (1, 2, 3)
     virtual_stages: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8)
-    optimizer_dtypes: tuple[str, ...] = ("fp32", "bf16")
+    # BF16 moments change the numerics, so they are searched only when asked (--bf16-moments);
+    # the trainer keeps FP32 states
+    optimizer_dtypes: tuple[str, ...] = ("fp32",)
     expert_tp_options: str = "1_or_tp"  # "1_or_tp": etp in {1, tp}; "1": etp = 1 only
     min_expert_width_per_etp_rank: int = 1024
     optimality_gap: float = 0.05  # branch and bound stops within this relative gap of the optimum

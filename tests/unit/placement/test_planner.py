@@ -146,3 +146,14 @@ def test_search_cpu_time_at_ten_thousand_accelerators() -> None:
     start = time.process_time()
     ranked = plan_model(preset("mixtral-8x7b", global_batch_sequences=4096), "H100:10000", top_k=5)
     assert ranked and time.process_time() - start < 5.0
+
+
+def test_bf16_moments_are_searched_only_when_allowed() -> None:
+    model = preset("mixtral-8x7b", global_batch_sequences=512)
+    capacity = fleet_capacity_of("H100:64")
+    fp32 = search_plans(model, capacity, top_k=5, goal=JobGoal.exactly(64))
+    both = search_plans(model, capacity, top_k=5, goal=JobGoal.exactly(64),
+                        space=SearchSpace(optimizer_dtypes=("fp32", "bf16")))
+    assert all(r.plan.optimizer_dtype == "fp32" for r in fp32.ranked)
+    assert any(r.plan.optimizer_dtype == "bf16" for r in both.ranked)
+    assert both.ranked[0].step_time_s <= fp32.ranked[0].step_time_s
