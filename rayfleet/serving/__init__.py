@@ -11,18 +11,51 @@ design decisions):
 - ``openai_api/``: the OpenAI-compatible FastAPI app and Prometheus metrics;
 - ``spec`` (``ServeSpec``) and ``cli`` (``rayfleet serve``).
 
-Only ``deploy`` needs Ray Serve; the names below are the engine core's public face.
+Only ``deploy`` needs Ray Serve; the names below are the engine core's public face, imported
+on first use.
 """
 
-from rayfleet.serving.engine.block_hash import BlockHash, hash_block, hash_full_blocks, root_block_hash
-from rayfleet.serving.engine.block_pool import BlockId, BlockPool, KVCacheEvent
-from rayfleet.serving.engine.llm_engine import EngineConfig, EngineStats, GenerationResult, LLMEngine
-from rayfleet.serving.engine.kv_cache_manager import KVCacheManager, KVCacheStats
-from rayfleet.serving.routing.prefix_index import PrefixIndex, ReplicaId
-from rayfleet.serving.engine.request import FinishReason, RequestId, RequestOutput
-from rayfleet.serving.routing.policy import ReplicaScore, ReplicaSnapshot, RouteDecision, RouterPolicy
-from rayfleet.serving.engine.sampling import SamplingParams
-from rayfleet.serving.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+# Loaded on first use (PEP 562): `rayfleet serve --help` and the CLI must not pay for torch.
+_NAME_TO_MODULE = {
+    "BlockHash": "rayfleet.serving.engine.block_hash",
+    "hash_block": "rayfleet.serving.engine.block_hash",
+    "hash_full_blocks": "rayfleet.serving.engine.block_hash",
+    "root_block_hash": "rayfleet.serving.engine.block_hash",
+    "BlockId": "rayfleet.serving.engine.block_pool",
+    "BlockPool": "rayfleet.serving.engine.block_pool",
+    "KVCacheEvent": "rayfleet.serving.engine.block_pool",
+    "EngineConfig": "rayfleet.serving.engine.llm_engine",
+    "EngineStats": "rayfleet.serving.engine.llm_engine",
+    "GenerationResult": "rayfleet.serving.engine.llm_engine",
+    "LLMEngine": "rayfleet.serving.engine.llm_engine",
+    "KVCacheManager": "rayfleet.serving.engine.kv_cache_manager",
+    "KVCacheStats": "rayfleet.serving.engine.kv_cache_manager",
+    "PrefixIndex": "rayfleet.serving.routing.prefix_index",
+    "ReplicaId": "rayfleet.serving.routing.prefix_index",
+    "FinishReason": "rayfleet.serving.engine.request",
+    "RequestId": "rayfleet.serving.engine.request",
+    "RequestOutput": "rayfleet.serving.engine.request",
+    "ReplicaScore": "rayfleet.serving.routing.policy",
+    "ReplicaSnapshot": "rayfleet.serving.routing.policy",
+    "RouteDecision": "rayfleet.serving.routing.policy",
+    "RouterPolicy": "rayfleet.serving.routing.policy",
+    "SamplingParams": "rayfleet.serving.engine.sampling",
+    "Scheduler": "rayfleet.serving.engine.scheduler",
+    "SchedulerConfig": "rayfleet.serving.engine.scheduler",
+    "SchedulerOutput": "rayfleet.serving.engine.scheduler",
+}
+
+
+def __getattr__(name: str):
+    module = _NAME_TO_MODULE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rayfleet.serving' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "BlockHash", "hash_block", "hash_full_blocks", "root_block_hash",
