@@ -357,8 +357,6 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--engine", choices=("builtin", "vllm"), default="builtin",
                         help="vllm: the built-in engine and vLLM side by side (benchmarks/serving_vllm.py)")
-    parser.add_argument("--engine", choices=("builtin", "vllm"), default="builtin",
-                        help="vllm: the built-in engine and vLLM side by side (benchmarks/serving_vllm.py)")
     parser.add_argument("--rate", type=float, default=None, help="mean arrivals per second (trace load)")
     # A tiny model on 2 CPU cores: interactive-feeling targets at this scale.
     parser.add_argument("--slo-ttft", type=float, default=0.25, help="SLO: time to first token, s")
