@@ -245,6 +245,9 @@ class LocalFleet:
                 self.nodes.remove(launched)
                 if attempt == attempts - 1:
                     raise
+                # Ray waits a fixed 30 s for a raylet to register; on a starved machine the GCS
+                # needs a breather before the next try, not a second raylet at once.
+                time.sleep(10.0 * (attempt + 1))
         raise AssertionError("unreachable")
 
     def _wait_for_start(self, launched: LaunchedNode, timeout_s: float) -> None:
