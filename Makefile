@@ -57,7 +57,7 @@ test-cluster: setup
 test-vllm: setup vllm
 	$(PY) -m pytest tests/vllm -q
 
-test-integration: setup
+test-integration: setup vllm  # benchmarks/serving_vllm.py's quick run is one of its tests
 	$(PY) -m pytest tests/integration -q
 
 # Every script in benchmarks/ (common.py is their shared helper): full runs (tens of minutes on

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,10 @@ CATALOGUE = _catalogue()
 @pytest.mark.parametrize("script", [p for p in CATALOGUE.benchmark_scripts() if CATALOGUE.starts_own_ray_cluster(p)],
                          ids=lambda p: p.stem)
 def test_quick_run_with_its_own_cluster(script, tmp_path):
+    if "vllm" in script.stem:  # the optional engine: the same rule as tests/vllm
+        if not (sys.platform == "linux" and platform.machine() == "x86_64"):
+            pytest.skip(f"no vLLM wheel for {sys.platform}/{platform.machine()}")
+        assert importlib.util.find_spec("vllm"), f"{script.name} needs vLLM here: run `make vllm`"
     out = tmp_path / f"{script.stem}.json"
     options = CATALOGUE.declared_options(script)
     argv = [sys.executable, str(script), "--quick"] + (["--json", str(out)] if "--json" in options else [])
