@@ -401,7 +401,15 @@ def main() -> None:
 
     from rayfleet.serving.deploy.deployer import deploy
 
-    ray.init(address="local", num_cpus=4, num_gpus=8, include_dashboard=False, log_to_driver=False)
+    for attempt in range(3):  # a raylet that misses Ray's fixed 30 s start-up window on a busy machine
+        try:
+            ray.init(address="local", num_cpus=4, num_gpus=8, include_dashboard=False, log_to_driver=False)
+            break
+        except Exception as exc:  # noqa: BLE001 - retried, then re-raised
+            print(f"ray.init failed ({exc}); retry {attempt + 1}/2", flush=True)
+            ray.shutdown()
+            if attempt == 2:
+                raise
     port = _free_port()
     model = {"preset": "tiny", "seed": 0, "dtype": "float32"}
     engine = {"block_size": 16, "num_blocks": 256, "max_num_seqs": 16, "max_num_batched_tokens": 256}
