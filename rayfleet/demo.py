@@ -75,23 +75,38 @@ def step_job_submission(local: LocalFleet) -> None:
         raise RuntimeError(f"demo: job {job} ended {status}")
 
 
+# A Qwen3-MoE shape (softmax router, q/k norms, a dense first layer) small enough for 2 cores. Its
+# vocabulary holds the byte tokenizer's ids (0-258), so the OpenAI app's tokenization fits it.
+DEMO_HF_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 320,
+                  "hidden_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "head_dim": 32, "intermediate_size": 384, "moe_intermediate_size": 128, "num_experts": 8,
+                  "num_experts_per_tok": 2, "norm_topk_prob": True, "mlp_only_layers": [0], "rms_norm_eps": 1e-6,
+                  "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": False,
+                  "hidden_act": "silu", "bos_token_id": 256, "eos_token_id": 257}
+
+
 def step_training(fleet, workdir: str, *, steps: int) -> str:
-    """Train the tiny MoE with FP8 on two H100 workers (EP2 over DP2); returns the model's URI."""
-    _banner(f"training: tiny MoE, FP8 (tensorwise), EP2 x DP2 on 2 H100 workers, {steps} steps (Ray Train)")
+    """Fine-tune an HF-format tiny Qwen3-MoE (created here, random) with FP8 on two H100 workers
+    (EP2 over DP2), export the result as an HF folder; returns the run's servable URI."""
+    _banner(f"training: HF-format tiny Qwen3-MoE, FP8 (tensorwise), EP2 x DP2 on 2 H100 workers, {steps} steps")
     import os
 
+    from rayfleet.storage.model_cli import create_random_hf_model, export_hf_model
     from rayfleet.storage.tokens import prepare_token_dataset
 
+    hf_dir = os.path.join(workdir, "hf-tiny-qwen3-moe")
+    created = create_random_hf_model(hf_dir, DEMO_HF_CONFIG, seed=0)
+    print(f"created {created.architecture} ({created.num_params:,} parameters) at {hf_dir}: {', '.join(created.files)}")
     data_uri = os.path.join(workdir, "tokens")
-    manifest = prepare_token_dataset([os.path.join(os.path.dirname(os.__file__), "json"),
-                                      os.path.join(os.path.dirname(os.__file__), "email")],
-                                     data_uri, shard_tokens=1 << 16, seq_len=128)
+    # One stdlib package: a narrow corpus a tiny byte-level model learns visibly in ~100 steps.
+    manifest = prepare_token_dataset([os.path.join(os.path.dirname(os.__file__), "json")],
+                                     data_uri, shard_tokens=1 << 14, seq_len=128)
     print(f"dataset: {manifest.num_tokens:,} tokens of Python stdlib source in {len(manifest.shards)} Parquet shards")
     model_uri = os.path.join(workdir, "models", "tiny-fp8")
-    spec = {"name": "demo-tiny-fp8", "model": {"preset": "tiny", "seed": 0},
+    spec = {"name": "demo-tiny-fp8", "model": {"hf": hf_dir},
             "data": {"uri": data_uri, "seq_len": 128}, "plan": {"dp": 2, "ep": 2},
-            "precision": "tensorwise", "steps": steps, "global_batch_size": 8,
-            "optimizer": {"lr": 2e-3}, "schedule": {"warmup_steps": 3},
+            "precision": "tensorwise", "steps": steps, "global_batch_size": 16,
+            "optimizer": {"lr": 1e-2}, "schedule": {"warmup_steps": 5},
             "resources": {"accelerator": "H100", "num_workers": 2}, "output": {"uri": model_uri}}
     run = fleet.train(spec)
     print(f"submitted as Ray job {run.job_id}")
@@ -101,8 +116,13 @@ def step_training(fleet, workdir: str, *, steps: int) -> str:
         raise RuntimeError(f"demo: training ended {status}")
     table = run.metrics()
     print(table)
-    first, last = table.rows[0], table.rows[-1]
-    print(f"loss {first['loss']:.3f} -> {last['loss']:.3f}; final model saved to {model_uri}")
+    losses = [row["loss"] for row in table.rows]
+    tail = losses[-5:]
+    print(f"loss before training {losses[0]:.3f} -> after {sum(tail) / len(tail):.3f} (mean of the last "
+          f"{len(tail)} steps); final model saved to {model_uri}")
+    exported = export_hf_model(model_uri, os.path.join(workdir, "hf-export"))
+    print(f"exported as a Hugging Face folder ({exported.architecture}; FP8 run: master weights) at "
+          f"{exported.dest}: {', '.join(exported.files)}")
     return model_uri
 
 
@@ -129,14 +149,18 @@ def step_serving(fleet, model_uri: str) -> None:
         print(f"deployed {served.status()['deployments']} in {time.monotonic() - started:.1f}s; "
               f"OpenAI base URL {served.openai_base_url}")
         client = openai.OpenAI(base_url=served.openai_base_url, api_key=served.api_key)  # made by deploy
-        prompt = "import json\n\ndef load(path):\n"
-        out = client.completions.create(model="demo-tiny-fp8", prompt=prompt, max_tokens=48, temperature=0)
-        print(f"completion (greedy, {out.usage.completion_tokens} tokens, finish={out.choices[0].finish_reason}):")
+        prompt = "import json\n\ndef load(path):\n    "
+        # Greedy with a frequency penalty: a tiny byte-level model otherwise repeats its most
+        # frequent byte (indentation) forever.
+        out = client.completions.create(model="demo-tiny-fp8", prompt=prompt, max_tokens=48, temperature=0,
+                                        frequency_penalty=0.5)
+        print(f"completion (greedy, frequency_penalty 0.5, {out.usage.completion_tokens} tokens, "
+              f"finish={out.choices[0].finish_reason}):")
         print(f"  {prompt!r} -> {out.choices[0].text!r}")
         sent, first, pieces = time.monotonic(), None, []
         for chunk in client.chat.completions.create(
                 model="demo-tiny-fp8", messages=[{"role": "user", "content": "Write a Python function."}],
-                max_tokens=48, temperature=0, stream=True):
+                max_tokens=48, temperature=0, frequency_penalty=0.5, stream=True):
             if chunk.choices and chunk.choices[0].delta.content:
                 first = first or time.monotonic()
                 pieces.append(chunk.choices[0].delta.content)
@@ -287,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rayfleet.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--accelerator", default="H100:2,P800:2", help="fleet mix (default: 2 H100 + 2 P800 servers)")
     parser.add_argument("--racks", type=int, default=2)
-    parser.add_argument("--train-steps", type=int, default=30)
+    parser.add_argument("--train-steps", type=int, default=120)
     parser.add_argument("--autoscaler", action=argparse.BooleanOptionalAction, default=True,
                         help="end with a burst that makes the autoscaler lend an accelerator and give it back "
                              "(--no-autoscaler skips it)")
