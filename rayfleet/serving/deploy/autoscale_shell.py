@@ -232,12 +232,12 @@ class ServeShell(AutoscalerShellBase):
         except Exception as exc:  # noqa: BLE001 - recorded; the policy sees no new replica
             replica.error = repr(exc)
             self.event("autoscaler_handover_failed", f"{replica.name} on {replica.node}: {exc!r}",
-                        {"replica": replica.name, "node": replica.node})
+                       {"replica": replica.name, "node": replica.node})
             return
         replica.running_at = time.time()
         self.event("autoscaler_handover",
-                    f"{replica.name} serving on {replica.node} {replica.handover_s:.1f}s after the decision",
-                    {"replica": replica.name, "node": replica.node, "handover_s": round(replica.handover_s, 2)})
+                   f"{replica.name} serving on {replica.node} {replica.handover_s:.1f}s after the decision",
+                   {"replica": replica.name, "node": replica.node, "handover_s": round(replica.handover_s, 2)})
 
     def _wait_for_room(self, node: str, count: int, timeout_s: float = 300.0) -> None:
         import ray
@@ -265,9 +265,9 @@ class ServeShell(AutoscalerShellBase):
             return
         replica.removed_at = time.time()
         self.event("autoscaler_replica_removed",
-                    f"{replica.name} drained and removed from the {self.role} pool "
-                    f"{replica.removed_at - replica.removal_decided_at:.1f}s after the decision ({reason})",
-                    {"replica": replica.name, "node": replica.node})
+                   f"{replica.name} drained and removed from the {self.role} pool "
+                   f"{replica.removed_at - replica.removal_decided_at:.1f}s after the decision ({reason})",
+                   {"replica": replica.name, "node": replica.node})
 
 
 def _replica_nodes(app_name: str, deployment: str) -> list[str]:
