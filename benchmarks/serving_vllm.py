@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
             row.update(engine=engine, router=router, app=spec["name"],
                        prefix_hit_rate=(h1 - h0) / (q1 - q0) if q1 > q0 else float("nan"))
             rows.append(row)
+            print(f"{spec['name']}: {json.dumps({k: v for k, v in row.items() if k != 'app'})}", flush=True)
             served.shutdown()
     finally:
         from ray import serve
