@@ -124,7 +124,7 @@ class VLLMSpec(_Strict):
     ``request_router``: the pools' Serve RequestRouter: ``rayfleet`` (rayfleet's prefix+load
     policy, ``router.policy`` and ``router.load_weight``; colocated pools), ``prefix_cache_affinity``
     (Serve LLM's ``PrefixCacheAffinityRouter``) or ``power_of_two`` (Serve's default); unset:
-    ``rayfleet`` for a colocated pool, ``prefix_cache_affinity`` for prefill/decode."""
+    ``rayfleet`` for a colocated pool, ``power_of_two`` for prefill/decode."""
 
     device: Literal["cpu", "gpu"] = "gpu"
     kv_connector: Literal["nixl", "shared_storage"] = "nixl"

@@ -152,10 +152,23 @@ def placement_group_config(spec: ServeSpec, pool: PoolSpec) -> dict[str, Any]:
 
 
 def request_router_name(spec: ServeSpec) -> str:
-    """``vllm.request_router``, or its default for the spec's mode."""
+    """``vllm.request_router``, or its default for the spec's mode (see ``_check_router``)."""
     if spec.vllm.request_router is not None:
         return spec.vllm.request_router
-    return "rayfleet" if spec.mode == "colocated" else "prefix_cache_affinity"
+    return "rayfleet" if spec.mode == "colocated" else "power_of_two"
+
+
+def _check_router(spec: ServeSpec, bundles: list[dict[str, float]]) -> None:
+    # PrefixCacheAffinityRouter starts a PrefixTreeActor (1 CPU) from whichever process routes.
+    # In a PD app the decode replica routes to the prefill pool from inside its placement group,
+    # so the actor must fit the replica's bundles; when it does not, Ray refuses it and every
+    # request hangs (seen live: "Cannot schedule PrefixTreeActor with the placement group").
+    if (spec.mode == "disaggregated" and request_router_name(spec) == "prefix_cache_affinity"
+            and sum(b.get("CPU", 0.0) for b in bundles) < 1):
+        raise SpecError("vllm.request_router", "prefix_cache_affinity",
+                        "in a prefill/decode app its PrefixTreeActor (1 CPU) must fit the decode replica's "
+                        "placement group, which reserves less than 1 CPU",
+                        "set decode.num_cpus: 1 or more, or use request_router: power_of_two")
 
 
 def request_router_config(spec: ServeSpec) -> dict[str, Any] | None:
@@ -187,6 +200,8 @@ def llm_config_fields(spec: ServeSpec, role: str) -> dict[str, Any]:
     """``LLMConfig`` fields (a dict ``LLMConfig.model_validate`` accepts) for ``role``'s pool."""
     pool = spec.pools()[role]
     pg = placement_group_config(spec, pool)
+    if role == "decode":
+        _check_router(spec, pg["bundles"])
     deployment: dict[str, Any] = {"ray_actor_options": {"num_cpus": 0},
                                   "health_check_period_s": 5, "health_check_timeout_s": 60}
     if pool.max_replicas and pool.max_replicas > pool.replicas:

@@ -147,8 +147,7 @@ def test_rayfleet_router_is_the_colocated_default_with_its_stats_publishing_serv
                                   "block_chars": 32 * 4},
         "request_routing_stats_period_s": 1.0}
     pd = vllm_app_args(_spec(mode="disaggregated")).args
-    assert pd["prefill_config"]["deployment_config"]["request_router_config"]["request_router_class"].endswith(
-        "PrefixCacheAffinityRouter")
+    assert "request_router_config" not in pd["prefill_config"]["deployment_config"]  # Serve's default
     with pytest.raises(SpecError, match="vllm.request_router"):
         _spec(mode="disaggregated", vllm={"request_router": "rayfleet"})
 
@@ -168,6 +167,17 @@ def test_cpu_block_size_must_suit_vllms_cpu_attention():
     assert "32" in str(err.value)
     gpu = _spec(engine={"block_size": 16}, vllm={"device": "gpu"})
     assert llm_config_fields(gpu, "colocated")["engine_kwargs"]["block_size"] == 16
+
+
+def test_prefix_affinity_in_pd_needs_a_cpu_for_its_tree_actor():
+    """Regression: the decode replica's PrefixCacheAffinityRouter could not start its
+    PrefixTreeActor inside a [{'GPU': 1}] placement group and every PD request hung."""
+    with pytest.raises(SpecError, match="vllm.request_router") as err:
+        vllm_app_args(_spec(mode="disaggregated", vllm={"request_router": "prefix_cache_affinity"}))
+    assert "decode.num_cpus" in str(err.value)
+    ok = vllm_app_args(_spec(mode="disaggregated", vllm={"request_router": "prefix_cache_affinity"},
+                             decode={"num_cpus": 1}))
+    assert ok.args["decode_config"]["placement_group_config"]["bundles"][0]["CPU"] == 1
 
 
 def test_model_source_errors():
