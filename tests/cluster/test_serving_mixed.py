@@ -40,7 +40,8 @@ def mixed_app(local_fleet):
     # conftest runs this module after the fleet tests that list exact nodes).
     if all(n.accelerator_type != "P800" for n in local_fleet.fleet.topology.nodes):
         local_fleet.fleet.add_node(NodeTopology(name=P800_NODE, accelerator_type="P800", num_accelerators=2,
-                                                rack="r09", block="b9", nvlink_domain=f"sn-{P800_NODE}"))
+                                                rack="r09", block="b9", nvlink_domain=f"sn-{P800_NODE}"),
+                                   timeout_s=300)  # a loaded 2-core machine took over 120 s to start one
     http = {"port": _free_port(), "route_prefix": "/mixed"}
     if "auth" in HttpSpec.model_fields:
         http["auth"] = "disabled"
@@ -108,6 +109,12 @@ def test_moving_the_decode_pool_bounds_lends_and_reclaims_a_p800(mixed_app):
                what="Serve to start a second decode replica on the P800 node")
     wait_until(lambda: sum(n.startswith("decode/") for n in mixed_app.block_usage()) == 2, timeout_s=60,
                interval_s=1, what="the ingress's request router to see both decode replicas")
+    # What the autoscaler's Serve shell reads back (its handover waits on these).
+    from rayfleet.serving.deploy.autoscale_shell import _replica_nodes, _running_replicas
+
+    wait_until(lambda: _running_replicas("test-mixed", "decode") == 2, timeout_s=60, interval_s=1,
+               what="Serve's status to count two RUNNING decode replicas")
+    assert _replica_nodes("test-mixed", "decode") == [P800_NODE, P800_NODE]
     prompt = "lent accelerators serve too"
     for _ in range(4):  # the new replica has the most free KV, so it takes decodes at once
         assert _complete(mixed_app.url, prompt) == _reference(prompt)
