@@ -23,15 +23,15 @@ Design decisions:
   in the long run (a conversation's later turns follow its first), so the ledger adds an
   *overload* term, one-sided and relative:
 
-      overload(r) = max(0, (recent(r) + work(r) - mean_after - num_request_blocks) / mean_after)
+      overload(r) = max(0, (recent(r) + work(r) - mean_after) / mean_after)
       cost(r)    += overload_weight * num_request_blocks * overload(r)
 
-  with ``mean_after`` the pool's mean ledger once this request is added. A replica may exceed
-  the mean by one request's worth for free (the "+1" of balls-into-bins with bounded loads; on a
-  nearly idle pool the mean is about one request, and a conversation's second turn must not be
-  pushed off the replica that holds its first), so the prefix alone decides among those; one
-  that would go further over pays in proportion to the whole prompt, so a replica 25% over the
-  allowance (weight 4) needs the request's whole prompt cached to win. The term is scale-free (ratios of work), so the same weight holds
+  with ``mean_after`` the pool's mean ledger once this request is added. A replica at or under
+  the mean pays nothing, so the prefix alone decides among those; one that would go over pays
+  in proportion to the whole prompt, so a replica 25% over the mean (weight 4) needs the
+  request's whole prompt cached to win. The term waits until the pool's recent work amounts to
+  about one such request per replica: before that the ratios are noise, and on a nearly idle
+  pool a conversation's second turn must stay where its first is cached. The term is scale-free (ratios of work), so the same weight holds
   at 8 or 64 replicas, at low or high rates and for short or 100k-token prompts, where a fixed
   blocks-per-block weight had to be tuned to each (0.5 reached ~78% of the hit bound on one
   long-conversation trace and 0.02 overloaded replicas on another). Replayed on the Mooncake
@@ -141,7 +141,9 @@ class RouterPolicy:
         weight = self.load_weight
         healthy = [s for s in snapshots if s.healthy]
         total_recent = sum(s.recent_work_blocks for s in healthy)
-        over_weight = self.overload_weight * num_blocks if total_recent > 0 else 0.0
+        # Until the pool has done about one such request per replica recently, ratios of recent work
+        # are noise: stickiness decides (a conversation's second turn stays where its first is).
+        over_weight = self.overload_weight * num_blocks if total_recent >= len(healthy) * num_blocks else 0.0
         mean_after = (total_recent + num_blocks) / len(healthy) if healthy else 1.0
         # Plain tuples in the hot loop; frozen dataclasses only for the few replicas reported.
         rows = []
@@ -153,7 +155,7 @@ class RouterPolicy:
                 not snap.max_num_seqs or snap.num_running_requests < snap.max_num_seqs)
             cost = to_prefill + weight * load
             if over_weight:
-                over = (snap.recent_work_blocks + to_prefill - mean_after - num_blocks) / mean_after
+                over = (snap.recent_work_blocks + to_prefill - mean_after) / mean_after
                 if over > 0:
                     cost += over_weight * over
             rows.append((not fits, cost, -hit, index.num_blocks_on(snap.replica_id), snap.replica_id, load))

@@ -26,21 +26,23 @@ def snap(rid: str, recent: float, load: int = 0) -> ReplicaSnapshot:
 
 
 def test_overload_term_worked_example():
-    """10-block prompt, r0 caches all 10 but has done 80 blocks of recent work, r1 nothing
-    cached and 20 blocks. Pool mean after this request: (100 + 10) / 2 = 55; one request (10
-    blocks) over the mean is free.
-    r0: to_prefill 0, over = (80 + 0 - 55 - 10) / 55 = 3/11, cost = 0 + 4 * 10 * 3/11 = 10.9.
-    r1: to_prefill 10, over = (20 + 10 - 55 - 10) / 55 < 0 -> 0, cost = 10. r1 wins."""
+    """10-block prompt, r0 caches all 10 but has done 60 blocks of recent work, r1 nothing
+    cached and 20 blocks (80 >= 2 replicas x 10 blocks: the term is on). Pool mean after this
+    request: (80 + 10) / 2 = 45.
+    r0: to_prefill 0, over = (60 + 0 - 45) / 45 = 1/3, cost = 0 + 4 * 10 * 1/3 = 13.3.
+    r1: to_prefill 10, over = (20 + 10 - 45) / 45 < 0 -> 0, cost = 10. r1 wins."""
     index = PrefixIndex()
     prompt = hash_full_blocks(list(range(10 * BLOCK)), block_size=BLOCK, root=ROOT)
     index.add_blocks(ReplicaId("r0"), prompt)
     policy = RouterPolicy(load_weight=0.0, overload_weight=4.0)
-    decision = policy.choose_prefill([snap("r0", 80), snap("r1", 20)], prompt, index)
+    decision = policy.choose_prefill([snap("r0", 60), snap("r1", 20)], prompt, index)
     assert decision.replica_id == "r1"
     assert decision.ranked[0].cost == pytest.approx(10.0)
-    assert decision.ranked[1].cost == pytest.approx(120 / 11)
-    # At 60 blocks r0 is within one request of the mean (45 + 10 + 5): the prefix decides.
-    assert policy.choose_prefill([snap("r0", 60), snap("r1", 20)], prompt, index).replica_id == "r0"
+    assert decision.ranked[1].cost == pytest.approx(40 / 3)
+    # At 40 blocks r0 is at the mean (40 + 30 + 10) / 2: the prefix decides, r0 wins.
+    assert policy.choose_prefill([snap("r0", 40), snap("r1", 30)], prompt, index).replica_id == "r0"
+    # Below one request per replica of history (8 < 2 x 10) the term is off: stickiness wins.
+    assert policy.choose_prefill([snap("r0", 8), snap("r1", 0)], prompt, index).replica_id == "r0"
     # Broken variant: without the term the cached replica wins however overloaded it is.
     assert RouterPolicy(load_weight=0.0, overload_weight=0.0).choose_prefill(
         [snap("r0", 6000), snap("r1", 20)], prompt, index).replica_id == "r0"
