@@ -212,7 +212,10 @@ class _MetricsPrinter:
             try:
                 row = self.queue.get(timeout=0.5)
             except Exception:  # noqa: BLE001 - Empty (or the queue actor gone): poll again or stop
-                if self._done.is_set() and self.queue.empty():
+                try:
+                    if self._done.is_set() and self.queue.empty():
+                        return
+                except Exception:  # noqa: BLE001 - the queue actor died with its node: nothing left to drain
                     return
                 continue
             if "restored_from" in row:

@@ -195,7 +195,9 @@ def test_elastic_job_shrinks_on_node_loss_and_grows_back(local_fleet, dataset, t
     extra = [NodeTopology(name=f"n{9 - i:04d}", accelerator_type="H100", num_accelerators=2, rack="r09",
                           block="b9", nvlink_domain=f"nvl-n{9 - i:04d}") for i in range(2)]
     cordoned = [n.name for n in local_fleet.topology.nodes]
-    steps = 24
+    # Enough steps at 2 workers to outlast the node's restart: with unpaced steps (~0.5-1.5 s here)
+    # a 24-step job finished at 2 workers while a loaded machine was still starting the node.
+    steps = 48
     spec = _spec(dataset, name="tiny-elastic", steps=steps, plan={"ep": 2}, global_batch_size=8,
                  resources={"accelerator": "H100", "elastic": {"min_workers": 2, "max_workers": 4}},
                  checkpoint={"every_n_steps": 2, "persist_every": 1, "uri": str(tmp_path / "ckpt")})
