@@ -33,6 +33,10 @@ def pack_fp8_rows(x: torch.Tensor, *, block: int = 128, dtype: torch.dtype = E4M
     if x.dim() != 2:
         raise SpecError("x", tuple(x.shape), "packing expects a 2-D [rows, dim] tensor",
                         "flatten leading dims first, e.g. x.reshape(-1, x.shape[-1])")
+    if x.shape[0] == 0:
+        # An expert-parallel peer may receive no rows; the empty scale tensor has stride 0 and
+        # cannot be viewed as bytes, so build the (empty) packed tensor directly.
+        return torch.empty(0, packed_row_bytes(x.shape[1], block=block), dtype=torch.uint8, device=x.device)
     q, _ = quantize(x, dtype=dtype, block=(1, block))
     data = q.data.contiguous().view(torch.uint8)
     scales = q.scale.contiguous().view(torch.uint8)

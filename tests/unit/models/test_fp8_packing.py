@@ -46,3 +46,14 @@ def test_wrong_dims_are_spec_errors():
         unpack_fp8_rows(packed, dim=128)
     with pytest.raises(SpecError):
         pack_fp8_rows(torch.randn(2, 3, 4))
+
+
+def test_packing_zero_rows_regression():
+    # An EP rank that receives no tokens packs an empty batch; this crashed the demo's FP8
+    # expert exchange ("stride(-1) must be 1 to view Float as Byte").
+    from rayfleet.models.fp8.packing import pack_fp8_rows, packed_row_bytes, unpack_fp8_rows
+
+    packed = pack_fp8_rows(torch.randn(0, 128))
+    assert packed.shape == (0, packed_row_bytes(128)) and packed.dtype == torch.uint8
+    back = unpack_fp8_rows(packed, dim=128)
+    assert back.data.shape == (0, 128)
