@@ -307,7 +307,11 @@ def main() -> None:
                         help="RAY_TRAIN_HEALTH_CHECK_INTERVAL_S for the fleet (default: Ray Train's, 2 s)")
     parser.add_argument("--snapshot-s-per-gib", type=float, default=None,
                         help="skip the flash-snapshot measurement and use this warm s/GiB")
+    parser.add_argument("--quick", action="store_true", help="12 steps, one kill (what the tests run)")
+    parser.add_argument("--json", type=Path, default=None, help="where the results go (default: results/recovery.json)")
     args = parser.parse_args()
+    if args.quick:
+        args.steps, args.kills = min(args.steps, 12), min(args.kills, 1)
     spacing = args.steps // (args.kills + 1)
     kill_at = [spacing * (k + 1) + k for k in range(args.kills)]  # + k: kills land at varied snapshot phases
 
@@ -409,8 +413,8 @@ def run_benchmark(args: argparse.Namespace, *, kill_at: list[int], work: str) ->
     max_down = max_downtime_for(GOAL_FLEET_FRACTION, mtbf_s=LLAMA3_MTBF_S, step_s=LLAMA3_STEP_S,
                                 snapshot_blocking_s=blocking, snapshot_every_steps=every_fleet)
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "recovery.json"
+    out = args.json or RESULTS / "recovery.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "machine": machine, "steps": args.steps, "snapshot_every": args.every, "kill_at_steps": kill_at,
         "final_status": status, "failures": failures, "group_starts": group_starts,
