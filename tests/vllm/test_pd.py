@@ -1,7 +1,7 @@
 """A prefill/decode-split vLLM app started by ``rayfleet serve --detach`` (the CLI, hence the
 same ``deploy()`` as ``fleet.serve()``): KV moves from the prefill engine to the decode engine
 over NIXL (UCX over host memory), proven by the decode side's own connector counters, and the
-output equals the colocated pool's for the same greedy requests."""
+output equals a single engine's (transformers, and the colocated pool's) for greedy requests."""
 
 from __future__ import annotations
 
@@ -95,12 +95,29 @@ def test_decode_receives_the_prompts_kv_over_nixl(pd_app, vllm_fleet):
     assert delta["prefill_prompt_tokens"] >= reply.usage.prompt_tokens  # the prefill engine saw the prompt
 
 
-def test_pd_output_equals_the_colocated_pool(pd_app, vllm_fleet):
+def _hf_greedy_text(model_dir, prompt: str, max_tokens: int) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                             min_new_tokens=max_tokens, pad_token_id=0)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_pd_output_equals_a_single_engine(pd_app, vllm_fleet, tiny_model_dir):
+    """Greedy output through prefill -> NIXL -> decode equals transformers' greedy output (the
+    outside oracle) and, when the colocated pool test ran first, the pool's output."""
     url, _ = pd_app
-    expected = vllm_fleet.results.get("colocated")
-    if not expected:
-        pytest.fail("the colocated pool test did not record its outputs (run tests/vllm as a whole)")
     client = _client(url)
-    for prompt, text in expected.items():
+    prompts = [long_prompt(seed, 100) for seed in range(2)]
+    for prompt in prompts:
+        reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0)
+        assert reply.choices[0].text == _hf_greedy_text(tiny_model_dir, prompt, 10)
+    colocated = vllm_fleet.results.get("colocated", {})
+    for prompt, text in colocated.items():
         reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0)
         assert reply.choices[0].text == text
