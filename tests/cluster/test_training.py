@@ -196,7 +196,8 @@ def test_elastic_job_shrinks_on_node_loss_and_grows_back(local_fleet, dataset, t
                           block="b9", nvlink_domain=f"nvl-n{9 - i:04d}") for i in range(2)]
     cordoned = [n.name for n in local_fleet.topology.nodes]
     # Enough steps at 2 workers to outlast the node's restart: with unpaced steps (~0.5-1.5 s here)
-    # a 24-step job finished at 2 workers while a loaded machine was still starting the node.
+    # a 24-step job finished at 2 workers while a loaded machine was still starting the node. On a
+    # machine shared by several fleets even 48 were not enough (the node took over 2 min to start).
     steps = 48
     spec = _spec(dataset, name="tiny-elastic", steps=steps, plan={"ep": 2}, global_batch_size=8,
                  resources={"accelerator": "H100", "elastic": {"min_workers": 2, "max_workers": 4}},
