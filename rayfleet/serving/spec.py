@@ -288,6 +288,7 @@ class ServeSpec(_Strict):
     max_resumes: int = Field(2, ge=0)  # decode replica lost mid-stream: resume this many times
     max_prefill_retries: int = Field(2, ge=0)  # prefill replica lost: try this many others
     request_timeout_s: float = Field(120.0, gt=0)
+
     @model_validator(mode="before")
     @classmethod
     def _engine_shorthand(cls, data: Any) -> Any:
@@ -309,7 +310,6 @@ class ServeSpec(_Strict):
                             "the routing stats rayfleet's router reads",
                             "use prefix_cache_affinity or power_of_two with mode: disaggregated")
         return self
-
 
     @classmethod
     def parse(cls, data: dict[str, Any] | "ServeSpec") -> "ServeSpec":
