@@ -67,4 +67,4 @@ def test_a_checkpoint_spec_round_trips_through_its_dump():
     assert again == spec and again.model.preset is None and again.model.served_name == "tiny-fp8"
     with pytest.raises(SpecError) as err:
         ServeSpec.parse({"model": {"checkpoint": "/models/tiny-fp8", "preset": "tiny"}})
-    assert "model" in str(err.value) and "not both" in str(err.value)
+    assert "model" in str(err.value) and "not several" in str(err.value)
