@@ -47,6 +47,8 @@ class CostParams:
         fp8_weight_cache_bytes: FP8 training caches each GEMM weight in FP8 in both row- and
             column-wise layouts (Transformer Engine), bytes per parameter.
         activation_bytes: bytes per saved activation element (BF16).
+        fp8_activation_bytes: bytes per Linear/SwiGLU input saved with ``activation_dtype ==
+            "fp8"`` (the per-tile scales add well under 1%).
         comm_bytes_bf16 / comm_bytes_fp8: bytes per element on the wire for activations in each
             precision (FP8 dispatch and TP all-gathers; reductions and combines stay BF16).
         grad_reduce_bytes: bytes per element of the DP gradient reduce-scatter.
@@ -74,6 +76,7 @@ class CostParams:
     optimizer_bytes_bf16: int = 8
     fp8_weight_cache_bytes: int = 2
     activation_bytes: int = 2
+    fp8_activation_bytes: int = 1
     comm_bytes_bf16: int = 2
     comm_bytes_fp8: int = 1
     grad_reduce_bytes: int = 2

@@ -105,6 +105,7 @@ def all_stage_param_counts(model: ModelSpec, plan: ParallelPlan) -> tuple[ParamC
     # Only the sharding degrees and the split matter: memoise on them, since the planner asks
     # again for every micro-batch size and recompute mode of a shape.
     key = replace(plan, dp=1, cp=1, micro_batch_size=1, recompute="none", zero_stage=1, vpp=1, optimizer_dtype="fp32",
+                  activation_dtype="bf16",
                   replica_accelerators=None, replica_microbatches=None,
                   stage_starts=plan.stage_starts or even_stage_starts(model.num_layers, plan.pp))
     return _all_counts(model, key)
@@ -139,7 +140,9 @@ def layer_activation_bytes(model: ModelSpec, plan: ParallelPlan, layer: int, par
     """Bytes one device saves for backward for one layer and one micro-batch.
 
     ``plan.recompute == "selective"`` recomputes norms, SwiGLU activations and (MLA) the q/k/v
-    up-projections, so their outputs are not saved; "full" is handled by the caller."""
+    up-projections, so their outputs are not saved; "full" is handled by the caller.
+    ``plan.activation_dtype == "fp8"`` stores the inputs of Linear operators and of SwiGLU in
+    FP8 (DeepSeek-V3's activation caching); residual streams and attention's q/k/v stay BF16."""
     tp = plan.tp_of_layer(layer)
     tokens = plan.micro_batch_size * model.seq_len / plan.cp
     h, nh, hd = model.hidden_size, model.num_heads, model.head_dim
@@ -149,18 +152,22 @@ def layer_activation_bytes(model: ModelSpec, plan: ParallelPlan, layer: int, par
     if model.uses_mla:
         latents = model.q_lora_rank + model.kv_lora_rank + model.rope_head_dim
         # selective recompute rebuilds q/k/v from the saved latents (the "up-projection")
-        qkv = latents + (0 if selective else nh * (2 * (hd + model.rope_head_dim) + hd))
+        qkv, linear_in = (0 if selective else nh * (2 * (hd + model.rope_head_dim) + hd)), latents
     else:
-        qkv = (nh + 2 * model.num_kv_heads) * hd
-    attn = h + norm_out + qkv + nh * hd  # residual in, norm out, q/k/v, core out (o input)
+        qkv, linear_in = (nh + 2 * model.num_kv_heads) * hd, 0
+    keep = h + qkv  # residual in, q/k/v (the attention core's inputs)
+    linear_in += norm_out + nh * hd  # norm out (q/k/v input), core out (o input)
     if model.is_moe_layer(layer):
         k, f = model.top_k, model.moe_ffn_hidden_size
         # dispatched tokens (fc1 input), fc1 gate/up outputs, activation output; routing
         # probabilities are applied inside the expert, so the expert output is not kept.
-        mlp = h + norm_out + k * h + k * f * (2 + act) + model.num_shared_experts * f * (2 + act)
+        keep += h
+        linear_in += norm_out + k * h + k * f * (2 + act) + model.num_shared_experts * f * (2 + act)
     else:
-        mlp = h + norm_out + model.ffn_hidden_size * (2 + act)
-    return tokens * (attn + mlp) / tp * params.activation_bytes
+        keep += h
+        linear_in += norm_out + model.ffn_hidden_size * (2 + act)
+    linear_bytes = params.fp8_activation_bytes if plan.activation_dtype == "fp8" else params.activation_bytes
+    return tokens * (keep * params.activation_bytes + linear_in * linear_bytes) / tp
 
 
 def stage_static_bytes(model: ModelSpec, plan: ParallelPlan, counts: ParamCounts, num_stage_layers: int, *,
@@ -194,15 +201,15 @@ def stage_activation_bytes(model: ModelSpec, plan: ParallelPlan, stage: int, *, 
     if plan.layer_tp is None:  # memoised on plain values: plans differing in dp share the answer
         return _stage_acts(model, plan.tp, plan.cp, plan.micro_batch_size, plan.recompute, plan.vpp, plan.pp,
                            min(plan.pp - stage, num_microbatches), layers.start, layers.stop,
-                           stage == plan.pp - 1, params)
+                           stage == plan.pp - 1, params, plan.activation_dtype)
     in_flight = min(plan.pp - stage, num_microbatches)
     if plan.vpp > 1:
         in_flight *= 1 + (plan.pp - 1) / (plan.pp * plan.vpp)
     tokens = plan.micro_batch_size * model.seq_len / plan.cp
     if plan.layer_tp is None:
         kinds = _layer_kinds(model, layers.start, layers.stop)
-        per_layer = [_layer_acts(model, plan.tp, plan.cp, plan.micro_batch_size, plan.recompute, moe, params)
-                     for moe, _ in kinds]
+        per_layer = [_layer_acts(model, plan.tp, plan.cp, plan.micro_batch_size, plan.recompute, moe, params,
+                                 plan.activation_dtype) for moe, _ in kinds]
         counts = [n for _, n in kinds]
     else:
         per_layer = [layer_activation_bytes(model, plan, i, params) for i in layers]
@@ -220,11 +227,11 @@ def stage_activation_bytes(model: ModelSpec, plan: ParallelPlan, stage: int, *, 
 
 @lru_cache(maxsize=65536)
 def _stage_acts(model: ModelSpec, tp: int, cp: int, mbs: int, recompute: str, vpp: int, pp: int, in_flight: int,
-                start: int, stop: int, last: bool, params: CostParams) -> float:
+                start: int, stop: int, last: bool, params: CostParams, act_dtype: str = "bf16") -> float:
     scale = 1 + (pp - 1) / (pp * vpp) if vpp > 1 else 1.0
     tokens = mbs * model.seq_len / cp
     kinds = _layer_kinds(model, start, stop)
-    per_layer = [_layer_acts(model, tp, cp, mbs, recompute, moe, params) for moe, _ in kinds]
+    per_layer = [_layer_acts(model, tp, cp, mbs, recompute, moe, params, act_dtype) for moe, _ in kinds]
     if recompute == "full":
         acts = in_flight * scale * (stop - start) * tokens * model.hidden_size / tp * params.activation_bytes \
             + max(per_layer)
@@ -243,11 +250,12 @@ def _layer_kinds(model: ModelSpec, start: int, stop: int) -> tuple[tuple[bool, i
 
 
 @lru_cache(maxsize=65536)
-def _layer_acts(model: ModelSpec, tp: int, cp: int, mbs: int, recompute: str, moe: bool, params: CostParams) -> float:
+def _layer_acts(model: ModelSpec, tp: int, cp: int, mbs: int, recompute: str, moe: bool, params: CostParams,
+                act_dtype: str = "bf16") -> float:
     # the planner asks for the same two layer kinds thousands of times
     layer = model.num_layers - 1 if moe else 0
-    return layer_activation_bytes(model, ParallelPlan(tp=tp, cp=cp, micro_batch_size=mbs, recompute=recompute),
-                                  layer, params)
+    return layer_activation_bytes(model, ParallelPlan(tp=tp, cp=cp, micro_batch_size=mbs, recompute=recompute,
+                                                      activation_dtype=act_dtype), layer, params)
 
 
 def stage_memory(model: ModelSpec, plan: ParallelPlan, stage: int, *, num_microbatches: int,

@@ -33,6 +33,7 @@ __all__ = ["ParallelPlan", "RankCoords", "Recompute", "validate_plan", "even_sta
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_OPTIONS: tuple[Recompute, ...] = ("none", "selective", "full")
 OptimizerDtype = Literal["fp32", "bf16"]
+ActivationDtype = Literal["bf16", "fp8"]
 
 
 class RankCoords(NamedTuple):
@@ -68,6 +69,9 @@ class ParallelPlan:
             at the cost of ``vpp`` times the stage-to-stage sends.
         optimizer_dtype: dtype of Adam's moments: "fp32", or "bf16" (DeepSeek-V3, Megatron's
             precision-aware optimizer) -- 4 bytes a parameter less; the master copy stays FP32.
+        activation_dtype: dtype of the activations GEMMs save for backward: "bf16", or "fp8"
+            (FP8 models only; DeepSeek-V3 section 3.3: the inputs of Linear operators and of the
+            MoE SwiGLU are cached in FP8) -- residual streams and MLA latents stay BF16.
     """
 
     tp: int = 1
@@ -85,6 +89,7 @@ class ParallelPlan:
     replica_microbatches: tuple[int, ...] | None = None
     vpp: int = 1
     optimizer_dtype: OptimizerDtype = "fp32"
+    activation_dtype: ActivationDtype = "bf16"
 
     @classmethod
     def from_dict(cls, data: dict) -> "ParallelPlan":
@@ -135,6 +140,8 @@ class ParallelPlan:
         parts.append(f"ZeRO-{self.zero_stage}")
         if self.optimizer_dtype != "fp32":
             parts.append(f"adam:{self.optimizer_dtype}")
+        if self.activation_dtype != "bf16":
+            parts.append(f"act:{self.activation_dtype}")
         if self.recompute != "none":
             parts.append(f"rc:{self.recompute}")
         return " ".join(parts)
@@ -183,6 +190,13 @@ def validate_plan(plan: ParallelPlan, model: ModelSpec, *, world_size: int | Non
     if plan.optimizer_dtype not in ("fp32", "bf16"):
         raise SpecError("plan.optimizer_dtype", plan.optimizer_dtype, "unknown optimizer state dtype",
                         "use 'fp32' or 'bf16'")
+    if plan.activation_dtype not in ("bf16", "fp8"):
+        raise SpecError("plan.activation_dtype", plan.activation_dtype, "unknown activation dtype",
+                        "use 'bf16' or 'fp8'")
+    if plan.activation_dtype == "fp8" and model.precision != "fp8":
+        raise SpecError("plan.activation_dtype", plan.activation_dtype,
+                        f"FP8 activation caching needs FP8 GEMMs (the model's precision is {model.precision})",
+                        "use activation_dtype 'bf16' or an FP8 model")
 
 
 def _check_tensor_parallel(plan: ParallelPlan, model: ModelSpec, domain: int | None) -> None:

@@ -171,22 +171,32 @@ def _candidates(model: ModelSpec, accel: AcceleratorSpec, lo: int, hi: int, spac
     return out, rejected, num_shapes
 
 
-def _ladder(space: SearchSpace) -> list[tuple[int, str]]:
-    return [(z, d) for z in space.zero_ladder for d in space.optimizer_dtypes]
+def _ladder(space: SearchSpace) -> list[tuple[int, str, str]]:
+    """(ZeRO stage, optimizer dtype, activation dtype) rungs, the plainest first: each later
+    rung trades communication or precision for memory, so the first that fits is the one taken."""
+    return [(z, d, a) for z in space.zero_ladder for d in space.optimizer_dtypes for a in space.activation_dtypes]
 
 
-def _fitting_rungs(model: ModelSpec, plan: ParallelPlan, ladder: list[tuple[int, str]], usable: float,
+def _with_rung(plan: ParallelPlan, rung: tuple[int, str, str], **changes) -> ParallelPlan:
+    return replace(plan, zero_stage=rung[0], optimizer_dtype=rung[1], activation_dtype=rung[2], **changes)
+
+
+def _fitting_rungs(model: ModelSpec, plan: ParallelPlan, ladder: list[tuple[int, str, str]], usable: float,
                    params: CostParams, *, first_only: bool) -> list[int]:
-    """Indices of the (ZeRO stage, optimizer dtype) rungs under which ``plan`` (stage_starts set)
-    fits ``usable`` bytes on every stage; activations are computed once for all rungs."""
+    """Indices of the (ZeRO stage, optimizer dtype, activation dtype) rungs under which ``plan``
+    (stage_starts set) fits ``usable`` bytes on every stage; activations once per dtype."""
     counts = all_stage_param_counts(model, plan)
     ranges = plan.stage_ranges(model.num_layers)
     m = plan.num_microbatches(model.global_batch_sequences)
-    acts = [stage_activation_bytes(model, plan, s, num_microbatches=m, params=params) for s in range(plan.pp)]
+    acts: dict[str, list[float]] = {}
     out = []
-    for i, (zero, dtype) in enumerate(ladder):
+    for i, (zero, dtype, act) in enumerate(ladder):
+        if act not in acts:
+            with_act = replace(plan, activation_dtype=act)
+            acts[act] = [stage_activation_bytes(model, with_act, s, num_microbatches=m, params=params)
+                         for s in range(plan.pp)]
         if all(sum(stage_static_bytes(model, plan, counts[s], len(ranges[s]), params=params, zero_stage=zero,
-                                      optimizer_dtype=dtype)) + acts[s] <= usable for s in range(plan.pp)):
+                                      optimizer_dtype=dtype)) + acts[act][s] <= usable for s in range(plan.pp)):
             out.append(i)
             if first_only:
                 break
@@ -221,19 +231,6 @@ def _refine(model: ModelSpec, accel: AcceleratorSpec, cand: _Candidate, space: S
             largest = tuple(max(space.micro_batch_sizes) for rc in space.recompute[i:])
             return _Refined(i, rung, largest)
     return None
-
-
-def _largest_mbs(model: ModelSpec, accel: AcceleratorSpec, base: ParallelPlan, recompute: str,
-                 rungs: list[tuple[int, str]], usable: float, space: SearchSpace, params: CostParams) -> int:
-    smallest = min(space.micro_batch_sizes)
-    for mbs in sorted(space.micro_batch_sizes, reverse=True):
-        if mbs == smallest:
-            return mbs
-        if model.global_batch_sequences % (base.dp * mbs) == 0:
-            plan = balanced_plan(model, replace(base, micro_batch_size=mbs, recompute=recompute), accel, params)
-            if _fitting_rungs(model, plan, rungs, usable, params, first_only=True):
-                return mbs
-    return smallest
 
 
 def _refined_step_bound(model: ModelSpec, accel: AcceleratorSpec, cand: _Candidate, need: _Refined,
@@ -279,7 +276,7 @@ def _zero_floor(model: ModelSpec, accel: AcceleratorSpec, cand: _Candidate, zero
 
 
 def _configurations(model: ModelSpec, plan: ParallelPlan, fits: list[tuple[int, list[int]]],
-                    ladder: list[tuple[int, str]], accel: AcceleratorSpec, params: CostParams,
+                    ladder: list[tuple[int, str, str]], accel: AcceleratorSpec, params: CostParams,
                     exhaustive: bool) -> list[ParallelPlan]:
     """The plans worth pricing among ``fits`` ((virtual stages, fitting rungs) pairs).
 
@@ -288,16 +285,16 @@ def _configurations(model: ModelSpec, plan: ParallelPlan, fits: list[tuple[int, 
     pricing at ``vpp = 1`` per rung gives every ``vpp`` in closed form; only the winner is priced
     again. ``exhaustive`` returns every pair (the oracle checks the closed form)."""
     if exhaustive:
-        return [replace(plan, vpp=v, zero_stage=ladder[r][0], optimizer_dtype=ladder[r][1])
+        return [_with_rung(plan, ladder[r], vpp=v)
                 for v, rungs in fits for r in rungs]
     if len(fits) == 1:
         (v, (r, *_)), = fits
-        return [replace(plan, vpp=v, zero_stage=ladder[r][0], optimizer_dtype=ladder[r][1])]
+        return [_with_rung(plan, ladder[r], vpp=v)]
     base: dict[int, tuple[float, tuple[float, ...], float, int]] = {}
     best: tuple[float, int, int] | None = None
     for v, (r, *_) in fits:
         if r not in base:
-            one = evaluate_plan(model, replace(plan, zero_stage=ladder[r][0], optimizer_dtype=ladder[r][1]), accel,
+            one = evaluate_plan(model, _with_rung(plan, ladder[r]), accel,
                                 params=params)
             m = one.plan.num_microbatches(model.global_batch_sequences)
             base[r] = (one.step_time_s, one.step.stage_microbatch_s, one.step.pp_p2p / m, m)
@@ -311,7 +308,7 @@ def _configurations(model: ModelSpec, plan: ParallelPlan, fits: list[tuple[int, 
             best = (t, v, r)
     assert best is not None
     _, v, r = best
-    return [replace(plan, vpp=v, zero_stage=ladder[r][0], optimizer_dtype=ladder[r][1])]
+    return [_with_rung(plan, ladder[r], vpp=v)]
 
 
 def _best_of(model: ModelSpec, accel: AcceleratorSpec, cand: _Candidate, space: SearchSpace, params: CostParams,
@@ -488,6 +485,8 @@ def _search(model: ModelSpec, capacity: FleetCapacity, goal: JobGoal, *, top_k: 
             space: SearchSpace, exhaustive: bool) -> PlanSearchResult:
     if top_k < 1:
         raise SpecError("top_k", top_k, "must be at least 1", "ask for one plan or more")
+    if model.precision != "fp8" and space.activation_dtypes != ("bf16",):
+        space = replace(space, activation_dtypes=("bf16",))  # FP8 caching needs FP8 GEMMs
     if not capacity.is_mixed:
         return _homogeneous(model, capacity, goal, top_k=top_k, params=params, space=space, exhaustive=exhaustive)
     found, rejected, shapes, pruned = mixed_fleet_search(model, capacity, top_k=top_k, params=params, space=space,

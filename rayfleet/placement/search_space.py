@@ -10,7 +10,8 @@ Design decisions:
 - The shapes experts run: TP within the scale-up domain, CP at any power of two that leaves
   each rank ``min_tokens_per_cp_rank`` tokens, PP at divisors of the layer count and powers of
   two (uneven splits are balanced), interleaved virtual stages, EP with expert-TP 1 or TP,
-  DP with ZeRO-1/2/3, recompute none/selective/full, micro-batch sizes, FP32 or BF16 Adam moments.
+  DP with ZeRO-1/2/3, recompute none/selective/full, micro-batch sizes, FP32 or BF16 Adam moments,
+  BF16 or FP8 cached activations.
 
 Units: accelerators, sequences.
 """
@@ -51,6 +52,9 @@ class SearchSpace:
     # BF16 moments change the numerics, so they are searched only when asked (--bf16-moments);
     # the trainer keeps FP32 states
     optimizer_dtypes: tuple[str, ...] = ("fp32",)
+    # FP8 activation caching (DeepSeek-V3) also changes numerics: searched only when asked
+    # (--fp8-activations), and only for FP8 models
+    activation_dtypes: tuple[str, ...] = ("bf16",)
     expert_tp_options: str = "1_or_tp"  # "1_or_tp": etp in {1, tp}; "1": etp = 1 only
     min_expert_width_per_etp_rank: int = 1024
     optimality_gap: float = 0.05  # branch and bound stops within this relative gap of the optimum

@@ -10,10 +10,10 @@ Design decisions:
   weights for its forward and its backward; prefetching hides them behind that micro-batch's
   compute (``dp_overlap_fraction`` of it), so only the excess is on the critical path.
 - Compute: forward FLOPs per token from :class:`ModelSpec`, x3 for forward+backward, +1 forward
-  with full recompute, +attention core forward with selective recompute. GEMMs run at the
-  catalogue's peak for the model's precision (FP8 or BF16) times ``gemm_efficiency``; fused
-  attention and the output head stay BF16. Balanced routing is assumed: each device computes
-  ``1/(tp*cp)`` of a replica's tokens in every layer, in both grids.
+  with full recompute, +attention core forward (and MLA's q/k/v up-projections) with selective
+  recompute. GEMMs run at the catalogue's peak for the model's precision (FP8 or BF16) times
+  ``gemm_efficiency``; fused attention and the output head stay BF16. Balanced routing is
+  assumed: each device computes ``1/(tp*cp)`` of a replica's tokens in every layer, in both grids.
 - Communication per layer and micro-batch (sequence-parallel Megatron layout):
   TP all-gather + reduce-scatter pairs around attention, the dense MLP and the shared experts on
   the scale-up link; EP dispatch/combine all-to-alls (FP8 dispatch under FP8) split into the
@@ -113,6 +113,11 @@ def layer_time(model: ModelSpec, plan: ParallelPlan, layer: int, accel: Accelera
     fwd_core = tokens * core / plan.tp / attn_peak
     fwd = fwd_gemm + fwd_core
     recompute = fwd if plan.recompute == "full" else fwd_core if plan.recompute == "selective" else 0.0
+    if plan.recompute == "selective" and model.uses_mla:
+        # the memory model's selective mode drops MLA's q/k/v (rebuilt from the saved latents),
+        # so backward reruns the up-projection GEMMs too
+        up = model.attention_split_params() - model.num_heads * model.head_dim * h
+        recompute += tokens * 2 * up / tp / (gemm_peak * dense_eff)
     backward = 2 * fwd + recompute
     compute = fwd + backward
 
