@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 from typing import Mapping
 
 from rayfleet.placement.cost_params import CostParams
-from rayfleet.placement.memory_model import MemoryBreakdown, all_stage_param_counts, stage_memory
+from rayfleet.placement.memory_model import (MemoryBreakdown, all_stage_activation_bytes, all_stage_param_counts,
+                                              stage_static_bytes)
 from rayfleet.placement.model_spec import ModelSpec
 from rayfleet.placement.pipeline_split import balance_stages
 from rayfleet.placement.plan import ParallelPlan
@@ -85,12 +86,24 @@ def balanced_plan(model: ModelSpec, plan: ParallelPlan, accelerator: Accelerator
         return plan
     if plan.pp == 1:
         return replace(plan, stage_starts=(0,))
-    times = layer_times(model, plan, accelerator, params)
-    embed, head = edge_times(model, plan, accelerator, params)
-    costs = [t.total for t in times]
-    costs[0] += embed
-    costs[-1] += head
-    return replace(plan, stage_starts=balance_stages(costs, plan.pp))
+    # layer times do not depend on dp, vpp or ZeRO: memoise the split on what they depend on
+    # (the planner balances one shape at many dp degrees)
+    key = (model, plan.tp, plan.cp, plan.ep, plan.etp, plan.micro_batch_size, plan.recompute, plan.layer_tp,
+           plan.pp, accelerator, params)
+    starts = _SPLITS.get(key)
+    if starts is None:
+        times = layer_times(model, plan, accelerator, params)
+        embed, head = edge_times(model, plan, accelerator, params)
+        costs = [t.total for t in times]
+        costs[0] += embed
+        costs[-1] += head
+        if len(_SPLITS) > 65536:
+            _SPLITS.clear()
+        starts = _SPLITS[key] = balance_stages(costs, plan.pp)
+    return replace(plan, stage_starts=starts)
+
+
+_SPLITS: dict[tuple, tuple[int, ...]] = {}
 
 
 def plan_memory(model: ModelSpec, plan: ParallelPlan, accelerator: AcceleratorSpec | Mapping[str, AcceleratorSpec],
@@ -101,12 +114,17 @@ def plan_memory(model: ModelSpec, plan: ParallelPlan, accelerator: AcceleratorSp
     default_m = plan.num_microbatches(model.global_batch_sequences)
     worst: tuple[MemoryBreakdown, str, float] | None = None
     worst_ratio = -1.0
+    ranges = plan.stage_ranges(model.num_layers)
     for accel, m in _accelerators(plan, accelerator):
         usable = accel.hbm_gib * GIB * params.usable_memory_fraction
+        # what stage_memory sums, with every stage's activations from one memoised call
+        acts = all_stage_activation_bytes(model, plan, num_microbatches=m or default_m, params=params)
         for s in range(plan.pp):
-            mem = stage_memory(model, plan, s, num_microbatches=m or default_m, params=params, counts=counts[s])
-            if mem.total / usable > worst_ratio:
-                worst, worst_ratio = (mem, accel.name, usable), mem.total / usable
+            weights, grads, optim = stage_static_bytes(model, plan, counts[s], len(ranges[s]), params=params)
+            total = weights + grads + optim + acts[s]
+            if total / usable > worst_ratio:
+                worst = (MemoryBreakdown(s, weights, grads, optim, acts[s]), accel.name, usable)
+                worst_ratio = total / usable
     assert worst is not None
     return worst
 

@@ -33,7 +33,8 @@ from rayfleet.placement.model_spec import ModelSpec
 from rayfleet.placement.plan import ParallelPlan, even_stage_starts
 
 __all__ = ["ParamCounts", "MemoryBreakdown", "stage_param_counts", "all_stage_param_counts", "stage_memory",
-           "stage_static_bytes", "stage_activation_bytes", "estimate_memory", "layer_activation_bytes"]
+           "stage_static_bytes", "stage_activation_bytes", "all_stage_activation_bytes", "estimate_memory",
+           "layer_activation_bytes"]
 
 
 @dataclass(frozen=True)
@@ -103,12 +104,21 @@ def stage_param_counts(model: ModelSpec, plan: ParallelPlan, stage: int) -> Para
 def all_stage_param_counts(model: ModelSpec, plan: ParallelPlan) -> tuple[ParamCounts, ...]:
     """:func:`stage_param_counts` of every stage."""
     # Only the sharding degrees and the split matter: memoise on them, since the planner asks
-    # again for every micro-batch size and recompute mode of a shape.
-    key = replace(plan, dp=1, cp=1, micro_batch_size=1, recompute="none", zero_stage=1, vpp=1, optimizer_dtype="fp32",
-                  activation_dtype="bf16",
-                  replica_accelerators=None, replica_microbatches=None,
-                  stage_starts=plan.stage_starts or even_stage_starts(model.num_layers, plan.pp))
-    return _all_counts(model, key)
+    # again for every micro-batch size and recompute mode of a shape (a plain tuple key:
+    # building a canonical plan per call cost more than the counting)
+    starts = plan.stage_starts or even_stage_starts(model.num_layers, plan.pp)
+    key = (model, plan.tp, plan.pp, plan.ep, plan.etp, plan.layer_tp, starts)
+    hit = _COUNTS.get(key)
+    if hit is None:
+        if len(_COUNTS) > 65536:
+            _COUNTS.clear()
+        hit = _COUNTS[key] = _all_counts(model, ParallelPlan(tp=plan.tp, pp=plan.pp, ep=plan.ep, etp=plan.etp,
+                                                             dp=plan.ep * plan.etp, layer_tp=plan.layer_tp,
+                                                             stage_starts=starts))
+    return hit
+
+
+_COUNTS: dict[tuple, tuple[ParamCounts, ...]] = {}
 
 
 @lru_cache(maxsize=16384)
@@ -223,6 +233,32 @@ def stage_activation_bytes(model: ModelSpec, plan: ParallelPlan, stage: int, *, 
         # logits and their gradient for the micro-batch being finished (vocab-parallel)
         acts += 2 * tokens * _ceil_div(model.vocab_size, plan.tp) * params.logits_bytes
     return acts
+
+
+def all_stage_activation_bytes(model: ModelSpec, plan: ParallelPlan, *, num_microbatches: int,
+                               params: CostParams = CostParams(), vpp: int | None = None,
+                               activation_dtype: str | None = None) -> tuple[float, ...]:
+    """:func:`stage_activation_bytes` of every stage (memoised on plain values); ``vpp`` /
+    ``activation_dtype`` override the plan's (the planner tries several)."""
+    vpp = plan.vpp if vpp is None else vpp
+    act = plan.activation_dtype if activation_dtype is None else activation_dtype
+    if plan.layer_tp is not None:
+        plan = replace(plan, vpp=vpp, activation_dtype=act)
+        return tuple(stage_activation_bytes(model, plan, s, num_microbatches=num_microbatches, params=params)
+                     for s in range(plan.pp))
+    # in flight is min(pp - stage, m): m beyond pp changes nothing
+    return _all_stage_acts(model, plan.tp, plan.cp, plan.micro_batch_size, plan.recompute, vpp, plan.pp,
+                           min(num_microbatches, plan.pp), plan.stage_starts or even_stage_starts(model.num_layers,
+                                                                                                   plan.pp),
+                           params, act)
+
+
+@lru_cache(maxsize=65536)
+def _all_stage_acts(model: ModelSpec, tp: int, cp: int, mbs: int, recompute: str, vpp: int, pp: int, m: int,
+                    starts: tuple[int, ...], params: CostParams, act_dtype: str) -> tuple[float, ...]:
+    stops = starts[1:] + (model.num_layers,)
+    return tuple(_stage_acts(model, tp, cp, mbs, recompute, vpp, pp, min(pp - s, m), starts[s], stops[s],
+                             s == pp - 1, params, act_dtype) for s in range(pp))
 
 
 @lru_cache(maxsize=65536)

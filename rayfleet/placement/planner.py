@@ -33,15 +33,16 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from itertools import accumulate
+from typing import Sequence
 
 from rayfleet.errors import SpecError
 from rayfleet.placement.cost_model import GIB, PlanCost, balanced_plan, evaluate_plan, plan_memory
 from rayfleet.placement.cost_params import CostParams, Link, hierarchical_allreduce_time, ring_time
 from rayfleet.placement.fleet_capacity import FleetCapacity
-from rayfleet.placement.memory_model import all_stage_param_counts, stage_activation_bytes, stage_static_bytes
+from rayfleet.placement.memory_model import all_stage_activation_bytes, all_stage_param_counts
 from rayfleet.placement.mixed_fleet import mixed_fleet_search
 from rayfleet.placement.model_spec import ModelSpec
-from rayfleet.placement.plan import ParallelPlan, validate_plan
+from rayfleet.placement.plan import ParallelPlan, even_stage_starts, validate_plan
 from rayfleet.placement.search_results import JobSize, PlanSearchResult, RankedPlan, Rejection
 from rayfleet.placement.search_space import (CoreShape, JobGoal, Objective, SearchSpace, core_shapes,
                                              data_parallel_degrees, pipeline_degrees)
@@ -184,22 +185,51 @@ def _with_rung(plan: ParallelPlan, rung: tuple[int, str, str], **changes) -> Par
 def _fitting_rungs(model: ModelSpec, plan: ParallelPlan, ladder: list[tuple[int, str, str]], usable: float,
                    params: CostParams, *, first_only: bool) -> list[int]:
     """Indices of the (ZeRO stage, optimizer dtype, activation dtype) rungs under which ``plan``
-    (stage_starts set) fits ``usable`` bytes on every stage; activations once per dtype."""
+    (stage_starts set) fits ``usable`` bytes on every stage."""
+    return _fits_by_vpp(model, plan, (plan.vpp,), ladder, usable, params, first_only=first_only)[0][1]
+
+
+def _fits_by_vpp(model: ModelSpec, plan: ParallelPlan, vpps: Sequence[int], ladder: list[tuple[int, str, str]],
+                 usable: float, params: CostParams, *, first_only: bool) -> list[tuple[int, list[int]]]:
+    """(virtual stages, :func:`_fitting_rungs`) for each of ``vpps``.
+
+    The planner's hottest loop: static bytes are :func:`stage_static_bytes` inlined over plain
+    per-stage numbers and computed once per rung for all ``vpps`` (virtual stages change only
+    activations); activations come memoised per (vpp, dtype). The unit tests compare this
+    with :func:`plan_memory`."""
     counts = all_stage_param_counts(model, plan)
-    ranges = plan.stage_ranges(model.num_layers)
+    starts = plan.stage_starts or even_stage_starts(model.num_layers, plan.pp)
+    layers = [b - a for a, b in zip(starts, starts[1:] + (model.num_layers,))]
     m = plan.num_microbatches(model.global_batch_sequences)
-    acts: dict[str, list[float]] = {}
-    out = []
-    for i, (zero, dtype, act) in enumerate(ladder):
-        if act not in acts:
-            with_act = replace(plan, activation_dtype=act)
-            acts[act] = [stage_activation_bytes(model, with_act, s, num_microbatches=m, params=params)
-                         for s in range(plan.pp)]
-        if all(sum(stage_static_bytes(model, plan, counts[s], len(ranges[s]), params=params, zero_stage=zero,
-                                      optimizer_dtype=dtype)) + acts[act][s] <= usable for s in range(plan.pp)):
-            out.append(i)
-            if first_only:
-                break
+    dense_shard, expert_shard = plan.dp * plan.cp, plan.edp
+    weight = params.param_bytes + (params.fp8_weight_cache_bytes if model.precision == "fp8" else 0)
+    statics: dict[int, list[float]] = {}
+    out: list[tuple[int, list[int]]] = []
+    for vpp in vpps:
+        acts: dict[str, tuple[float, ...]] = {}
+        rungs = []
+        for i, (zero, dtype, act) in enumerate(ladder):
+            if act not in acts:
+                acts[act] = all_stage_activation_bytes(model, plan, num_microbatches=m, params=params, vpp=vpp,
+                                                       activation_dtype=act)
+            if i not in statics:
+                opt = params.optimizer_bytes if dtype == "fp32" else params.optimizer_bytes_bf16
+                # bytes per dense / expert parameter; the unsharded ones count once in `whole`
+                per_dense = per_expert = whole = 0.0
+                for b, on in ((weight, zero >= 3), (params.grad_bytes, zero >= 2), (opt, zero >= 1)):
+                    if on:
+                        per_dense += b / dense_shard
+                        per_expert += b / expert_shard
+                    else:
+                        whole += b
+                gathered = 2 * weight if zero >= 3 else 0.0  # prefetch keeps two layers gathered
+                statics[i] = [c.dense * per_dense + c.expert * per_expert + c.total * (whole + gathered / max(1, n))
+                              for c, n in zip(counts, layers)]
+            if all(st + a <= usable for st, a in zip(statics[i], acts[act])):
+                rungs.append(i)
+                if first_only:
+                    break
+        out.append((vpp, rungs))
     return out
 
 
@@ -342,9 +372,8 @@ def _best_of(model: ModelSpec, accel: AcceleratorSpec, cand: _Candidate, space: 
                     bounded = True
                     break
             plan = replace(split, recompute=recompute)
-            fits = [(vpp, rungs) for vpp in _vpps(model, cand.pp, space)
-                    if (rungs := _fitting_rungs(model, replace(plan, vpp=vpp), ladder, usable, params,
-                                                first_only=not exhaustive))]
+            fits = [(vpp, rungs) for vpp, rungs in _fits_by_vpp(model, plan, _vpps(model, cand.pp, space), ladder,
+                                                                 usable, params, first_only=not exhaustive) if rungs]
             if not fits:
                 reason = reason or f"memory: does not fit {usable / GIB:.1f} GiB usable on {accel.name}"
                 continue

@@ -157,3 +157,30 @@ def test_bf16_moments_are_searched_only_when_allowed() -> None:
     assert all(r.plan.optimizer_dtype == "fp32" for r in fp32.ranked)
     assert any(r.plan.optimizer_dtype == "bf16" for r in both.ranked)
     assert both.ranked[0].step_time_s <= fp32.ranked[0].step_time_s
+
+
+def test_the_fast_memory_check_agrees_with_plan_memory() -> None:
+    """The planner's inlined per-rung memory check (its hottest loop) against the memory model."""
+    from rayfleet.placement.cost_params import CostParams
+    from rayfleet.placement.planner import _fits_by_vpp, _ladder
+
+    accel = get_accelerator("H100")
+    params = CostParams()
+    space = SearchSpace(optimizer_dtypes=("fp32", "bf16"), activation_dtypes=("bf16", "fp8"))
+    ladder = _ladder(space)
+    cases = [(preset("deepseek-v3", global_batch_sequences=2048), ParallelPlan(tp=2, pp=8, dp=64, ep=64)),
+             (preset("llama3-70b", global_batch_sequences=128, precision="fp8"), ParallelPlan(tp=4, pp=4, dp=4, cp=2)),
+             (preset("mixtral-8x7b", global_batch_sequences=256, precision="fp8"),
+              ParallelPlan(tp=2, pp=4, dp=8, ep=8, etp=2, micro_batch_size=2))]
+    checked = fitting = 0
+    for model, shape in cases:
+        for recompute in ("none", "selective", "full"):
+            plan = balanced_plan(model, replace(shape, recompute=recompute), accel, params)
+            for vpp, rungs in _fits_by_vpp(model, plan, (1, 2), ladder, 0.9 * 80 * 2**30, params, first_only=False):
+                for i, (zero, dtype, act) in enumerate(ladder):
+                    trial = replace(plan, vpp=vpp, zero_stage=zero, optimizer_dtype=dtype, activation_dtype=act)
+                    mem, _, usable = plan_memory(model, trial, accel, params=params)
+                    assert (i in rungs) == (mem.total <= usable), (trial.describe(), mem.total / usable)
+                    checked += 1
+                    fitting += i in rungs
+    assert checked == 3 * 3 * 2 * len(ladder) and 0 < fitting < checked
