@@ -14,7 +14,7 @@ Units: bytes, seconds, tokens/s.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Mapping
 
 from rayfleet.placement.cost_params import CostParams
@@ -85,7 +85,7 @@ def balanced_plan(model: ModelSpec, plan: ParallelPlan, accelerator: Accelerator
     if plan.stage_starts is not None:
         return plan
     if plan.pp == 1:
-        return replace(plan, stage_starts=(0,))
+        return plan.but(stage_starts=(0,))
     # layer times do not depend on dp, vpp or ZeRO: memoise the split on what they depend on
     # (the planner balances one shape at many dp degrees)
     key = (model, plan.tp, plan.cp, plan.ep, plan.etp, plan.micro_batch_size, plan.recompute, plan.layer_tp,
@@ -100,7 +100,7 @@ def balanced_plan(model: ModelSpec, plan: ParallelPlan, accelerator: Accelerator
         if len(_SPLITS) > 65536:
             _SPLITS.clear()
         starts = _SPLITS[key] = balance_stages(costs, plan.pp)
-    return replace(plan, stage_starts=starts)
+    return plan.but(stage_starts=starts)
 
 
 _SPLITS: dict[tuple, tuple[int, ...]] = {}

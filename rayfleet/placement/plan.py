@@ -21,7 +21,7 @@ Validation raises :class:`rayfleet.errors.SpecError` naming the field, the value
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import Literal, NamedTuple
 
@@ -91,6 +91,17 @@ class ParallelPlan:
     optimizer_dtype: OptimizerDtype = "fp32"
     activation_dtype: ActivationDtype = "bf16"
 
+    def but(self, **changes) -> "ParallelPlan":
+        """``dataclasses.replace(self, **changes)`` without its per-field introspection (the
+        planner derives tens of thousands of plans); ``changes`` must name fields."""
+        unknown = set(changes) - _FIELDS
+        if unknown:
+            raise TypeError(f"ParallelPlan has no field(s) {sorted(unknown)}")
+        new = object.__new__(ParallelPlan)
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(changes)
+        return new
+
     @classmethod
     def from_dict(cls, data: dict) -> "ParallelPlan":
         """The plan ``dataclasses.asdict(plan)`` came from (JSON turned its tuples into lists)."""
@@ -145,6 +156,9 @@ class ParallelPlan:
         if self.recompute != "none":
             parts.append(f"rc:{self.recompute}")
         return " ".join(parts)
+
+
+_FIELDS = frozenset(f.name for f in fields(ParallelPlan))
 
 
 @lru_cache(maxsize=4096)

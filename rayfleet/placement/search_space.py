@@ -19,6 +19,7 @@ Units: accelerators, sequences.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Iterator, Literal
 
 from rayfleet.errors import SpecError
@@ -122,8 +123,13 @@ class CoreShape:
 
 
 def divisors(n: int) -> list[int]:
+    return list(_divisors(n))
+
+
+@lru_cache(maxsize=1024)
+def _divisors(n: int) -> tuple[int, ...]:  # the search asks for the same batch's divisors per shape
     small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
+    return tuple(sorted(set(small + [n // d for d in small])))
 
 
 def context_parallel_degrees(model: ModelSpec, space: SearchSpace) -> tuple[int, ...]:

@@ -162,7 +162,7 @@ def test_bf16_moments_are_searched_only_when_allowed() -> None:
 def test_the_fast_memory_check_agrees_with_plan_memory() -> None:
     """The planner's inlined per-rung memory check (its hottest loop) against the memory model."""
     from rayfleet.placement.cost_params import CostParams
-    from rayfleet.placement.planner import _fits_by_vpp, _ladder
+    from rayfleet.placement.search_bounds import _fits_by_vpp, _ladder
 
     accel = get_accelerator("H100")
     params = CostParams()
