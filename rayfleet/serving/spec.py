@@ -36,7 +36,8 @@ class _Strict(BaseModel):
 
 class ModelSource(_Strict):
     """``preset`` + ``seed``, ``checkpoint`` (a servable URI), or ``hf`` (a Hugging Face model
-    directory, URI or hub id; ``engine: vllm``); ``name`` is what clients send as ``model``
+    directory or URI, served with its own tokenizer and chat template; ``engine: vllm`` also
+    takes a hub id); ``name`` is what clients send as ``model``
     (default: the preset name or the checkpoint's / hf's last path part)."""
 
     preset: str | None = "tiny"
@@ -302,9 +303,11 @@ class ServeSpec(_Strict):
             raise SpecError("model.hf", None, "engine: vllm serves a Hugging Face model",
                             "set model.hf to a model directory (config.json, safetensors, tokenizer), "
                             "a URI or a hub id")
-        if self.engine.kind == "builtin" and self.model.hf:
-            raise SpecError("engine", "builtin", f"the built-in engine cannot load model.hf={self.model.hf!r}",
-                            "use engine: vllm, or a rayfleet preset / checkpoint")
+        if self.engine.kind == "builtin" and self.model.hf and self.model.overrides:
+            # The architecture comes from config.json; what the repo cannot express is refused
+            # when the model loads, naming the config field (``rayfleet.models.hf``).
+            raise SpecError("model.overrides", dict(self.model.overrides), "an HF model's shape comes from its "
+                            "config.json", "drop model.overrides (they apply to presets only)")
         if self.mode == "disaggregated" and self.vllm.request_router == "rayfleet":
             raise SpecError("vllm.request_router", "rayfleet", "Serve LLM's prefill/decode servers do not publish "
                             "the routing stats rayfleet's router reads",
@@ -328,7 +331,8 @@ class ServeSpec(_Strict):
 
     def engine_config(self, *, model_id: str | None = None) -> EngineConfig:
         """The frozen engine config every replica of this spec runs (sampling is limited to the
-        byte tokenizer's ids; see ``sampling``)."""
+        byte tokenizer's ids; an HF model's engine limits it to its own tokenizer's when it loads,
+        see ``load_engine``)."""
         from rayfleet.models import ByteTokenizer
 
         e = self.engine
@@ -338,7 +342,7 @@ class ServeSpec(_Strict):
                             enable_chunked_prefill=e.enable_chunked_prefill, enable_kv_events=True,
                             max_num_waiting=e.max_queued_requests,
                             model_id=model_id or self.model.served_name,
-                            vocab_limit=ByteTokenizer().vocab_size)
+                            vocab_limit=None if self.model.hf else ByteTokenizer().vocab_size)
 
     def long_prefill_policy(self) -> "LongPrefillPolicy | None":
         """The router's ``LongPrefillPolicy``, or ``None`` when long prompts are not split."""
@@ -350,7 +354,7 @@ class ServeSpec(_Strict):
         key_cost = lc.key_cost
         if key_cost is None:
             key_cost = 0.0
-            if not self.model.checkpoint:
+            if not self.model.checkpoint and not self.model.hf:
                 from rayfleet.models import preset
 
                 key_cost = key_cost_for(preset(self.model.preset or "tiny", **self.model.overrides))

@@ -55,6 +55,10 @@ class HFTokenizer:
         self.eos_id = self._id(self.eos_token)
         self.pad_id = self._id(self.pad_token)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from its source text: it crosses processes (a Serve replica hands it to the ingress).
+        return (_rebuild, (self.tokenizer_json, self.config, self.chat_template, self.name))
+
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 
@@ -77,8 +81,8 @@ class HFTokenizer:
             ids.append(self.eos_id)
         return ids
 
-    def decode(self, ids: Iterable[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
                             add_generation_prompt: bool = True, **extra: Any) -> str:
@@ -129,6 +133,10 @@ class HFTokenizer:
         template = files.get("chat_template.jinja")
         return cls(files["tokenizer.json"].decode(), config,
                    chat_template=template.decode() if template else None, name=name)
+
+
+def _rebuild(tokenizer_json: str, config: dict[str, Any], chat_template: str | None, name: str) -> HFTokenizer:
+    return HFTokenizer(tokenizer_json, config, chat_template=chat_template, name=name)
 
 
 DEFAULT_CHAT_TEMPLATE = (

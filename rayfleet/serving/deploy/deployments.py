@@ -85,7 +85,7 @@ class EngineReplica:
             self._kv_index = get_kv_index()
         engine = load_engine(preset_name=model["preset"], seed=model["seed"], checkpoint=model["checkpoint"],
                              dtype=model["dtype"], overrides=model["overrides"], config=config,
-                             kv_tiers=self.kv_tiers)
+                             kv_tiers=self.kv_tiers, hf=model.get("hf"))
         self.balancer = ExpertLoadBalancer(engine.model, expert_balancing) if expert_balancing else None
         self.engine = AsyncEngine(engine, name=name, transport=make_transport(transport, owner=name, lease_s=lease_s),
                                   after_step=self.balancer.after_step if self.balancer is not None else None)
@@ -147,6 +147,11 @@ class EngineReplica:
     async def block_usage(self, *, route: RouteHint | None = None) -> tuple[str, BlockUsage]:
         self._check(route)
         return self.replica_id, await self.engine.block_usage()
+
+    def tokenizer(self, *, route: RouteHint | None = None) -> Any:
+        """The served model's tokenizer: the ingress's OpenAI app encodes and decodes with it."""
+        self._check(route)
+        return self.engine.tokenizer()
 
     async def reset_prefix_cache(self, *, route: RouteHint | None = None) -> bool:
         self._check(route)
@@ -318,7 +323,8 @@ def pool_deployment_options(spec: ServeSpec, role: str) -> dict[str, Any]:
 def _pool(spec: ServeSpec, role: str):
     config = spec.engine_config()
     model = {"preset": spec.model.preset if not spec.model.checkpoint else None, "seed": spec.model.seed,
-             "checkpoint": spec.model.checkpoint, "dtype": spec.model.dtype, "overrides": dict(spec.model.overrides)}
+             "checkpoint": spec.model.checkpoint, "dtype": spec.model.dtype, "overrides": dict(spec.model.overrides),
+             "hf": spec.model.hf}
     return serve.deployment(EngineReplica).options(**pool_deployment_options(spec, role)).bind(
         role=role, model=model, config=config, transport=spec.kv_transfer.transport, lease_s=spec.kv_transfer.lease_s,
         expert_balancing=spec.expert_balancing.config(), model_name=spec.model.served_name,

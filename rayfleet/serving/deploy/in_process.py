@@ -71,7 +71,7 @@ def build_local(spec: ServeSpec | dict) -> LocalServing:
 
                 kv_tiers = KVTierConnector(node_tiers, policy=KVTierPolicy(prefetch_window=spec.kv_cache.prefetch_window))
             engine = load_engine(preset_name=m.preset, seed=m.seed, checkpoint=m.checkpoint, dtype=m.dtype,
-                                 overrides=m.overrides, config=config, kv_tiers=kv_tiers)
+                                 overrides=m.overrides, config=config, kv_tiers=kv_tiers, hf=m.hf)
             balancing = spec.expert_balancing.config()
             balancer = ExpertLoadBalancer(engine.model, balancing) if balancing is not None else None
             engines[name] = AsyncEngine(engine, name=name,

@@ -88,6 +88,7 @@ class InferenceService:
         self.request_timeout_s = request_timeout_s
         self.metrics = metrics
         self._max_model_len: int | None = None
+        self._tokenizer: Any = None
         # Load as the shared autoscaler's Serve shell reads it (``load``): requests in flight,
         # those still waiting for their first token, and recent (finish time, TTFT) pairs.
         self.num_in_flight = 0
@@ -106,6 +107,20 @@ class InferenceService:
             else:
                 await asyncio.sleep(0.1)
         return self._max_model_len
+
+    async def tokenizer(self) -> Any:
+        """The served model's tokenizer, asked of the replicas once (every replica of a service
+        serves the same model); ``ServiceUnavailableError`` when none answers."""
+        if self._tokenizer is None:
+            for name, client in self.clients.items():
+                try:
+                    self._tokenizer = await client.tokenizer()
+                    break
+                except (ReplicaUnavailableError, RayfleetError) as exc:
+                    log.warning("replica %s did not give its tokenizer: %s", name, exc)
+            else:
+                raise ServiceUnavailableError("no engine replica has given its tokenizer; retry shortly")
+        return self._tokenizer
 
     async def stream(self, prompt: list[int], params: SamplingParams, *, cache_salt: str | None = None,
                      request_id: str | None = None) -> AsyncIterator[Delta]:

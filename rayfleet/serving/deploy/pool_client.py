@@ -192,6 +192,9 @@ class PoolClient(ServeReplicaClient):
         _, state = await self.call("replica_state", route=RouteHint())
         return state
 
+    async def tokenizer(self):
+        return await self.call("tokenizer", route=RouteHint())
+
     async def prefill_span(self, work):
         raise ReplicaUnavailableError(self.name, "a span must be pinned to its planned replica (use pinned())")
 

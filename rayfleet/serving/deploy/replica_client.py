@@ -45,6 +45,8 @@ class ReplicaClient(Protocol):
 
     async def poll_state(self) -> ReplicaState: ...
 
+    async def tokenizer(self) -> Any: ...  # the served model's tokenizer (``AsyncEngine.tokenizer``)
+
     # Split prefill of long prompts (``split_prefill``): one layer of one span per call.
     async def prefill_span(self, work: Any) -> Any: ...
 
@@ -105,6 +107,10 @@ class LocalReplicaClient:
     async def poll_state(self):
         self._check()
         return await self.engine.poll_state()
+
+    async def tokenizer(self):
+        self._check()
+        return self.engine.tokenizer()
 
     async def prefill_span(self, work):
         self._check()
@@ -197,6 +203,9 @@ class ServeReplicaClient:
 
     async def poll_state(self):
         return await self._call("poll_state")
+
+    async def tokenizer(self):
+        return await self._call("tokenizer")
 
     async def prefill_span(self, work):
         return await self._call("prefill_span", work)

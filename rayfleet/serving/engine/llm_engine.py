@@ -33,8 +33,9 @@ Design decisions:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -131,9 +132,14 @@ class LLMEngine:
     """One model, its KV cache and a continuous-batching scheduler."""
 
     def __init__(self, model: MoETransformer, config: EngineConfig = EngineConfig(), *,
-                 tokenizer: ByteTokenizer | None = None, kv_tiers: KVTierConnector | None = None) -> None:
+                 tokenizer: Any = None, kv_tiers: KVTierConnector | None = None,
+                 eos_token_ids: Collection[int] | None = None) -> None:
         self.config = config
+        # ``ByteTokenizer`` or ``HFTokenizer``: ``eos_id``, ``decode`` (stop strings), ``vocab_size``.
         self.tokenizer = tokenizer or ByteTokenizer()
+        # An HF model may end on several ids (generation_config.json lists them); else the tokenizer's EOS.
+        self.eos_token_id: int | frozenset[int] | None = (
+            frozenset(int(i) for i in eos_token_ids) if eos_token_ids else self.tokenizer.eos_id)
         capacity = config.num_blocks * config.block_size
         max_model_len = config.max_model_len or min(model.config.max_seq_len, capacity)
         if max_model_len > min(model.config.max_seq_len, capacity):
@@ -153,7 +159,7 @@ class LLMEngine:
                             max_model_len=max_model_len,
                             enable_chunked_prefill=config.enable_chunked_prefill,
                             max_num_waiting=config.max_num_waiting),
-            self.kv_cache_manager, eos_token_id=self.tokenizer.eos_id, detokenize=self.tokenizer.decode)
+            self.kv_cache_manager, eos_token_id=self.eos_token_id, detokenize=self.tokenizer.decode)
         self.kv_tiers = kv_tiers
         if kv_tiers is not None:
             if not config.enable_prefix_caching:
@@ -337,7 +343,7 @@ class LLMEngine:
         num_blocks = -(-request.num_prompt_tokens // self.config.block_size)
         ids = torch.tensor(block_ids[:num_blocks], dtype=torch.long)
         stop = check_stop(output_token_ids=request.output_token_ids, num_tokens=request.num_tokens,
-                          params=params, eos_token_id=self.tokenizer.eos_id,
+                          params=params, eos_token_id=self.eos_token_id,
                           max_model_len=self.max_model_len, detokenize=self.tokenizer.decode)
         seeded = params.seed is not None and request.generator is not None
         self._prefill_results[request.request_id] = PrefillResult(

@@ -116,7 +116,7 @@ class Scheduler:
     """Owns the waiting queue and the running list; mutates requests and the KV manager."""
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, *,
-                 eos_token_id: int | None = None,
+                 eos_token_id: int | frozenset[int] | None = None,
                  detokenize: Callable[[Sequence[int]], str] | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager

@@ -12,7 +12,7 @@ Design decisions:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from rayfleet.serving.engine.request import FinishReason
@@ -28,15 +28,16 @@ class StopDecision:
 
 
 def check_stop(*, output_token_ids: Sequence[int], num_tokens: int, params: SamplingParams,
-               eos_token_id: int | None, max_model_len: int,
+               eos_token_id: int | Collection[int] | None, max_model_len: int,
                detokenize: Callable[[Sequence[int]], str] | None) -> StopDecision | None:
     """Whether the request must finish after its last output token; ``None`` to go on.
 
-    ``num_tokens`` counts prompt and outputs. ``detokenize`` is needed only for stop strings
+    ``num_tokens`` counts prompt and outputs; ``eos_token_id`` is one id or several (HF models). ``detokenize`` is needed only for stop strings
     (``None`` ignores them). Pure; never raises.
     """
     last = output_token_ids[-1]
-    if eos_token_id is not None and not params.ignore_eos and last == eos_token_id:
+    is_eos = last == eos_token_id if isinstance(eos_token_id, int) else last in (eos_token_id or ())
+    if is_eos and not params.ignore_eos:
         return StopDecision(FinishReason.STOP)
     if last in params.stop_token_ids:
         return StopDecision(FinishReason.STOP, last)

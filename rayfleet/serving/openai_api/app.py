@@ -15,10 +15,11 @@ Design decisions:
   batch size), context (prompt + ``max_tokens`` beyond the context is a 400, never a silent
   clamp), then the app's bound on engine requests in flight (429 with ``Retry-After``; each
   replica bounds its own queue too). Every error has OpenAI's shape (``errors``).
-- Tokenization is the model's ``ByteTokenizer``: a completion prompt is BOS + its UTF-8 bytes
-  (or a list of token ids, used as given); a chat is BOS + ``<|role|>\\ncontent\\n`` per message
-  + ``<|assistant|>\\n``. Choices run through ``generation`` (n, batches, stop strings
-  excluded, logprobs) and are shaped by ``responses``.
+- Tokenization is the served model's own tokenizer, asked of the engine replicas once
+  (``InferenceService.tokenizer``; ``tokenization``): the byte tokenizer of presets and
+  checkpoints, or an HF model's tokenizer and chat template. A list of token ids is used as
+  given. Choices run through ``generation`` (n, batches, stop strings excluded, logprobs) and
+  are shaped by ``responses``; text, logprob tokens, usage and id ranges all follow it.
 - A client that disconnects mid-stream cancels the response generator, which cancels every
   choice; closing the service's streams aborts the requests on their replicas (blocks freed).
 """
@@ -36,7 +37,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from rayfleet.errors import SpecError
-from rayfleet.models import ByteTokenizer
 from rayfleet.serving.deploy.inference_service import InferenceService
 from rayfleet.serving.engine.sampling import SamplingParams
 from rayfleet.serving.openai_api import responses as R
@@ -45,38 +45,31 @@ from rayfleet.serving.openai_api.errors import APIError, error_response, install
 from rayfleet.serving.openai_api.generation import (ChoiceEvent, ChoiceJob, ChoiceResult, choice_params, run_choices,
                                                     service_error, stream_choices)
 from rayfleet.serving.openai_api.schemas import ChatCompletionRequest, CompletionRequest, first_error
+from rayfleet.serving.openai_api.tokenization import BYTE, ServedTokenizer, served_tokenizer
 from rayfleet.serving.spec import HttpLimitsSpec, HttpSpec
 
 __all__ = ["build_openai_app", "encode_completion_prompt", "encode_chat", "APIError"]
 
-_TOKENIZER = ByteTokenizer()
-
-
-def encode_completion_prompt(prompt: str | list[int]) -> list[int]:
-    """BOS + UTF-8 bytes of a string prompt; a list of token ids is used as given."""
+def encode_completion_prompt(prompt: str | list[int], tokenizer: ServedTokenizer = BYTE) -> list[int]:
+    """A string prompt encoded by ``tokenizer`` (byte tokenizer: BOS + UTF-8 bytes); a list of
+    token ids is used as given."""
     if isinstance(prompt, str):
-        return _TOKENIZER.encode(prompt, add_bos=True)
+        return tokenizer.encode_prompt(prompt)
     return list(prompt)
 
 
-def encode_chat(messages: list[Any]) -> list[int]:
-    """BOS + ``<|role|>\\ncontent\\n`` per message + ``<|assistant|>\\n`` (see module doc).
-    Accepts ``ChatMessage`` models or plain dicts of the same shape."""
-    parts = []
-    for m in messages:
-        role, content = (m["role"], m.get("content")) if isinstance(m, dict) else (m.role, m.content)
-        if isinstance(content, list):  # text parts (others are refused before this point)
-            content = "".join(p["text"] if isinstance(p, dict) else p.text for p in content)
-        parts.append(f"<|{role}|>\n{content or ''}\n")
-    return _TOKENIZER.encode("".join(parts) + "<|assistant|>\n", add_bos=True)
+def encode_chat(messages: list[Any], tokenizer: ServedTokenizer = BYTE) -> list[int]:
+    """The chat prompt as ``tokenizer`` formats it (``tokenization``). Accepts ``ChatMessage``
+    models or plain dicts of the same shape."""
+    return tokenizer.encode_chat(messages)
 
 
-def _prompts(req: CompletionRequest) -> list[list[int]]:
+def _prompts(req: CompletionRequest, tok: ServedTokenizer) -> list[list[int]]:
     p = req.prompt
     if isinstance(p, str):
-        return [encode_completion_prompt(p)]
+        return [encode_completion_prompt(p, tok)]
     if p and isinstance(p[0], str):
-        return [encode_completion_prompt(s) for s in p]
+        return [encode_completion_prompt(s, tok) for s in p]
     if p and isinstance(p[0], int):
         return [list(p)]
     return [list(x) for x in p]
@@ -116,11 +109,11 @@ class _Limits:
 
 
 def _sampling(req: CompletionRequest | ChatCompletionRequest, stops: tuple[str, ...], max_tokens: int,
-              num_logprobs: int | None) -> SamplingParams:
+              num_logprobs: int | None, *, vocab_size: int) -> SamplingParams:
     bias = {}
     for key, value in (req.logit_bias or {}).items():
-        if not key.lstrip("-").isdigit() or not 0 <= int(key) < _TOKENIZER.vocab_size:
-            raise APIError(400, f"logit_bias key {key[:20]!r} is not a token id in [0, {_TOKENIZER.vocab_size})",
+        if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+            raise APIError(400, f"logit_bias key {key[:20]!r} is not a token id in [0, {vocab_size})",
                            param="logit_bias")
         bias[int(key)] = value
     try:
@@ -155,6 +148,13 @@ class _Completions:
     def __init__(self, service: InferenceService, *, model_name: str, http: HttpSpec) -> None:
         self.service, self.model_name, self.http = service, model_name, http
         self.limits = _Limits(http.limits)
+        self._tokenizer: ServedTokenizer | None = None
+
+    async def tokenizer(self) -> ServedTokenizer:
+        """The served model's tokenizer, from the engine replicas (asked once)."""
+        if self._tokenizer is None:
+            self._tokenizer = served_tokenizer(await self.service.tokenizer())
+        return self._tokenizer
 
     async def _read_json(self, request: Request) -> dict[str, Any]:
         cap = self.http.limits.max_body_bytes
@@ -197,7 +197,7 @@ class _Completions:
         return req
 
     async def plan(self, req: Any, prompts: list[list[int]], *, chat: bool, rid: str,
-                   num_logprobs: int | None) -> list[ChoiceJob]:
+                   num_logprobs: int | None, vocab_size: int) -> list[ChoiceJob]:
         """One ``ChoiceJob`` per (prompt, choice), after the deployment limits and the context."""
         lim = self.http.limits
         n = req.n or 1
@@ -211,29 +211,30 @@ class _Completions:
         asked = req.effective_max_tokens if chat else req.max_tokens
         jobs = []
         for p, prompt in enumerate(prompts):
-            room = _room(prompt, ctx, asked, chat=chat, max_param="max_completion_tokens"
+            room = _room(prompt, ctx, asked, chat=chat, vocab_size=vocab_size, max_param="max_completion_tokens"
                          if chat and req.max_completion_tokens else "max_tokens")
             max_tokens = asked if asked is not None else (room if chat else min(16, room))
-            params = _sampling(req, stops, max_tokens, num_logprobs)
+            params = _sampling(req, stops, max_tokens, num_logprobs, vocab_size=vocab_size)
             jobs += [ChoiceJob(p * n + i, p, prompt, choice_params(params, i), f"{rid}-{p * n + i}") for i in range(n)]
         return jobs
 
     async def handle(self, request: Request, *, chat: bool) -> Any:
         req = await self.read_body(request, ChatCompletionRequest if chat else CompletionRequest)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        prompts = [encode_chat(req.messages)] if chat else _prompts(req)
         num_lp = (req.top_logprobs or 0) if chat and req.logprobs else (None if chat else req.logprobs)
         retry = self.http.limits.retry_after_s
-        try:
-            jobs = await self.plan(req, prompts, chat=chat, rid=rid, num_logprobs=num_lp)
-        except Exception as exc:  # noqa: BLE001 - e.g. no replica has reported its context yet
+        try:  # e.g. no replica has given its tokenizer or reported its context yet
+            tok = await self.tokenizer()
+            prompts = [encode_chat(req.messages, tok)] if chat else _prompts(req, tok)
+            jobs = await self.plan(req, prompts, chat=chat, rid=rid, num_logprobs=num_lp, vocab_size=tok.vocab_size)
+        except Exception as exc:  # noqa: BLE001
             raise service_error(exc, rid, retry_after_s=retry) from None
         self.limits.admit(len(jobs), reserve=not req.stream)
-        ctx = _Response(rid, self.model_name, chat, req, prompts, sum(len(p) for p in prompts))
+        ctx = _Response(rid, self.model_name, chat, req, prompts, sum(len(p) for p in prompts), tok)
         if req.stream:
             return StreamingResponse(self.sse(ctx, jobs), media_type="text/event-stream")
         try:
-            results = await run_choices(self.service, jobs, cache_salt=req.cache_salt)
+            results = await run_choices(self.service, jobs, cache_salt=req.cache_salt, tokenizer=tok)
         except Exception as exc:  # noqa: BLE001 - mapped to a status; internals logged, not sent
             raise service_error(exc, rid, retry_after_s=retry) from None
         finally:
@@ -243,7 +244,7 @@ class _Completions:
     async def sse(self, ctx: "_Response", jobs: list[ChoiceJob]) -> AsyncIterator[bytes]:
         """The stream's body; counts its jobs in flight from its first byte to its end."""
         self.limits.in_flight += len(jobs)
-        stream = stream_choices(self.service, jobs, cache_salt=ctx.req.cache_salt)
+        stream = stream_choices(self.service, jobs, cache_salt=ctx.req.cache_salt, tokenizer=ctx.tok)
         try:
             async for item in stream:
                 if isinstance(item, ChoiceEvent):
@@ -258,12 +259,12 @@ class _Completions:
         yield b"data: [DONE]\n\n"
 
 
-def _room(prompt: list[int], ctx: int, asked: int | None, *, chat: bool, max_param: str) -> int:
-    """Tokens left for the completion; 400 for bad ids, a prompt that fills the context, or
-    ``max_tokens`` beyond it (never a silent clamp)."""
+def _room(prompt: list[int], ctx: int, asked: int | None, *, chat: bool, vocab_size: int, max_param: str) -> int:
+    """Tokens left for the completion; 400 for ids outside the served tokenizer, a prompt that
+    fills the context, or ``max_tokens`` beyond it (never a silent clamp)."""
     param = "messages" if chat else "prompt"
-    if any(not 0 <= t < _TOKENIZER.vocab_size for t in prompt):
-        raise APIError(400, f"token ids must be in [0, {_TOKENIZER.vocab_size})", param=param)
+    if any(not 0 <= t < vocab_size for t in prompt):
+        raise APIError(400, f"token ids must be in [0, {vocab_size})", param=param)
     if len(prompt) >= ctx:
         raise APIError(400, f"the prompt has {len(prompt)} tokens but the context is {ctx} tokens (room for "
                             "at least one generated token is needed); shorten the prompt",
@@ -322,8 +323,9 @@ def _routes(app: FastAPI, service: InferenceService, model_name: str, created: i
 class _Response:
     """Shapes one request's response bodies and stream chunks (see ``responses``)."""
 
-    def __init__(self, rid: str, model: str, chat: bool, req: Any, prompts: list[list[int]], num_prompt: int) -> None:
-        self.rid, self.model, self.chat, self.req, self.prompts = rid, model, chat, req, prompts
+    def __init__(self, rid: str, model: str, chat: bool, req: Any, prompts: list[list[int]], num_prompt: int,
+                 tok: ServedTokenizer) -> None:
+        self.rid, self.model, self.chat, self.req, self.prompts, self.tok = rid, model, chat, req, prompts, tok
         self.num_prompt = num_prompt
         self.created = int(time.time())
         opts = req.stream_options
@@ -343,10 +345,10 @@ class _Response:
         if not self.with_logprobs:
             return None
         if self.chat:
-            return R.chat_logprobs(ids, lps)
+            return R.chat_logprobs(ids, lps, tokenizer=self.tok)
         offset = self._offsets.get(index, 0)
-        out = R.completion_logprobs(ids, lps, offset=offset)
-        self._offsets[index] = offset + sum(len(t) for t in out["tokens"])
+        out = R.completion_logprobs(ids, lps, offset=offset, tokenizer=self.tok)
+        self._offsets[index] = offset + sum(self.tok.text_len(t) for t in ids)
         return out
 
     def chunk(self, ev: ChoiceEvent) -> dict[str, Any]:
@@ -381,7 +383,7 @@ class _Response:
         for r in results:
             text = r.text
             if not self.chat and self.req.echo:
-                text = _TOKENIZER.decode(self.prompts[r.prompt_index]) + text
+                text = self.tok.decode(self.prompts[r.prompt_index]) + text
             c: dict[str, Any] = {"index": r.index, "logprobs": self._logprobs(r.index, r.token_ids, r.logprobs),
                                  "finish_reason": r.finish_reason, "stop_reason": r.stop_reason}
             if self.chat:

@@ -5,9 +5,9 @@ Design decisions:
   one per choice, run concurrently; choice ``i`` of prompt ``p`` has index ``p * n + i`` (the
   OpenAI order). A seeded request gives choice ``i`` the seed ``seed + i`` so that its choices
   differ yet repeat run to run.
-- Each choice's tokens pass through a ``ChoiceTextStream`` (stop strings excluded, UTF-8
-  whole, logprobs aligned). Non-streaming requests gather all choices; streaming ones merge the
-  choices' events through one queue into the SSE body.
+- Each choice's tokens pass through the served tokenizer's text stream (``text_stream``: stop
+  strings excluded, characters whole, logprobs aligned). Non-streaming requests gather all
+  choices; streaming ones merge the choices' events through one queue into the SSE body.
 - One failing choice fails the request: the other choices are cancelled, which closes their
   service streams, which aborts them on their replicas (their KV is freed).
 - Service errors map to statuses here (``service_error``): overloaded 429 with Retry-After,
@@ -26,7 +26,8 @@ from rayfleet.serving.deploy.inference_service import InferenceService, ServiceU
 from rayfleet.serving.engine.sampling import SamplingParams
 from rayfleet.serving.errors import ReplicaOverloadedError, RequestFailedError
 from rayfleet.serving.openai_api.errors import APIError, internal_error
-from rayfleet.serving.openai_api.text_stream import ChoiceTextStream, Released
+from rayfleet.serving.openai_api.text_stream import Released
+from rayfleet.serving.openai_api.tokenization import BYTE, ServedTokenizer
 
 __all__ = ["ChoiceJob", "ChoiceEvent", "ChoiceResult", "run_choices", "stream_choices", "service_error",
            "choice_params"]
@@ -81,8 +82,8 @@ def service_error(exc: BaseException, request_id: str, *, retry_after_s: int) ->
 
 
 async def _run_one(service: InferenceService, job: ChoiceJob, *, cache_salt: str | None,
-                   emit: Callable[[ChoiceEvent], None] | None) -> ChoiceResult:
-    text = ChoiceTextStream(job.params.stop)
+                   emit: Callable[[ChoiceEvent], None] | None, tokenizer: ServedTokenizer) -> ChoiceResult:
+    text = tokenizer.text_stream(job.params.stop)
     result = ChoiceResult(job.index, job.prompt_index)
     finish, stop_reason = None, None
     released = Released()
@@ -131,23 +132,24 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
     return group.exceptions[0]
 
 
-async def run_choices(service: InferenceService, jobs: list[ChoiceJob], *,
-                      cache_salt: str | None) -> list[ChoiceResult]:
+async def run_choices(service: InferenceService, jobs: list[ChoiceJob], *, cache_salt: str | None,
+                      tokenizer: ServedTokenizer = BYTE) -> list[ChoiceResult]:
     """Every choice to completion, in index order; the first failure cancels the rest and is raised."""
     try:
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(_run_one(service, j, cache_salt=cache_salt, emit=None)) for j in jobs]
+            tasks = [group.create_task(_run_one(service, j, cache_salt=cache_salt, emit=None, tokenizer=tokenizer))
+                     for j in jobs]
     except BaseExceptionGroup as eg:
         raise _first_error(eg) from None
     return sorted((t.result() for t in tasks), key=lambda r: r.index)
 
 
-async def stream_choices(service: InferenceService, jobs: list[ChoiceJob], *,
-                         cache_salt: str | None) -> AsyncIterator[ChoiceEvent | list[ChoiceResult]]:
+async def stream_choices(service: InferenceService, jobs: list[ChoiceJob], *, cache_salt: str | None,
+                         tokenizer: ServedTokenizer = BYTE) -> AsyncIterator[ChoiceEvent | list[ChoiceResult]]:
     """Events of all choices as they come, then the list of results. Closing the iterator (the
     client left) cancels every choice; a choice's failure is raised after the others stop."""
     queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
-    runner = asyncio.create_task(_run_all(service, jobs, cache_salt, queue.put_nowait))
+    runner = asyncio.create_task(_run_all(service, jobs, cache_salt, queue.put_nowait, tokenizer))
     try:
         while True:
             getter = asyncio.ensure_future(queue.get())
@@ -170,10 +172,11 @@ async def stream_choices(service: InferenceService, jobs: list[ChoiceJob], *,
 
 
 async def _run_all(service: InferenceService, jobs: list[ChoiceJob], cache_salt: str | None,
-                   emit: Callable[[ChoiceEvent], None]) -> list[ChoiceResult]:
+                   emit: Callable[[ChoiceEvent], None], tokenizer: ServedTokenizer) -> list[ChoiceResult]:
     try:
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(_run_one(service, j, cache_salt=cache_salt, emit=emit)) for j in jobs]
+            tasks = [group.create_task(_run_one(service, j, cache_salt=cache_salt, emit=emit, tokenizer=tokenizer))
+                     for j in jobs]
     except BaseExceptionGroup as eg:
         raise _first_error(eg) from None
     return sorted((t.result() for t in tasks), key=lambda r: r.index)

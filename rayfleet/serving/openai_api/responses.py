@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from rayfleet.serving.engine.sampling import TokenLogprobs
-from rayfleet.serving.openai_api.text_stream import token_text
+from rayfleet.serving.openai_api.tokenization import BYTE, ServedTokenizer
 
 __all__ = ["completion_logprobs", "chat_logprobs", "usage", "sse"]
 
@@ -28,32 +28,36 @@ def _lp(value: float) -> float:
     return max(value, -9999.0) if value == value else -9999.0
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs | None], *, offset: int) -> dict[str, Any]:
-    """Legacy completions logprobs; ``offset`` is the text length before these tokens."""
+def completion_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs | None], *, offset: int,
+                        tokenizer: ServedTokenizer = BYTE) -> dict[str, Any]:
+    """Legacy completions logprobs; ``offset`` is the text length before these tokens; token
+    strings are the served ``tokenizer``'s."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for t, lp in zip(token_ids, logprobs):
-        text = token_text(t)
+        text = tokenizer.token_text(t)
         tokens.append(text)
         offsets.append(offset)
-        offset += len(text) if t < 128 else (1 if t < 256 else 0)
+        offset += tokenizer.text_len(t)
         token_lps.append(_lp(lp.logprob) if lp is not None else None)
         top: dict[str, float] = {}
         if lp is not None:
-            top = {token_text(i): _lp(v) for i, v in lp.top}
+            top = {tokenizer.token_text(i): _lp(v) for i, v in lp.top}
             top.setdefault(text, _lp(lp.logprob))  # vLLM: the sampled token is always listed
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _entry(token_id: int, logprob: float) -> dict[str, Any]:
-    return {"token": token_text(token_id), "logprob": _lp(logprob), "bytes": [token_id] if token_id < 256 else []}
+def _entry(tokenizer: ServedTokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+    return {"token": tokenizer.token_text(token_id), "logprob": _lp(logprob),
+            "bytes": tokenizer.token_bytes(token_id)}
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs | None]) -> dict[str, Any]:
+def chat_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs | None], *,
+                  tokenizer: ServedTokenizer = BYTE) -> dict[str, Any]:
     content = []
     for t, lp in zip(token_ids, logprobs):
-        entry = _entry(t, lp.logprob if lp is not None else float("-inf"))
-        entry["top_logprobs"] = [_entry(i, v) for i, v in lp.top] if lp is not None else []
+        entry = _entry(tokenizer, t, lp.logprob if lp is not None else float("-inf"))
+        entry["top_logprobs"] = [_entry(tokenizer, i, v) for i, v in lp.top] if lp is not None else []
         content.append(entry)
     return {"content": content}
 

@@ -145,7 +145,7 @@ class SpanPrefillWorker:
         token = sample_tokens(span.last_logits().unsqueeze(0), [params], [generator],
                               vocab_limit=inner.config.vocab_limit)[0]
         stop = check_stop(output_token_ids=[token], num_tokens=len(setup.prompt_token_ids) + 1, params=params,
-                          eos_token_id=inner.tokenizer.eos_id, max_model_len=inner.max_model_len,
+                          eos_token_id=inner.eos_token_id, max_model_len=inner.max_model_len,
                           detokenize=inner.tokenizer.decode)
         state = generator.get_state() if params.seed is not None else None
         return token, stop, span.cache.k.clone(), span.cache.v.clone(), state

@@ -27,7 +27,8 @@ def test_engine_shorthand_and_default_builtin():
 
 @pytest.mark.parametrize("fields, field_name", [
     ({"engine": "vllm", "model": {"preset": "tiny"}}, "model.hf"),            # vLLM needs an HF model
-    ({"model": {"hf": "/m"}}, "engine"),                                        # builtin cannot load one
+    # builtin serves an HF model as its config.json says: a preset's overrides have no meaning there
+    ({"model": {"hf": "/m", "overrides": {"num_layers": 2}}}, "model.overrides"),
     ({"engine": "sglang", "model": {"hf": "/m"}}, "engine.kind"),
     ({"engine": "vllm", "model": {"hf": "/m"}, "vllm": {"kv_connector": "shared_storage"}}, "vllm.kv_storage_path"),
     ({"engine": "vllm", "model": {"hf": "/m", "preset": "tiny"}}, "model"),
