@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Iterable
+from typing import Any, Callable, Collection, Iterable, Mapping
 
 from rayfleet.errors import SpecError
 
@@ -45,6 +45,23 @@ def free_accelerators(topology: Any, *, accelerator: str, held: Collection, cord
     """Accelerators of type ``accelerator`` on uncordoned nodes that no other work holds."""
     return sum(1 for n in topology.nodes if n.name not in cordoned and n.accelerator_type == accelerator
                for s in n.slots if s not in held)
+
+
+def slots_in_use(topology: Any, free_by_node: Mapping[str, float]) -> set:
+    """Slots other work holds, from each node's free accelerator count (pure).
+
+    Ray counts a node's free accelerators but not which: a Serve replica or another tenant asks
+    for ``GPU: 1``, not a rail. A node with ``k`` of its ``n`` accelerators taken has its top
+    ``k`` slots marked held, so a plan never counts on more accelerators than the node has free.
+    A node missing from ``free_by_node`` is taken as fully free (no live counts for it).
+    """
+    held = set()
+    for node in topology.nodes:
+        if node.name not in free_by_node:
+            continue
+        taken = max(0, node.num_accelerators - int(free_by_node[node.name]))
+        held.update(sorted(node.slots, key=lambda s: s.index, reverse=True)[:taken])
+    return held
 
 
 def size_formation(spec: Any, observed: tuple, *, prepare: Callable[..., Any], lent: Iterable = (),

@@ -122,10 +122,12 @@ class _Watcher:
     def _free_if_regrown(self) -> int:
         from rayfleet.jobs.launcher import observe_fleet
 
-        topology, held, cordoned = observe_fleet()
-        mine = {(s.node, s.index) for s in self.launch.layout.rank_to_slot}
-        held = {s for s in held if (s.node, s.index) not in mine}
-        return free_accelerators(topology, accelerator=self.spec.resources.accelerator, held=held, cordoned=cordoned)
+        topology, held, cordoned = observe_fleet()  # held: by live counts, this formation's own too
+        accelerator = self.spec.resources.accelerator
+        kind = {n.name: n.accelerator_type for n in topology.nodes}
+        mine = {(s.node, s.index) for s in self.launch.layout.rank_to_slot
+                if s.node not in cordoned and kind.get(s.node) == accelerator}
+        return free_accelerators(topology, accelerator=accelerator, held=held, cordoned=cordoned) + len(mine)
 
     def _run(self) -> None:
         import ray

@@ -122,8 +122,19 @@ def observe_fleet() -> tuple[FleetTopology, set[AcceleratorSlot], set[str]]:
     """The live topology, slots held by other work, and cordoned nodes (driver connected to Ray)."""
     import ray
 
-    topology = FleetTopology.from_ray_nodes(ray.nodes())
-    held: set[AcceleratorSlot] = set()
+    from rayfleet.jobs.elastic_policy import slots_in_use
+    from rayfleet.platform.ray_compat import available_resources_per_node
+
+    nodes = ray.nodes()
+    topology = FleetTopology.from_ray_nodes(nodes)
+    # Accelerators taken by other work (a Serve replica, another job): a plan that counted on
+    # them would wait for its placement group for good.
+    available = available_resources_per_node()
+    name_of = {n["NodeID"]: (n.get("Labels") or {}).get(L.NODE) for n in nodes if n.get("Alive")}
+    by_name = {t.name: t for t in topology.nodes}
+    free_by_node = {name: available.get(node_id, {}).get(get_accelerator(by_name[name].accelerator_type).ray_resource, 0)
+                    for node_id, name in name_of.items() if name in by_name}
+    held: set[AcceleratorSlot] = slots_in_use(topology, free_by_node)
     cordoned: set[str] = set()
     try:
         from rayfleet.platform.controller import get_controller

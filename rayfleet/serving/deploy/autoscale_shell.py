@@ -84,6 +84,12 @@ def p95(values: Sequence[float]) -> float:
     return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
 
 
+def lender_settled(free_by_node: dict[str, float], pending_lent: int) -> bool:
+    """True when no accelerator is free beyond those lent and not yet taken (pure): the lender
+    holds its new layout, so a replica placed now can only land on a lent one."""
+    return sum(free_by_node.values()) <= pending_lent
+
+
 def desired_replicas(in_flight: int, *, target_ongoing_requests: float, min_replicas: int, max_replicas: int) -> int:
     """Serve's autoscaling rule: ``ceil(in_flight / target)`` clamped to ``[min, max]``.
 
@@ -239,7 +245,15 @@ class ServeShell(AutoscalerShellBase):
                    f"{replica.name} serving on {replica.node} {replica.handover_s:.1f}s after the decision",
                    {"replica": replica.name, "node": replica.node, "handover_s": round(replica.handover_s, 2)})
 
-    def _wait_for_room(self, node: str, count: int, timeout_s: float = 300.0) -> None:
+    def _wait_for_room(self, node: str, count: int, timeout_s: float = 300.0, settle_s: float = 90.0) -> None:
+        """Until ``node`` has ``count`` free accelerators and the lender has settled around them.
+
+        Serve places the new replica on any free accelerator of the type. While the training job
+        re-forms, *all* its accelerators are free for a moment; a replica started then may take one
+        the job's new layout counts on (seen: the job's placement group pending for good). So the
+        bounds rise only once nothing but the lent accelerators is free (the job holds its new
+        layout), or after ``settle_s`` with room on the node (a lender that never re-forms).
+        """
         import ray
         from rayfleet.platform.ray_compat import available_resources_per_node
 
@@ -248,13 +262,24 @@ class ServeShell(AutoscalerShellBase):
 
         resource = get_accelerator(self.pool.accelerator_type).ray_resource  # GPU, XPU or NPU
         deadline = time.monotonic() + timeout_s
+        room_since: float | None = None
         while time.monotonic() < deadline and not self._halt.is_set():
-            ids = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and (n.get("Labels") or {}).get(L.NODE) == node]
-            free = available_resources_per_node().get(ids[0], {}).get(resource, 0) if ids else 0
-            if free >= count:
-                return
+            alive = {n["NodeID"]: (n.get("Labels") or {}).get(L.NODE) for n in ray.nodes() if n.get("Alive")}
+            free_by_node = {name: available_resources_per_node().get(node_id, {}).get(resource, 0)
+                            for node_id, name in alive.items()}
+            if free_by_node.get(node, 0) >= count:
+                room_since = room_since or time.monotonic()
+                if lender_settled(free_by_node, self._pending_lent_accelerators(count)) \
+                        or time.monotonic() - room_since >= settle_s:
+                    return
+            else:
+                room_since = None
             time.sleep(0.25)
         raise TimeoutError(f"{count} accelerator(s) on {node} did not become free within {timeout_s:g}s")
+
+    def _pending_lent_accelerators(self, per_replica: int) -> int:
+        with self._lock:
+            return per_replica * sum(1 for r in self.lent if r.placed_at is None and not r.error)
 
     def _remove(self, replica: LentReplica, reason: str) -> None:
         try:

@@ -117,3 +117,18 @@ def test_watch_formation(alive, size, free, grows, expected) -> None:
 ])
 def test_after_formation(step, end, resized, failed, expected) -> None:
     assert after_formation(step=step, steps=24, end=end, resized=resized, failed=failed)[0] is expected
+
+
+def test_slots_in_use_follow_live_free_counts():
+    from rayfleet.jobs.elastic_policy import free_accelerators, slots_in_use
+    from rayfleet.platform.topology import FleetTopology, NodeTopology
+
+    topo = FleetTopology(tuple(NodeTopology(name=f"n{i}", accelerator_type="H100", num_accelerators=2, rack="r0",
+                                            block="b0", nvlink_domain=f"nvl{i}") for i in range(3)))
+    # n0: a Serve replica holds one accelerator; n1: all free; n2: no live count (taken as free)
+    held = slots_in_use(topo, {"n0": 1, "n1": 2})
+    assert {(s.node, s.index) for s in held} == {("n0", 1)}
+    assert free_accelerators(topo, accelerator="H100", held=held, cordoned=set()) == 5
+    # a node reporting more free than it has, or a negative count, never marks or frees extra slots
+    assert slots_in_use(topo, {"n0": 5}) == set()
+    assert len(slots_in_use(topo, {"n0": -1})) == 2

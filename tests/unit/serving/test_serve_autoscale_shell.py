@@ -3,7 +3,8 @@
 from rayfleet.platform.autoscaler_policy import AutoscalerPolicy, AutoscalerState, FleetObservation, GrowTraining
 from rayfleet.platform.autoscaler_policy import TrainingObservation
 from rayfleet.platform.queues import JobClass
-from rayfleet.serving.deploy.autoscale_shell import LentReplica, ServeShellConfig, desired_replicas, p95, serve_observation
+from rayfleet.serving.deploy.autoscale_shell import LentReplica, ServeShellConfig, desired_replicas, lender_settled, p95
+from rayfleet.serving.deploy.autoscale_shell import serve_observation
 
 
 def test_p95_is_nearest_rank_and_zero_without_samples():
@@ -16,6 +17,14 @@ def test_desired_replicas_follows_in_flight_requests_within_bounds():
     assert desired_replicas(7, target_ongoing_requests=2, min_replicas=1, max_replicas=2) == 2
     assert desired_replicas(1, target_ongoing_requests=2, min_replicas=1, max_replicas=2) == 1
     assert desired_replicas(0, target_ongoing_requests=2, min_replicas=2, max_replicas=8) == 2
+
+
+def test_lender_settles_only_when_nothing_but_the_lent_accelerators_is_free():
+    # the training job is re-forming: its 3 accelerators and the lent one are all free
+    assert not lender_settled({"n6": 2, "n7": 2, "n0": 0}, pending_lent=1)
+    # it holds its new layout: only the lent accelerator on n6 is free
+    assert lender_settled({"n6": 1, "n7": 0, "n0": 0}, pending_lent=1)
+    assert not lender_settled({"n6": 1, "n7": 1}, pending_lent=1)
 
 
 def test_observation_counts_lent_replicas_and_lists_them_last():
