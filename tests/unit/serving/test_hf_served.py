@@ -163,12 +163,10 @@ def test_greedy_completion_equals_transformers_generate(served, oracle):
     ref = _generate(oracle, ids, 6)
     out = _post(client, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "return_token_ids": True})
     choice = out["choices"][0]
-    assert choice["token_ids"] == ref[:len(choice["token_ids"])]
-    assert choice["text"] == oracle[1].decode(choice["token_ids"], skip_special_tokens=True)
+    assert choice["token_ids"] == ref  # both stop at generation_config's EOS, if it comes
+    assert choice["text"] == oracle[1].decode(ref, skip_special_tokens=True) and choice["text"]
     usage = out["usage"]
-    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(ids), len(choice["token_ids"]))
-    if choice["finish_reason"] == "stop":  # EOS is the tokenizer's / generation_config's
-        assert len(ref) == len(choice["token_ids"]) or ref[len(choice["token_ids"])] == oracle[1].eos_token_id
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(ids), len(ref))
 
 
 @pytest.mark.parametrize("chat", [False, True])
@@ -249,3 +247,39 @@ def test_decoded_stream_never_sends_a_split_character(model_dir):
     assert "".join(sent) == text and not any("\ufffd" in s for s in sent)
     # a broken variant (per-token decoding) would send U+FFFD for the multi-byte characters
     assert any("\ufffd" in tok.decode([t]) for t in ids)
+
+
+def test_disaggregated_pools_serve_the_same_chat_tokens(model_dir, oracle, monkeypatch):
+    from starlette.testclient import TestClient
+
+    monkeypatch.setenv("RAYFLEET_API_KEY", KEY)
+    local = build_local({**_spec(model_dir), "mode": "disaggregated"})
+    try:
+        with TestClient(local.app(), headers={"Authorization": f"Bearer {KEY}"}) as client:
+            out = _post(client, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "ignore_eos": True,
+                                                          "return_token_ids": True})
+    finally:
+        local.shutdown()
+    prompt = list(oracle[1].apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True,
+                                                return_dict=True)["input_ids"])
+    assert out["choices"][0]["token_ids"] == _generate(oracle, prompt, 4)
+
+
+def test_every_eos_of_generation_config_ends_a_request(model_dir, tmp_path):
+    from rayfleet.serving.engine.async_engine import load_engine
+    from rayfleet.serving.engine.sampling import SamplingParams
+    from rayfleet.serving.engine.stop_checker import check_stop
+
+    two = tmp_path / "two-eos"
+    shutil.copytree(model_dir, two)
+    gen = json.loads((two / "generation_config.json").read_text())
+    (two / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [gen["eos_token_id"], 7]}))
+    engine = load_engine(preset_name=None, seed=0, checkpoint=None, dtype="float32", overrides={},
+                         config=ServeSpec.parse(_spec(two)).engine_config(), hf=str(two))
+    assert engine.eos_token_id == frozenset({gen["eos_token_id"], 7})
+    params = SamplingParams(max_tokens=10)
+    stop = check_stop(output_token_ids=[5, 7], num_tokens=4, params=params, eos_token_id=engine.eos_token_id,
+                      max_model_len=64, detokenize=None)
+    assert stop is not None and stop.finish_reason.value == "stop"
+    assert check_stop(output_token_ids=[5, 8], num_tokens=4, params=params, eos_token_id=engine.eos_token_id,
+                      max_model_len=64, detokenize=None) is None
