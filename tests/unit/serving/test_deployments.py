@@ -45,6 +45,13 @@ class ServiceProbe:
     async def leases_remembered(self) -> int:
         return sum(len(c.handoff_to_replica) for c in self.clients.values())
 
+    async def chat_ids(self, messages: list[dict]) -> tuple[str, list[int]]:
+        """What the ingress's OpenAI app gets: the tokenizer a replica hands over, and a chat's ids."""
+        from rayfleet.serving.openai_api.tokenization import served_tokenizer
+
+        tok = served_tokenizer(await self.service.tokenizer())
+        return type(tok).__name__, tok.encode_chat(messages)
+
     async def pinned_elsewhere(self) -> str:
         try:
             await self.clients[next(iter(self.clients))].call("block_usage", route=RouteHint(replica="gone"))
@@ -73,6 +80,25 @@ def test_serve_handles_path_matches_single_engine(mode):
                for u in usage.values())
     assert probe.leases_remembered.remote().result() == 0  # every prefill lease released where granted
     assert probe.pinned_elsewhere.remote().result() == "gone"  # the replica refused a pin to another
+
+
+def test_hf_model_pool_hands_its_tokenizer_to_the_ingress(tmp_path):
+    """``model: {hf: DIR}`` on the built-in engine: the pool deployment loads the HF model and the
+    ingress side gets the model's tokenizer through the pool handle (the app's chat template)."""
+    transformers = pytest.importorskip("transformers")
+    from rayfleet.serving.deploy.deployments import _pool
+    from rayfleet.serving.vllm.tiny_model import write_tiny_qwen3_moe
+
+    hf_dir = write_tiny_qwen3_moe(tmp_path / "tiny-moe", num_layers=1, hidden_size=64, num_experts=4)
+    spec = ServeSpec.parse({"model": {"hf": str(hf_dir)}, "colocated": {"accelerators_per_replica": 0},
+                            "kv_transfer": {"transport": "local"}})
+    probe = serve.run(serve.deployment(ServiceProbe).bind({"colocated": _pool(spec, "colocated")}, "colocated"),
+                      name="probe-hf", _local_testing_mode=True)
+    chat = [{"role": "user", "content": "write a loop"}]
+    kind, ids = probe.chat_ids.remote(chat).result()
+    expected = transformers.AutoTokenizer.from_pretrained(hf_dir).apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert kind == "HFServedTokenizer" and ids == list(expected)
 
 
 def test_whole_app_builds_in_local_testing_mode():
