@@ -56,8 +56,10 @@ class CostParams:
         link_efficiency / nic_efficiency: achieved fraction of the scale-up link and NIC bandwidth.
         intra_latency_s / inter_latency_s: per-collective latency inside / across domains.
         dp_overlap_fraction: fraction of the last micro-batch's backward that hides DP reduction.
-        ep_overlap_fraction: fraction of the EP all-to-all hidden behind compute of another
-            micro-batch (Megatron-Core's EP A2A overlap, DeepSeek's DualPipe; 0 = none).
+        ep_overlap_fraction: share of a MoE layer's compute (of another micro-batch) behind which
+            its EP all-to-all hides (Megatron-Core's EP A2A overlap, DeepSeek's DualPipe; 0 =
+            none): exposed = max(0, all-to-all - this x compute), so a slow cross-node exchange
+            shows only its excess over the compute, as for the DP reduction.
         cp_overlap_fraction: fraction of ring-attention K/V exchange hidden behind attention.
         tp_overlap_fraction: fraction of TP all-gathers / reduce-scatters hidden behind the GEMMs
             (Transformer Engine's userbuffer overlap).
@@ -65,11 +67,11 @@ class CostParams:
         usable_memory_fraction: share of HBM a plan may fill (allocator, context, buffers).
     """
 
-    gemm_efficiency: float = 0.52
+    gemm_efficiency: float = 0.53
     gemm_rows_at_half_efficiency: float = 192.0
     gemm_width_at_half_efficiency: float = 1536.0
-    moe_permute_bytes: float = 4.0
-    attention_efficiency: float = 0.32
+    moe_permute_bytes: float = 64.0
+    attention_efficiency: float = 0.24
     param_bytes: int = 2
     grad_bytes: int = 4
     optimizer_bytes: int = 12
@@ -86,9 +88,9 @@ class CostParams:
     intra_latency_s: float = 10e-6
     inter_latency_s: float = 25e-6
     dp_overlap_fraction: float = 0.8
-    ep_overlap_fraction: float = 0.35
+    ep_overlap_fraction: float = 0.6
     cp_overlap_fraction: float = 0.5
-    tp_overlap_fraction: float = 0.7
+    tp_overlap_fraction: float = 0.8
     optimizer_bytes_touched: int = 36
     usable_memory_fraction: float = 0.9
 

@@ -151,8 +151,11 @@ def layer_activation_bytes(model: ModelSpec, plan: ParallelPlan, layer: int, par
 
     ``plan.recompute == "selective"`` recomputes norms, SwiGLU activations and (MLA) the q/k/v
     up-projections, so their outputs are not saved; "full" is handled by the caller.
-    ``plan.activation_dtype == "fp8"`` stores the inputs of Linear operators and of SwiGLU in
-    FP8 (DeepSeek-V3's activation caching); residual streams and attention's q/k/v stay BF16."""
+    Three kinds of tensors: those kept in BF16 (residual streams, attention's q/k/v and output,
+    which flash attention saves itself); inputs used only by a Linear operator, which FP8
+    training saves FP8-cast (Transformer Engine keeps the quantized input for the weight
+    gradient); and SwiGLU's inputs, BF16 unless ``plan.activation_dtype == "fp8"`` (DeepSeek-V3
+    section 3.3 caches them in FP8 too)."""
     tp = plan.tp_of_layer(layer)
     tokens = plan.micro_batch_size * model.seq_len / plan.cp
     h, nh, hd = model.hidden_size, model.num_heads, model.head_dim
@@ -160,24 +163,26 @@ def layer_activation_bytes(model: ModelSpec, plan: ParallelPlan, layer: int, par
     norm_out = 0 if selective else h
     act = 0 if selective else 1
     if model.uses_mla:
-        latents = model.q_lora_rank + model.kv_lora_rank + model.rope_head_dim
         # selective recompute rebuilds q/k/v from the saved latents (the "up-projection")
-        qkv, linear_in = (0 if selective else nh * (2 * (hd + model.rope_head_dim) + hd)), latents
+        qkv = 0 if selective else nh * (2 * (hd + model.rope_head_dim) + hd)
+        linear_in = model.q_lora_rank + model.kv_lora_rank + model.rope_head_dim
     else:
         qkv, linear_in = (nh + 2 * model.num_kv_heads) * hd, 0
-    keep = h + qkv  # residual in, q/k/v (the attention core's inputs)
-    linear_in += norm_out + nh * hd  # norm out (q/k/v input), core out (o input)
+    keep = 2 * h + qkv + nh * hd  # residual into attention and into the MLP; q/k/v; core out
+    linear_in += 2 * norm_out  # the two norms' outputs (q/k/v and MLP inputs)
     if model.is_moe_layer(layer):
-        k, f = model.top_k, model.moe_ffn_hidden_size
-        # dispatched tokens (fc1 input), fc1 gate/up outputs, activation output; routing
+        k, f, shared = model.top_k, model.moe_ffn_hidden_size, model.num_shared_experts
+        # dispatched tokens (fc1 input) and activation outputs (fc2 input); routing
         # probabilities are applied inside the expert, so the expert output is not kept.
-        keep += h
-        linear_in += norm_out + k * h + k * f * (2 + act) + model.num_shared_experts * f * (2 + act)
+        linear_in += k * h + (k + shared) * f * act
+        swiglu_in = 2 * (k + shared) * f
     else:
-        keep += h
-        linear_in += norm_out + model.ffn_hidden_size * (2 + act)
-    linear_bytes = params.fp8_activation_bytes if plan.activation_dtype == "fp8" else params.activation_bytes
-    return tokens * (keep * params.activation_bytes + linear_in * linear_bytes) / tp
+        linear_in += model.ffn_hidden_size * act
+        swiglu_in = 2 * model.ffn_hidden_size
+    fp8 = model.precision == "fp8"
+    linear_bytes = params.fp8_activation_bytes if fp8 else params.activation_bytes
+    swiglu_bytes = params.fp8_activation_bytes if plan.activation_dtype == "fp8" else params.activation_bytes
+    return tokens * (keep * params.activation_bytes + linear_in * linear_bytes + swiglu_in * swiglu_bytes) / tp
 
 
 def stage_static_bytes(model: ModelSpec, plan: ParallelPlan, counts: ParamCounts, num_stage_layers: int, *,

@@ -17,8 +17,9 @@ Design decisions:
 - Communication per layer and micro-batch (sequence-parallel Megatron layout):
   TP all-gather + reduce-scatter pairs around attention, the dense MLP and the shared experts on
   the scale-up link; EP dispatch/combine all-to-alls (FP8 dispatch under FP8) split into the
-  in-domain and cross-domain parts; ETP gathers of dispatched tokens; CP ring K/V exchange;
-  PP activation send/recv, on the NIC when stage peers sit on different nodes.
+  in-domain and cross-domain parts, exposed beyond what another micro-batch's compute hides;
+  ETP gathers of dispatched tokens; CP ring K/V exchange; PP activation send/recv, on the NIC
+  when stage peers sit on different nodes.
 - Ranks fill scale-up domains consecutively in the ``tp, cp, dp, pp`` order (as the layout
   does), which fixes how much of each group shares a domain.
 
@@ -137,7 +138,8 @@ def layer_time(model: ModelSpec, plan: ParallelPlan, layer: int, accel: Accelera
         in_domain = min(plan.ep, max(1, _domain(accel) // plan.etp))
         dispatch = all_to_all_time(local * ag_bytes, plan.ep, in_domain, link, nic)
         rest = all_to_all_time(local * rs_bytes, plan.ep, in_domain, link, nic)
-        ep_comm = (1 - params.ep_overlap_fraction) * (dispatch + 3 * rest)
+        # hidden behind another micro-batch's compute, up to that compute (not a fixed share)
+        ep_comm = max(0.0, dispatch + 3 * rest - params.ep_overlap_fraction * compute)
         if plan.etp > 1:
             gathered = local * plan.etp
             ep_comm += ring_time(gathered * ag_bytes, plan.etp, link) + 3 * ring_time(gathered * rs_bytes, plan.etp, link)

@@ -13,14 +13,16 @@ from rayfleet.placement.cost_params import CostParams
 
 RUNS = load_published_runs()
 # Cases where the planner's top prediction beats the published plan by more than 5% and the
-# published shape is not in its top 3 (benchmarks/placement.py --calibration prints them all).
-# Each is a known modelling gap; the test below fails when one closes, so the list stays true:
-# - Llama-3 70B (both containers): the top is TP4 PP4 VP5 CP2 (+12%), the shape Megatron-Bridge
-#   runs on GB200/B200 -- on H100 the published PP8 is likely chosen for memory headroom the
-#   memory model does not see (TE workspaces, NCCL buffers, fragmentation).
-# - DeepSeek-V3 (+24%) and Qwen3-235B (+53%): the model prefers EP8 inside a server with a
-#   deeper pipeline over cross-node EP64 / EP32; every MoE run in the table uses cross-node EP,
-#   so nothing constrains the intra-node all-to-all and the per-expert costs of many local experts.
+# published shape is not in its top 3 (benchmarks/placement.py --calibration prints them all;
+# docs/planner-calibration.md has the analysis). Each is a known modelling gap; the test below
+# fails when one closes, so the list stays true:
+# - Llama-3 70B (both containers): the top is TP8 PP2 VP2 (+6.7%): less compute on the slowest
+#   stage (the output head weighs ~1.2 layers, which a 10-layer PP8 stage cannot balance) and
+#   fewer fill/drain passes; both plans sit at ~68 of 72 GiB usable, so the memory headroom the
+#   model does not price (TE workspaces, NCCL buffers, fragmentation) does not separate them.
+# - DeepSeek-V3 (+31%) and Qwen3-235B (+43%): the model prefers EP8-EP16 (all-to-all inside or
+#   across two servers) over the published cross-node EP64 / EP32; every MoE run in the table
+#   uses cross-node EP, so no measurement constrains intra-node all-to-all and many local experts.
 KNOWN_RANKING_GAPS: frozenset[str] = frozenset({
     "mbridge-llama3-70b-h100", "mbridge-llama3-70b-h100-25.11", "mbridge-deepseek-v3-h100",
     "mbridge-qwen3-235b-a22b-h100"})
@@ -52,8 +54,8 @@ def test_published_plan_ranks_where_experts_put_it(run) -> None:
 
 def test_fit_recovers_a_perturbed_constant() -> None:
     run = next(r for r in RUNS if r.id == "mbridge-llama3-8b-h100")
-    wrong = replace(CostParams(), gemm_efficiency=0.8)
-    assert predict_run(run, wrong).error > 0.3
+    wrong = replace(CostParams(), gemm_efficiency=0.3)
+    assert predict_run(run, wrong).error < -0.3
     fitted = fit_efficiency([run], wrong, fields=["gemm_efficiency"], rounds=1)
     assert abs(predict_run(run, fitted).error) < 0.03
 
