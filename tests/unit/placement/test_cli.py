@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from itertools import takewhile
 from pathlib import Path
 
 import pytest
@@ -43,3 +44,23 @@ def test_no_feasible_plan_returns_1(capsys) -> None:
 def test_bad_fleet_is_a_spec_error() -> None:
     with pytest.raises(SpecError, match="multiple of 8"):
         _run(["plan", "mixtral-8x7b", "--fleet", "H100:12"])
+
+
+def _column(out: str, name: str) -> list[str]:
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("#  accel"))
+    col = lines[header].split().index(name)
+    rows = takewhile(lambda line: line[:1].isdigit() and len(line.split()) > col, lines[header + 2:])
+    return [line.split()[col] for line in rows]
+
+
+def test_bf16_moments_and_fp8_activations_are_opt_in(capsys) -> None:
+    """DeepSeek-V3 on 256 H100 is memory-bound: BF16 moments win once allowed; the table shows
+    the moment and activation dtypes of every plan."""
+    assert _run(["plan", "deepseek-v3", "--fleet", "H100:256", "--exact", "256", "--top", "3"]) == 0
+    plain = capsys.readouterr().out
+    assert set(_column(plain, "adam")) == {"fp32"} and set(_column(plain, "acts")) == {"bf16"}
+    assert _run(["plan", "deepseek-v3", "--fleet", "H100:256", "--exact", "256", "--top", "3",
+                 "--fp8-activations", "--bf16-moments"]) == 0
+    opened = capsys.readouterr().out
+    assert _column(opened, "adam")[0] == "bf16"
