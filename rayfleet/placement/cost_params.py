@@ -67,10 +67,10 @@ class CostParams:
         usable_memory_fraction: share of HBM a plan may fill (allocator, context, buffers).
     """
 
-    gemm_efficiency: float = 0.49
-    gemm_rows_at_half_efficiency: float = 256.0
+    gemm_efficiency: float = 0.53
+    gemm_rows_at_half_efficiency: float = 192.0
     gemm_width_at_half_efficiency: float = 1536.0
-    moe_permute_bytes: float = 80.0
+    moe_permute_bytes: float = 64.0
     attention_efficiency: float = 0.24
     param_bytes: int = 2
     grad_bytes: int = 4
@@ -90,7 +90,7 @@ class CostParams:
     dp_overlap_fraction: float = 0.8
     ep_overlap_fraction: float = 0.6
     cp_overlap_fraction: float = 0.5
-    tp_overlap_fraction: float = 0.9
+    tp_overlap_fraction: float = 0.8
     optimizer_bytes_touched: int = 36
     usable_memory_fraction: float = 0.9
 

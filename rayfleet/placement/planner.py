@@ -104,8 +104,8 @@ def _configurations(model: ModelSpec, plan: ParallelPlan, fits: list[tuple[int, 
                     exhaustive: bool) -> list[ParallelPlan]:
     """The plans worth pricing among ``fits`` ((virtual stages, fitting rungs) pairs).
 
-    Virtual stages change only the pipeline term: the fill/drain shrinks ``vpp`` times and the
-    extra sends hide behind compute (see step_time_model), so one
+    Virtual stages change only the pipeline term: every stage's micro-batch time grows by
+    ``(vpp - 1)`` sends and the fill/drain shrinks ``vpp`` times (see step_time_model), so one
     pricing at ``vpp = 1`` per rung gives every ``vpp`` in closed form; only the winner is priced
     again. ``exhaustive`` returns every pair (the oracle checks the closed form)."""
     if exhaustive:
@@ -114,18 +114,19 @@ def _configurations(model: ModelSpec, plan: ParallelPlan, fits: list[tuple[int, 
     if len(fits) == 1:
         (v, (r, *_)), = fits
         return [_with_rung(plan, ladder[r], vpp=v)]
-    base: dict[int, tuple[float, tuple[float, ...], int]] = {}
+    base: dict[int, tuple[float, tuple[float, ...], float, int]] = {}
     best: tuple[float, int, int] | None = None
     for v, (r, *_) in fits:
         if r not in base:
             one = evaluate_plan(model, _with_rung(plan, ladder[r]), accel,
                                 params=params)
             m = one.plan.num_microbatches(model.global_batch_sequences)
-            base[r] = (one.step_time_s, one.step.stage_microbatch_s, m)
-        total, stages, m = base[r]
+            base[r] = (one.step_time_s, one.step.stage_microbatch_s, one.step.pp_p2p / m, m)
+        total, stages, send, m = base[r]
         slowest, whole = max(stages), sum(stages)
         before = m * slowest + (whole - slowest)
-        after = m * slowest + (whole - slowest) / v
+        grow = send * (v - 1)
+        after = m * (slowest + grow) + (whole + plan.pp * grow - slowest - grow) / v
         t = total - before + after
         if best is None or t < best[0]:
             best = (t, v, r)

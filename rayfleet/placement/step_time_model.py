@@ -4,7 +4,7 @@ Design decisions:
 - Work is priced per layer and per micro-batch on one device, then assembled into a 1F1B
   pipeline: ``m * max_s T_s + (sum_s T_s - max_s T_s) / vpp`` (the slowest stage sets the pace;
   fill/drain passes once through the other stages, ``vpp`` times faster with interleaved virtual
-  stages, which send ``vpp`` times as often but overlap the extra sends with compute), followed by the DP gradient reduction (partly
+  stages, which send ``vpp`` times as often), followed by the DP gradient reduction (partly
   hidden behind the last backward) and the optimizer step (HBM-bound).
 - ZeRO-2 reduce-scatters gradients every micro-batch and ZeRO-3 (FSDP) also all-gathers the
   weights for its forward and its backward; prefetching hides them behind that micro-batch's
@@ -224,10 +224,8 @@ def estimate_step_time(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorS
         tokens = plan.micro_batch_size * model.seq_len / plan.cp
         act = tokens * model.hidden_size / plan.tp * params.activation_bytes
         pp_link = nic if plan.tp * plan.cp * plan.dp >= domain else link
-        # activation forward, gradient back; each of the vpp chunks sends its own, but the
-        # interleaved schedule overlaps the extra chunks' sends with the other chunks' compute
-        # (Megatron's overlap_p2p_comm), leaving one exchange a micro-batch exposed
-        p2p = 2 * (pp_link.latency_s + act / pp_link.bytes_per_s)
+        # activation forward, gradient back; each of the vpp chunks sends its own
+        p2p = 2 * plan.vpp * (pp_link.latency_s + act / pp_link.bytes_per_s)
 
     stage_t, parts = [], []
     for s, layers in enumerate(ranges):
