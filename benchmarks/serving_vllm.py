@@ -13,13 +13,17 @@ serve`` runs), three colocated 2-replica apps: the built-in engine with its pref
 conversation trace's arrivals and output lengths; every prompt is one of 12 tenants' system
 prompts plus a short question). Reported per app: TTFT p50/p99, mean inter-token latency
 p50/p99 (per request: (end - first token) / (tokens - 1), since Serve LLM batches stream
-chunks), output-token throughput, goodput (requests/s meeting the SLO) and the prefix-cache hit
+chunks every 50 ms; an output that came in one chunk has no ITL and is left out), output-token
+throughput, goodput (requests/s meeting the SLO) and the prefix-cache hit
 rate (vLLM's ``vllm:prefix_cache_*`` from Ray's Prometheus; the built-in engine's ``/metrics``).
 
-Honest limits: the two engines do not serve the same weights. vLLM serves a tiny Qwen3-MoE
-written locally (2 layers, hidden 128, 8 experts, head_dim 32; BPE tokenizer), the built-in
-engine its ``tiny`` preset (byte tokenizer) -- the built-in engine cannot load a Hugging Face
-directory yet. Rows compare serving stacks on one machine and one trace, not kernels.
+Both engines serve the same weights and tokenizer: a tiny Qwen3-MoE written locally (2 layers,
+hidden 128, 8 experts, head_dim 32, fp32; byte-level BPE tokenizer), the built-in engine through
+``model: {hf: DIR}``, vLLM through Serve LLM. The model's embedding is padded past the tokenizer
+(1024 rows, ~400 tokens): the built-in engine samples only the tokenizer's ids, and vLLM's
+requests carry ``allowed_token_ids`` for the same ids. Honest limits: the model is random and tiny, so
+rows compare serving stacks (scheduling, routing, HTTP, per-token overhead) on one machine and
+one trace, not kernels at realistic sizes; on 2 CPU cores the replicas share the cores.
 rayfleet adds no hop to a vLLM app (Serve LLM's own ingress and servers run), so there is no
 separate "bare Serve LLM" row: the PrefixCacheAffinityRouter row is that app.
 """
@@ -46,44 +50,53 @@ from serving import LOAD_TRACE, _table, pct, tenant_workload, trace_workload  # 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-async def _one(session, url: str, model: str, item: dict, start: float) -> dict:
+async def _one(session, url: str, model: str, item: dict, start: float, extra: dict) -> dict:
     await asyncio.sleep(max(0.0, start + item["at"] - time.perf_counter()))
     sent = time.perf_counter()
     body = {"model": model, "prompt": item["prompt"], "max_tokens": item["max_tokens"], "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **extra}
     first = last = None
-    tokens = 0
+    tokens = chunks = 0
     ok = True
+    error = None
     try:
         async with session.post(url + "/v1/completions", json=body) as resp:
             ok = resp.status == 200
+            if not ok:
+                error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data: {"):
                     continue
                 event = json.loads(line[6:])
                 if "error" in event:
-                    ok = False
+                    ok, error = False, str(event["error"])[:200]
                     break
                 if event.get("usage"):
                     tokens = int(event["usage"].get("completion_tokens") or tokens)
                 if any(c.get("text") for c in event.get("choices") or ()):
                     first = first or time.perf_counter()
                     last = time.perf_counter()
-    except Exception:  # noqa: BLE001 - counted as a failed request
-        ok = False
+                    chunks += 1
+    except Exception as exc:  # noqa: BLE001 - counted as a failed request
+        ok, error = False, repr(exc)[:200]
+    if ok and first is None:
+        error = "no text streamed"
     ok = ok and first is not None
     ttft = (first - sent) if ok else float("nan")
-    itl = (last - first) / (tokens - 1) if ok and tokens > 1 else float("nan")
-    return {"ok": ok, "ttft": ttft, "itl": itl, "tokens": tokens if ok else 0}
+    # Serve LLM batches stream chunks (50 ms): an output that arrived in one chunk has no
+    # measurable inter-token latency, so it is left out rather than counted as ~0.
+    itl = (last - first) / (tokens - 1) if ok and tokens > 1 and chunks > 1 else float("nan")
+    return {"ok": ok, "ttft": ttft, "itl": itl, "tokens": tokens if ok else 0, "error": error}
 
 
-async def _drive(url: str, model: str, workload: list[dict], timeout_s: float) -> tuple[list[dict], float]:
+async def _drive(url: str, model: str, workload: list[dict], timeout_s: float,
+                 extra: dict) -> tuple[list[dict], float]:
     import aiohttp
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
         start = time.perf_counter()
-        results = await asyncio.gather(*(_one(session, url, model, item, start) for item in workload))
+        results = await asyncio.gather(*(_one(session, url, model, item, start, extra) for item in workload))
         return results, time.perf_counter() - start
 
 
@@ -125,11 +138,13 @@ def _free_port() -> int:
 
 def _apps(model_dir: Path, port: int) -> list[tuple[str, str, dict]]:
     pool = {"replicas": 2, "accelerators_per_replica": 0}
-    http = {"port": port, "route_prefix": "/bench"}
-    builtin = {"name": "bench-builtin", "model": {"preset": "tiny", "seed": 0, "dtype": "float32"},
-               "engine": {"block_size": 16, "num_blocks": 256, "max_num_seqs": 16, "max_num_batched_tokens": 256},
+    # loopback only; the load generator measures the engines, not auth (as serving.py does)
+    http = {"port": port, "route_prefix": "/bench", "auth": "disabled"}
+    model = {"hf": str(model_dir), "name": "tiny", "dtype": "float32"}  # one model for both engines
+    builtin = {"name": "bench-builtin", "model": model,
+               "engine": {"block_size": 16, "num_blocks": 256, "max_num_seqs": 16, "max_num_batched_tokens": 512},
                "colocated": pool, "http": http}
-    vllm = {"model": {"hf": str(model_dir), "name": "tiny", "dtype": "float32"},
+    vllm = {"model": model,
             "engine": {"kind": "vllm", "block_size": 32, "max_model_len": 1024, "max_num_seqs": 16,
                        "max_num_batched_tokens": 512},
             "colocated": pool, "http": http}
@@ -151,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--load-trace", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     args, _ = parser.parse_known_args(argv)
-    num, rate = (24, 0.5) if args.quick else (64, 0.5)
+    num, rate = (12, 0.5) if args.quick else (64, 0.5)
     rate = args.rate or rate
     load_before = os.getloadavg()[0]
 
@@ -163,7 +178,13 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = write_tiny_qwen3_moe(Path(tempfile.mkdtemp(prefix="rayfleet-bench-")) / "tiny-moe", dtype="float32")
     workload = tenant_workload(trace_workload(trace_file(LOAD_TRACE, args.load_trace), num, rate),
                                prefix_tokens=384)
-    warmup = [dict(w, at=0.5 * i) for i, w in enumerate(workload[:4])]
+    warmup = [dict(w, at=0.5 * i) for i, w in enumerate(workload[:2 if args.quick else 4])]
+    # The model's embedding is padded past its tokenizer (1024 rows, ~400 tokens): the built-in
+    # engine samples only the tokenizer's ids (vocab_limit); vLLM is asked for the same, or a
+    # random model streams ids with no text.
+    from transformers import AutoTokenizer
+
+    extra = {"builtin": {}, "vllm": {"allowed_token_ids": list(range(len(AutoTokenizer.from_pretrained(model_dir))))}}
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     rows = []
     try:
@@ -172,10 +193,16 @@ def main(argv: list[str] | None = None) -> None:
             served = deploy(spec, timeout_s=900)
             print(f"{spec['name']}: deployed in {time.perf_counter() - t0:.0f}s", flush=True)
             model = served.spec.model.served_name
-            asyncio.run(_drive(served.url, model, warmup, 600))
+            warm, _ = asyncio.run(_drive(served.url, model, warmup, 600, extra[engine]))
+            if not all(r["ok"] for r in warm):  # a broken app must not print a table of failures
+                raise SystemExit(f"{spec['name']}: {sum(not r['ok'] for r in warm)}/{len(warm)} warm-up "
+                                 f"requests failed at {served.url}: {[r.get('error') for r in warm]}")
             q0, h0 = _prefix_counters(served.url, engine)
             print(f"{spec['name']}: {len(workload)} requests at {rate:g}/s ...", flush=True)
-            results, wall = asyncio.run(_drive(served.url, model, workload, 1800))
+            results, wall = asyncio.run(_drive(served.url, model, workload, 1800, extra[engine]))
+            failed = [r["error"] for r in results if not r["ok"]]
+            if failed:
+                print(f"{spec['name']}: {len(failed)} failed: {sorted(set(failed))}", flush=True)
             time.sleep(12 if engine == "vllm" else 0.5)  # Ray's metrics agent exports every few seconds
             q1, h1 = _prefix_counters(served.url, engine)
             row = _summarize(results, wall, slo_ttft=args.slo_ttft, slo_itl=args.slo_itl)
