@@ -300,18 +300,20 @@ def snapshot_gap_s(rows: list[dict], every: int) -> dict:
 # -- main -----------------------------------------------------------------------------------------
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=36)
+    # A step of this job takes ~0.1-0.3 s (no per-step report pacing): each kill needs tens of steps
+    # after it, or the job finishes before the kill is seen (1 kill, 0 restores).
+    parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--every", type=int, default=3, help="snapshot every N steps")
     parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--health-check-interval-s", type=float, default=None,
                         help="RAY_TRAIN_HEALTH_CHECK_INTERVAL_S for the fleet (default: Ray Train's, 2 s)")
     parser.add_argument("--snapshot-s-per-gib", type=float, default=None,
                         help="skip the flash-snapshot measurement and use this warm s/GiB")
-    parser.add_argument("--quick", action="store_true", help="12 steps, one kill (what the tests run)")
+    parser.add_argument("--quick", action="store_true", help="60 steps, one kill (what the tests run)")
     parser.add_argument("--json", type=Path, default=None, help="where the results go (default: results/recovery.json)")
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.kills = min(args.steps, 12), min(args.kills, 1)
+        args.steps, args.kills = min(args.steps, 60), min(args.kills, 1)
     spacing = args.steps // (args.kills + 1)
     kill_at = [spacing * (k + 1) + k for k in range(args.kills)]  # + k: kills land at varied snapshot phases
 
@@ -391,7 +393,9 @@ def run_benchmark(args: argparse.Namespace, *, kill_at: list[int], work: str) ->
 
     machine["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
     if len(segs) != len(kills) + 1:  # each kill must have caused exactly one restore
-        raise RuntimeError(f"{len(kills)} kills but {len(segs) - 1} restores in the log; see {run.job_id}")
+        last = int(segs[-1].rows[-1]["step"]) if segs[-1].rows else -1
+        raise RuntimeError(f"{len(kills)} kills but {len(segs) - 1} restores in the log (last step {last} of "
+                           f"{args.steps}; a kill after the last step restores nothing: raise --steps); see {run.job_id}")
     failures = analyse_failures(segs, kills, attempts, group_starts, every=args.every)
     all_rows = [r for s in segs for r in s.rows]
     surviving = {int(r["step"]): r for r in all_rows}  # the last row of each step is the one that counts
