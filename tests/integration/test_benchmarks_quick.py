@@ -38,7 +38,7 @@ CATALOGUE = _catalogue()
 def test_quick_run_with_its_own_cluster(script, tmp_path):
     if "vllm" in script.stem and not os.environ.get("RAYFLEET_TEST_VLLM_BENCH"):
         # Opt-in for time, not for failure: it runs to the end, but three app starts (two of
-        # them vLLM, 80-120 s each on 2 loaded cores) make the quick run 5-6 min, over the
+        # them vLLM, 80-120 s each on 2 loaded cores) make the quick run 4-6 min, over the
         # 4 min this tier allows one benchmark. `make bench-quick` runs it;
         # RAYFLEET_TEST_VLLM_BENCH=1 puts it back here.
         pytest.skip("serving_vllm --quick is opt-in (RAYFLEET_TEST_VLLM_BENCH=1); run by make bench-quick")
