@@ -72,3 +72,31 @@ def save_tiny(name: str, root: Path, *, seed: int = 0) -> Path:
     out = root / name
     model.save_pretrained(out)
     return out
+
+
+CODE_TEXT = ["def add(a, b):\n    return a + b\n" * 40, "for i in range(10):\n    print(i)\n" * 40]
+
+
+def save_tiny_moe_with_data(root: Path, *, seed: int = 0, shard_tokens: int = 512, seq_len: int = 32):
+    """A tiny random Qwen3-MoE at ``root/hf`` with a locally trained BPE tokenizer of the model's
+    vocabulary size, and a token dataset of ``CODE_TEXT`` at ``root/data``; returns the tokenizer."""
+    import transformers
+
+    from rayfleet.models.hf.tokenizer import train_byte_level_bpe
+    from rayfleet.storage.safetensors_io import write_files
+    from rayfleet.storage.tokens import prepare_token_dataset
+
+    tok = train_byte_level_bpe(CODE_TEXT, vocab_size=300)
+    config = hf_configs()["qwen3_moe"]
+    config.vocab_size = tok.vocab_size
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize(model, seed=seed)
+    model.save_pretrained(root / "hf")
+    write_files(str(root / "hf"), tok.to_files())
+    src = root / "src"
+    src.mkdir()
+    for i, text in enumerate(CODE_TEXT):
+        (src / f"f{i}.py").write_text(text)
+    prepare_token_dataset([str(src)], str(root / "data"), shard_tokens=shard_tokens, seq_len=seq_len, tokenizer=tok)
+    return tok

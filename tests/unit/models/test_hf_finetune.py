@@ -21,34 +21,19 @@ from rayfleet.errors import SpecError  # noqa: E402
 from rayfleet.jobs.local_processes import run_local  # noqa: E402
 from rayfleet.jobs.spec import TrainJobSpec  # noqa: E402
 from rayfleet.models import build_model  # noqa: E402
-from rayfleet.models.hf.tokenizer import train_byte_level_bpe  # noqa: E402
 from rayfleet.placement.plan import ParallelPlan  # noqa: E402
 from rayfleet.storage.model_cli import export_hf_model  # noqa: E402
 from rayfleet.storage.model_registry import load_servable  # noqa: E402
-from rayfleet.storage.safetensors_io import HFCheckpoint, write_files  # noqa: E402
-from rayfleet.storage.tokens import prepare_token_dataset  # noqa: E402
-from tests.unit.models.hf_fixtures import hf_configs, randomize  # noqa: E402
+from rayfleet.storage.safetensors_io import HFCheckpoint  # noqa: E402
+from tests.unit.models.hf_fixtures import save_tiny_moe_with_data  # noqa: E402
 
-TEXT = ["def add(a, b):\n    return a + b\n" * 40, "for i in range(10):\n    print(i)\n" * 40]
 
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
     """A tiny Qwen3-MoE with a locally trained BPE tokenizer of the model's vocabulary size."""
     root = tmp_path_factory.mktemp("ft")
-    tok = train_byte_level_bpe(TEXT, vocab_size=300)
-    config = hf_configs()["qwen3_moe"]
-    config.vocab_size = tok.vocab_size
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    randomize(model)
-    model.save_pretrained(root / "hf")
-    write_files(str(root / "hf"), tok.to_files())
-    src = root / "src"
-    src.mkdir()
-    for i, text in enumerate(TEXT):
-        (src / f"f{i}.py").write_text(text)
-    prepare_token_dataset([str(src)], str(root / "data"), shard_tokens=512, seq_len=32, tokenizer=tok)
+    save_tiny_moe_with_data(root)
     return root
 
 

@@ -24,13 +24,9 @@ from rayfleet.jobs.data import SampleOrder, TokenSamples  # noqa: E402
 from rayfleet.jobs.local_processes import run_local_many  # noqa: E402
 from rayfleet.jobs.loop import sample_ids_hash  # noqa: E402
 from rayfleet.jobs.spec import TrainJobSpec  # noqa: E402
-from rayfleet.models.hf.tokenizer import train_byte_level_bpe  # noqa: E402
 from rayfleet.placement.plan import ParallelPlan  # noqa: E402
-from rayfleet.storage.safetensors_io import write_files  # noqa: E402
-from rayfleet.storage.tokens import prepare_token_dataset  # noqa: E402
-from tests.unit.models.hf_fixtures import hf_configs, randomize  # noqa: E402
+from tests.unit.models.hf_fixtures import save_tiny_moe_with_data  # noqa: E402
 
-TEXT = ["def add(a, b):\n    return a + b\n" * 40, "for i in range(10):\n    print(i)\n" * 40]
 SEQ_LEN, GLOBAL_BATCH = 32, 4
 ATOL = 1e-4
 LAYOUTS = {
@@ -44,19 +40,7 @@ LAYOUTS = {
 def hf_job(tmp_path_factory):
     """A tiny random Qwen3-MoE HF dir (with its own BPE tokenizer) and a token dataset for it."""
     root = tmp_path_factory.mktemp("hfpar")
-    tok = train_byte_level_bpe(TEXT, vocab_size=300)
-    config = hf_configs()["qwen3_moe"]
-    config.vocab_size = tok.vocab_size
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    randomize(model, seed=3)
-    model.save_pretrained(root / "hf")
-    write_files(str(root / "hf"), tok.to_files())
-    src = root / "src"
-    src.mkdir()
-    for i, text in enumerate(TEXT):
-        (src / f"f{i}.py").write_text(text)
-    prepare_token_dataset([str(src)], str(root / "data"), shard_tokens=256, seq_len=SEQ_LEN, tokenizer=tok)
+    save_tiny_moe_with_data(root, seed=3, shard_tokens=256, seq_len=SEQ_LEN)
     return root
 
 
