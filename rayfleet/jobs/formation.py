@@ -108,6 +108,10 @@ class _Watcher:
                  grows_itself: Callable[[], bool]) -> None:
         self.spec, self.launch, self.stop_signal, self.log, self.grows_itself = spec, launch, stop_signal, log, grows_itself
         self.end: FormationEnd | None = None
+        # Set by the formation's first step: only then do its workers hold their accelerators, so
+        # the live free counts ``_free_if_regrown`` reads no longer show them as free too (seen
+        # before this flag: "the fleet now holds 4 workers (running 2)" on every re-formation).
+        self.stepping = threading.Event()
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rayfleet-elastic", daemon=True)
 
@@ -140,7 +144,7 @@ class _Watcher:
                     layout_nodes=layout.nodes(), alive_nodes=alive, size=layout.world_size,
                     min_workers=elastic.min_workers, max_workers=elastic.max_workers,
                     replica_size=self.spec.plan.replica_size if self.spec.plan is not None else 1,
-                    free_if_regrown=self._free_if_regrown if self.grows_itself() else None)
+                    free_if_regrown=self._free_if_regrown if self.grows_itself() and self.stepping.is_set() else None)
                 if end is None:
                     continue
                 self.end = end
@@ -187,9 +191,15 @@ class RayFormations:
             watcher.start()
             on_start(stop_signal)
 
+        def stepped(row: dict) -> None:
+            watcher.stepping.set()
+            if on_step is not None:
+                on_step(row)
+
         try:
             metrics = fit_once(self.spec, launch, run_dir=run_dir, max_failures=self.max_failures, log=self.log,
-                               stop_signal=actor, on_trainer_start=started if watcher else None, on_step=on_step)
+                               stop_signal=actor, on_trainer_start=started if watcher else None,
+                               on_step=stepped if watcher else on_step)
         except Exception as exc:  # noqa: BLE001 - the driver decides (node lost: re-plan; else: fail)
             return FormationOutcome(end=self._stop(watcher), error=exc)
         return FormationOutcome(metrics=metrics, end=self._stop(watcher))
