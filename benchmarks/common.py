@@ -56,4 +56,21 @@ def starts_own_ray_cluster(script: Path) -> bool:
     integration tier, which runs alone: two Ray clusters on one host confuse Ray Train)."""
     import re
 
-    return bool(re.search(r"\bray\.init\(|LocalFleet\.up\(|connect\(address=[\"']local", script.read_text()))
+    return bool(re.search(r"\bray\.init\(|\binit_local_ray\(|LocalFleet\.up\(|connect\(address=[\"']local",
+                          script.read_text()))
+
+
+def init_local_ray(**resources: float) -> None:
+    """``ray.init(address="local", ...)`` with up to three tries: on a busy machine a raylet can
+    miss Ray's fixed 30 s start-up window, and a second try usually makes it."""
+    import ray
+
+    for attempt in range(3):
+        try:
+            ray.init(address="local", include_dashboard=False, log_to_driver=False, **resources)
+            return
+        except Exception as exc:  # noqa: BLE001 - retried, then re-raised
+            print(f"ray.init failed ({exc}); retry {attempt + 1}/2", flush=True)
+            ray.shutdown()
+            if attempt == 2:
+                raise

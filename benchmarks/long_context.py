@@ -38,6 +38,9 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import init_local_ray  # noqa: E402  (benchmarks/common.py, beside this script)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -158,15 +161,7 @@ def main() -> None:
     from rayfleet.models import preset
 
     num_layers = preset(args.preset).num_layers
-    for attempt in range(3):  # a raylet that misses Ray's fixed 30 s start-up window on a busy machine
-        try:
-            ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-            break
-        except Exception as exc:  # noqa: BLE001 - retried, then re-raised
-            print(f"ray.init failed ({exc}); retry {attempt + 1}/2", flush=True)
-            ray.shutdown()
-            if attempt == 2:
-                raise
+    init_local_ray(num_cpus=4)
     try:
         replica = _replica_class()
         actors = [replica.remote(f"prefill-{i}", args.preset, max(lengths)) for i in range(2)]

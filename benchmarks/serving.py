@@ -64,7 +64,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import trace_file  # noqa: E402  (benchmarks/common.py, beside this script)
+from common import init_local_ray, trace_file  # noqa: E402  (benchmarks/common.py, beside this script)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LOAD_TRACE = "azure2023_conv.csv"  # in $RAYFLEET_TRACE_DIR (default: the repository's traces/)
@@ -401,15 +401,7 @@ def main() -> None:
 
     from rayfleet.serving.deploy.deployer import deploy
 
-    for attempt in range(3):  # a raylet that misses Ray's fixed 30 s start-up window on a busy machine
-        try:
-            ray.init(address="local", num_cpus=4, num_gpus=8, include_dashboard=False, log_to_driver=False)
-            break
-        except Exception as exc:  # noqa: BLE001 - retried, then re-raised
-            print(f"ray.init failed ({exc}); retry {attempt + 1}/2", flush=True)
-            ray.shutdown()
-            if attempt == 2:
-                raise
+    init_local_ray(num_cpus=4, num_gpus=8)
     port = _free_port()
     model = {"preset": "tiny", "seed": 0, "dtype": "float32"}
     engine = {"block_size": 16, "num_blocks": 256, "max_num_seqs": 16, "max_num_batched_tokens": 256}

@@ -249,6 +249,26 @@ def test_decoded_stream_never_sends_a_split_character(model_dir):
     assert any("\ufffd" in tok.decode([t]) for t in ids)
 
 
+def test_decoded_stream_equals_whole_decoding_in_any_chunking_and_cuts_at_stops(model_dir):
+    import random
+
+    tok = HFTokenizer.from_files(read_side_files(str(model_dir)))
+    ids = tok.encode("✓ héllo wörld, def f(x): return x ✓✓ STOP 日本 " * 30)
+    whole = tok.decode(ids)
+    for stops in ((), ("STOP",), ("日本", "wörld,"), ("never here",)):
+        expected = whole[:min(whole.find(s) for s in stops if s in whole)] if any(s in whole for s in stops) else whole
+        rnd = random.Random(len(stops))
+        stream, text, sent, i = DecodedTextStream(tok.decode, stops), "", [], 0
+        while i < len(ids) and not stream.done:
+            k = rnd.randint(1, 4)
+            out = stream.feed(ids[i:i + k])
+            text, sent, i = text + out.text, sent + out.token_ids, i + k
+        out = stream.finish()
+        text, sent = text + out.text, sent + out.token_ids
+        assert text == expected, stops
+        assert sent == ids[:len(sent)] and expected.startswith(tok.decode(sent)), stops  # tokens match the text
+
+
 def test_disaggregated_pools_serve_the_same_chat_tokens(model_dir, oracle, monkeypatch):
     from starlette.testclient import TestClient
 
