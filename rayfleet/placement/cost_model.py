@@ -23,7 +23,8 @@ from rayfleet.placement.memory_model import (MemoryBreakdown, all_stage_activati
 from rayfleet.placement.model_spec import ModelSpec
 from rayfleet.placement.pipeline_split import balance_stages
 from rayfleet.placement.plan import ParallelPlan
-from rayfleet.placement.step_time_model import StepTimeBreakdown, edge_times, estimate_step_time, layer_times
+from rayfleet.placement.step_time_model import (StepTimeBreakdown, edge_times, ep_overlap_possible, estimate_step_time,
+                                                layer_times)
 from rayfleet.platform.catalogue import AcceleratorSpec
 
 __all__ = ["PlanCost", "evaluate_plan", "plan_memory", "balanced_plan", "slowest_accelerator", "GIB"]
@@ -86,10 +87,10 @@ def balanced_plan(model: ModelSpec, plan: ParallelPlan, accelerator: Accelerator
         return plan
     if plan.pp == 1:
         return plan.but(stage_starts=(0,))
-    # layer times do not depend on dp, vpp or ZeRO: memoise the split on what they depend on
-    # (the planner balances one shape at many dp degrees)
+    # layer times do not depend on dp or ZeRO, and on vpp only through the EP overlap: memoise
+    # the split on what they depend on (the planner balances one shape at many dp degrees)
     key = (model, plan.tp, plan.cp, plan.ep, plan.etp, plan.micro_batch_size, plan.recompute, plan.layer_tp,
-           plan.pp, accelerator, params)
+           plan.pp, ep_overlap_possible(plan), plan.ep_dedup, plan.tp_overlap, accelerator, params)
     starts = _SPLITS.get(key)
     if starts is None:
         times = layer_times(model, plan, accelerator, params)

@@ -44,6 +44,10 @@ class CostParams:
         grad_bytes: bytes per gradient (FP32 main grads, as Megatron keeps them).
         optimizer_bytes: FP32 master weight + Adam m and v, bytes per parameter.
         optimizer_bytes_bf16: the same with BF16 moments (``plan.optimizer_dtype == "bf16"``).
+        fp8_primary_weights: FP8 training keeps the weights only in FP8 (row- and column-wise
+            copies; the FP32 master lives in the optimizer states), as Megatron-Bridge's FP8
+            recipes do (``fp8_param_gather``): no BF16 copy on the device. The embedding, head and
+            norms stay BF16, which is the same two bytes.
         fp8_weight_cache_bytes: FP8 training caches each GEMM weight in FP8 in both row- and
             column-wise layouts (Transformer Engine), bytes per parameter.
         activation_bytes: bytes per saved activation element (BF16).
@@ -60,6 +64,8 @@ class CostParams:
             its EP all-to-all hides (Megatron-Core's EP A2A overlap, DeepSeek's DualPipe; 0 =
             none): exposed = max(0, all-to-all - this x compute), so a slow cross-node exchange
             shows only its excess over the compute, as for the DP reduction.
+        p2p_overlap_fraction: share of a stage's micro-batch compute behind which the interleaved
+            schedule hides its pipeline sends (``overlap_p2p_comm``; the plain 1F1B schedule hides none).
         cp_overlap_fraction: fraction of ring-attention K/V exchange hidden behind attention.
         tp_overlap_fraction: fraction of TP all-gathers / reduce-scatters hidden behind the GEMMs
             (Transformer Engine's userbuffer overlap).
@@ -71,12 +77,13 @@ class CostParams:
     gemm_rows_at_half_efficiency: float = 192.0
     gemm_width_at_half_efficiency: float = 1536.0
     moe_permute_bytes: float = 64.0
-    attention_efficiency: float = 0.24
+    attention_efficiency: float = 0.22
     param_bytes: int = 2
     grad_bytes: int = 4
     optimizer_bytes: int = 12
     optimizer_bytes_bf16: int = 8
     fp8_weight_cache_bytes: int = 2
+    fp8_primary_weights: bool = True
     activation_bytes: int = 2
     fp8_activation_bytes: int = 1
     comm_bytes_bf16: int = 2
@@ -88,11 +95,19 @@ class CostParams:
     intra_latency_s: float = 10e-6
     inter_latency_s: float = 25e-6
     dp_overlap_fraction: float = 0.8
-    ep_overlap_fraction: float = 0.6
+    ep_overlap_fraction: float = 0.3
     cp_overlap_fraction: float = 0.5
+    p2p_overlap_fraction: float = 0.8
     tp_overlap_fraction: float = 0.8
     optimizer_bytes_touched: int = 36
     usable_memory_fraction: float = 0.9
+
+
+    def weight_bytes(self, precision: str) -> int:
+        """Device bytes per stored weight for a model trained in ``precision``."""
+        if precision != "fp8":
+            return self.param_bytes
+        return self.fp8_weight_cache_bytes + (0 if self.fp8_primary_weights else self.param_bytes)
 
 
 @dataclass(frozen=True)
@@ -129,14 +144,17 @@ def hierarchical_allreduce_time(total_bytes: float, group: int, in_domain: int, 
     return 2 * ring_time(total_bytes, in_domain, intra) + 2 * ring_time(total_bytes / in_domain, across, inter)
 
 
-def all_to_all_time(bytes_per_rank: float, group: int, in_domain: int, intra: Link, inter: Link) -> float:
+def all_to_all_time(bytes_per_rank: float, group: int, in_domain: int, intra: Link, inter: Link,
+                    cross_share: float = 1.0) -> float:
     """All-to-all where each rank sends ``bytes_per_rank`` spread evenly over ``group`` ranks,
     ``in_domain`` of which (itself included) share its scale-up domain; the two parts run in
-    parallel on different links, so the slower one sets the time."""
+    parallel on different links, so the slower one sets the time. ``cross_share`` scales the
+    bytes leaving the domain (a deduplicating dispatcher sends a token once per remote domain)."""
     if group <= 1:
         return 0.0
     in_domain = max(1, min(in_domain, group))
     share = bytes_per_rank / group
     t_intra = (in_domain - 1) * share / intra.bytes_per_s + (intra.latency_s if in_domain > 1 else 0.0)
-    t_inter = (group - in_domain) * share / inter.bytes_per_s + (inter.latency_s if group > in_domain else 0.0)
+    t_inter = (group - in_domain) * share * cross_share / inter.bytes_per_s + (
+        inter.latency_s if group > in_domain else 0.0)
     return max(t_intra, t_inter)

@@ -200,10 +200,10 @@ def stage_static_bytes(model: ModelSpec, plan: ParallelPlan, counts: ParamCounts
             return float(counts.total * bytes_per)
         return counts.dense * bytes_per / dense_shard + counts.expert * bytes_per / expert_shard
 
-    fp8_bytes = params.fp8_weight_cache_bytes if model.precision == "fp8" else 0
-    weights = sharded(params.param_bytes + fp8_bytes, z >= 3)
+    weight_bytes = params.weight_bytes(model.precision)
+    weights = sharded(weight_bytes, z >= 3)
     if z >= 3:  # prefetch keeps the current and the next layer gathered
-        weights += 2 * counts.total / max(1, num_stage_layers) * (params.param_bytes + fp8_bytes)
+        weights += 2 * counts.total / max(1, num_stage_layers) * weight_bytes
     grads = sharded(params.grad_bytes, z >= 2)
     optim = sharded(params.optimizer_bytes if dtype == "fp32" else params.optimizer_bytes_bf16, z >= 1)
     return weights, grads, optim

@@ -99,7 +99,7 @@ def _build_plan(model: ModelSpec, capacity: FleetCapacity, shape: tuple[int, int
     dp, types, microbatches = found
     plan = ParallelPlan(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, micro_batch_size=mbs, recompute=recompute,
                         stage_starts=tuple(range(pp)), zero_stage=space.zero_ladder[0],
-                        replica_accelerators=types, replica_microbatches=microbatches)
+                        replica_accelerators=types, replica_microbatches=microbatches, **space.runtime())
     try:
         validate_plan(plan, model, scaleup_domain_size=capacity.min_domain)
     except SpecError as err:

@@ -16,6 +16,7 @@ Units: counts are elements (parameters), FLOPs are per token, sequence lengths i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -48,6 +49,9 @@ class ModelSpec:
         num_shared_experts: always-on experts per MoE layer (DeepSeek).
         moe_ffn_hidden_size: intermediate size of one expert.
         first_k_dense_layers: leading layers that use a dense MLP even in an MoE model.
+        num_expert_groups / expert_groups_per_token: group-limited routing (DeepSeek-V3: 256
+            experts in 8 groups, each token routed within its best 4 groups, so that it reaches
+            at most 4 nodes); ``expert_groups_per_token = 0`` means no limit.
         q_lora_rank / kv_lora_rank / rope_head_dim: MLA shapes; ``kv_lora_rank = 0`` means GQA.
         seq_len: tokens per sequence.
         global_batch_sequences: sequences per optimizer step (global batch).
@@ -67,6 +71,8 @@ class ModelSpec:
     num_shared_experts: int = 0
     moe_ffn_hidden_size: int = 0
     first_k_dense_layers: int = 0
+    num_expert_groups: int = 1
+    expert_groups_per_token: int = 0
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
     rope_head_dim: int = 0
@@ -94,6 +100,27 @@ class ModelSpec:
     @property
     def num_moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    def distinct_shards_per_token(self, num_shards: int) -> float:
+        """Expected number of distinct shards a token's ``top_k`` experts fall in, when the
+        experts are split into ``num_shards`` contiguous equal blocks (EP ranks or nodes) and
+        routing is balanced (uniform): ``n * (1 - P(a given shard gets none))``. Group-limited
+        routing caps it: a token reaches only the shards holding its chosen groups."""
+        n = max(1, num_shards)
+        if n == 1 or not self.is_moe:
+            return float(min(n, 1))
+        per = self.num_experts / n
+        miss = math.comb(self.num_experts - round(per), self.top_k) / math.comb(self.num_experts, self.top_k) \
+            if per < self.num_experts else 0.0
+        hit = n * (1 - miss)
+        g, groups = self.expert_groups_per_token, self.num_expert_groups
+        if g and g < groups:
+            if groups % n == 0:  # whole groups per shard: the shard is missed when none is chosen
+                per_g = groups // n
+                hit = min(hit, n * (1 - math.comb(groups - per_g, g) / math.comb(groups, g)))
+            else:  # a group spans n / groups shards
+                hit = min(hit, g * n / groups)
+        return hit
 
     @property
     def global_batch_tokens(self) -> int:
@@ -221,6 +248,12 @@ def _check_spec(spec: ModelSpec) -> None:
         if not 1 <= spec.top_k <= spec.num_experts:
             raise SpecError("model.top_k", spec.top_k, f"must lie in [1, num_experts={spec.num_experts}]",
                             "set top_k to the experts each token visits, e.g. 2")
+        if spec.num_expert_groups < 1 or spec.num_experts % spec.num_expert_groups \
+                or not 0 <= spec.expert_groups_per_token <= spec.num_expert_groups:
+            raise SpecError("model.expert_groups_per_token", (spec.num_expert_groups, spec.expert_groups_per_token),
+                            f"need num_expert_groups dividing num_experts={spec.num_experts} and "
+                            "0 <= expert_groups_per_token <= num_expert_groups",
+                            "set e.g. num_expert_groups: 8, expert_groups_per_token: 4 (or leave both out)")
         if spec.moe_ffn_hidden_size < 1:
             raise SpecError("model.moe_ffn_hidden_size", spec.moe_ffn_hidden_size,
                             "an MoE model needs the expert width", "set model.moe_ffn_hidden_size")
@@ -247,7 +280,8 @@ PRESETS: dict[str, ModelSpec] = {
                   moe_ffn_hidden_size=1536, seq_len=4096, global_batch_sequences=2048),
         ModelSpec(name="deepseek-v3", num_layers=61, hidden_size=7168, ffn_hidden_size=18432, num_heads=128,
                   num_kv_heads=128, head_dim=128, vocab_size=129280, num_experts=256, top_k=8,
-                  num_shared_experts=1, moe_ffn_hidden_size=2048, first_k_dense_layers=3, q_lora_rank=1536,
+                  num_shared_experts=1, moe_ffn_hidden_size=2048, first_k_dense_layers=3, num_expert_groups=8,
+                  expert_groups_per_token=4, q_lora_rank=1536,
                   kv_lora_rank=512, rope_head_dim=64, seq_len=4096, global_batch_sequences=8192,
                   precision="fp8"),
     )
@@ -285,6 +319,8 @@ class ModelSpecInput(BaseModel):
     num_shared_experts: int | None = None
     moe_ffn_hidden_size: int | None = None
     first_k_dense_layers: int | None = None
+    num_expert_groups: int | None = None
+    expert_groups_per_token: int | None = None
     q_lora_rank: int | None = None
     kv_lora_rank: int | None = None
     rope_head_dim: int | None = None

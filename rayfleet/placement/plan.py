@@ -72,6 +72,16 @@ class ParallelPlan:
         activation_dtype: dtype of the activations GEMMs save for backward: "bf16", or "fp8"
             (FP8 models only; DeepSeek-V3 section 3.3: the inputs of Linear operators and of the
             MoE SwiGLU are cached in FP8) -- residual streams and MLA latents stay BF16.
+        ep_overlap: the schedule hides one micro-batch's EP all-to-all behind another's compute
+            (Megatron-Core's ``overlap_moe_expert_parallel_comm``, DeepSeek's DualPipe idea); it
+            takes effect only where the schedule allows it (see
+            :func:`rayfleet.placement.step_time_model.ep_overlap_possible`). The planner always
+            uses it; published runs that ran without it say so.
+        ep_dedup: the EP dispatcher sends a token once per remote scale-up domain and fans it
+            out inside over the scale-up link (DeepEP / HybridEP, Megatron's flex dispatcher),
+            instead of one copy per routed expert (Megatron's ``alltoall`` dispatcher).
+        tp_overlap: TP all-gathers / reduce-scatters overlap the GEMMs (Transformer Engine
+            userbuffers, ``tp_comm_overlap``); False = they run exposed.
     """
 
     tp: int = 1
@@ -90,6 +100,9 @@ class ParallelPlan:
     vpp: int = 1
     optimizer_dtype: OptimizerDtype = "fp32"
     activation_dtype: ActivationDtype = "bf16"
+    ep_overlap: bool = True
+    ep_dedup: bool = True
+    tp_overlap: bool = True
 
     def but(self, **changes) -> "ParallelPlan":
         """``dataclasses.replace(self, **changes)`` without its per-field introspection (the
@@ -155,6 +168,12 @@ class ParallelPlan:
             parts.append(f"act:{self.activation_dtype}")
         if self.recompute != "none":
             parts.append(f"rc:{self.recompute}")
+        if self.ep > 1 and not self.ep_overlap:
+            parts.append("a2a:serial")
+        if self.ep > 1 and not self.ep_dedup:
+            parts.append("a2a:per-copy")
+        if self.tp > 1 and not self.tp_overlap:
+            parts.append("tp:serial")
         return " ".join(parts)
 
 

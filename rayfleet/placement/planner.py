@@ -45,6 +45,7 @@ from rayfleet.placement.search_bounds import (_Candidate, _fits_by_vpp, _ladder,
                                               _static_bytes_floor, _vpps, _with_rung, _work, _work_per_sequence)
 from rayfleet.placement.search_space import (JobGoal, Objective, SearchSpace, core_shapes, data_parallel_degrees,
                                              pipeline_degrees)
+from rayfleet.placement.step_time_model import exposed_p2p
 from rayfleet.platform.catalogue import AcceleratorSpec
 
 __all__ = ["RankedPlan", "Rejection", "PlanSearchResult", "SearchSpace", "JobGoal", "JobSize", "search_plans",
@@ -104,35 +105,42 @@ def _configurations(model: ModelSpec, plan: ParallelPlan, fits: list[tuple[int, 
                     exhaustive: bool) -> list[ParallelPlan]:
     """The plans worth pricing among ``fits`` ((virtual stages, fitting rungs) pairs).
 
-    Virtual stages change only the pipeline term: every stage's micro-batch time grows by
-    ``(vpp - 1)`` sends and the fill/drain shrinks ``vpp`` times (see step_time_model), so one
-    pricing at ``vpp = 1`` per rung gives every ``vpp`` in closed form; only the winner is priced
-    again. ``exhaustive`` returns every pair (the oracle checks the closed form)."""
+    Virtual stages change the pipeline term -- every stage's micro-batch time grows by one send
+    per extra chunk and the fill/drain shrinks ``vpp`` times (see step_time_model) -- and, for
+    MoE plans, whether the EP all-to-all can hide (only with ``vpp > 1``). So one pricing per rung
+    at ``vpp = 1`` and one at the smallest ``vpp > 1`` give every ``vpp`` in closed form; only
+    the winner is priced again. ``exhaustive`` returns every pair (the oracle checks the closed form)."""
     if exhaustive:
         return [_with_rung(plan, ladder[r], vpp=v)
                 for v, rungs in fits for r in rungs]
     if len(fits) == 1:
         (v, (r, *_)), = fits
         return [_with_rung(plan, ladder[r], vpp=v)]
-    base: dict[int, tuple[float, tuple[float, ...], float, int]] = {}
+    interleaved = min((v for v, _ in fits if v > 1), default=1)
+    base: dict[tuple[int, int], PlanCost] = {}
     best: tuple[float, int, int] | None = None
     for v, (r, *_) in fits:
-        if r not in base:
-            one = evaluate_plan(model, _with_rung(plan, ladder[r]), accel,
-                                params=params)
-            m = one.plan.num_microbatches(model.global_batch_sequences)
-            base[r] = (one.step_time_s, one.step.stage_microbatch_s, one.step.pp_p2p / m, m)
-        total, stages, send, m = base[r]
-        slowest, whole = max(stages), sum(stages)
-        before = m * slowest + (whole - slowest)
-        grow = send * (v - 1)
-        after = m * (slowest + grow) + (whole + plan.pp * grow - slowest - grow) / v
-        t = total - before + after
+        vb = 1 if v == 1 else interleaved
+        if (r, vb) not in base:
+            base[r, vb] = evaluate_plan(model, _with_rung(plan, ladder[r], vpp=vb), accel, params=params)
+        t = _step_at_vpp(base[r, vb], model, v, params)
         if best is None or t < best[0]:
             best = (t, v, r)
     assert best is not None
     _, v, r = best
     return [_with_rung(plan, ladder[r], vpp=v)]
+
+
+def _step_at_vpp(one: PlanCost, model: ModelSpec, vpp: int, params: CostParams) -> float:
+    """``one``'s step time (priced at its own ``vpp``) with ``vpp`` virtual stages instead, for
+    a ``vpp`` on the same side of 1 (the EP overlap and the send schedule do not change)."""
+    step, vb = one.step, one.plan.vpp
+    m = one.plan.num_microbatches(model.global_batch_sequences)
+    stages = [t - exposed_p2p(step.pp_send_s, vb, c, params) + exposed_p2p(step.pp_send_s, vpp, c, params)
+              for t, c in zip(step.stage_microbatch_s, step.stage_compute_s)]
+    slow_b, slow = max(step.stage_microbatch_s), max(stages)
+    before = m * slow_b + (sum(step.stage_microbatch_s) - slow_b) / vb
+    return step.total - before + m * slow + (sum(stages) - slow) / vpp
 
 
 def _best_of(model: ModelSpec, accel: AcceleratorSpec, cand: _Candidate, space: SearchSpace, params: CostParams,
@@ -155,7 +163,8 @@ def _best_of(model: ModelSpec, accel: AcceleratorSpec, cand: _Candidate, space: 
         if not exhaustive and bound >= min(cutoff, _key(best, objective)[0] if best else cutoff):
             continue
         any_fit = bounded = False
-        base = ParallelPlan(tp=c.tp, cp=c.cp, pp=cand.pp, dp=cand.dp, ep=c.ep, etp=c.etp, micro_batch_size=mbs)
+        base = ParallelPlan(tp=c.tp, cp=c.cp, pp=cand.pp, dp=cand.dp, ep=c.ep, etp=c.etp, micro_batch_size=mbs,
+                            **space.runtime())
         split = balanced_plan(model, base, accel, params)  # virtual stages do not move the split
         for recompute in space.recompute[lightest:]:
             if not exhaustive:  # this micro-batch and recompute's own work bound (heavier only adds)

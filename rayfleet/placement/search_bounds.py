@@ -77,7 +77,7 @@ def _static_bytes_floor(model: ModelSpec, core: CoreShape, pp: int, dp: int, spa
     counts = all_stage_param_counts(model, ParallelPlan(tp=core.tp, ep=core.ep, etp=core.etp))[0]
     z = max(space.zero_ladder)
     opt = min(params.optimizer_bytes if d == "fp32" else params.optimizer_bytes_bf16 for d in space.optimizer_dtypes)
-    weight = params.param_bytes + (params.fp8_weight_cache_bytes if model.precision == "fp8" else 0)
+    weight = params.weight_bytes(model.precision)
     edp = core.tp * core.cp * dp // (core.ep * core.etp)
     total = 0.0
     for n, shard in ((counts.dense, dp * core.cp), (counts.expert, edp)):
@@ -136,7 +136,7 @@ def _fits_by_vpp(model: ModelSpec, plan: ParallelPlan, vpps: Sequence[int], ladd
     layers = [b - a for a, b in zip(starts, starts[1:] + (model.num_layers,))]
     m = plan.num_microbatches(model.global_batch_sequences)
     dense_shard, expert_shard = plan.dp * plan.cp, plan.edp
-    weight = params.param_bytes + (params.fp8_weight_cache_bytes if model.precision == "fp8" else 0)
+    weight = params.weight_bytes(model.precision)
     dense, expert = [c.dense for c in counts], [c.expert for c in counts]
     total, per_layer = [c.total for c in counts], [c.total / max(1, n) for c, n in zip(counts, layers)]
     statics: dict[int, list[float]] = {}

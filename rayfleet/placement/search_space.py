@@ -59,6 +59,15 @@ class SearchSpace:
     expert_tp_options: str = "1_or_tp"  # "1_or_tp": etp in {1, tp}; "1": etp = 1 only
     min_expert_width_per_etp_rank: int = 1024
     optimality_gap: float = 0.05  # branch and bound stops within this relative gap of the optimum
+    # What the training runtime offers (ParallelPlan.ep_overlap / ep_dedup / tp_overlap): on for
+    # GPU fleets; the calibration ranks a published plan under the options its run had.
+    ep_overlap: bool = True
+    ep_dedup: bool = True
+    tp_overlap: bool = True
+
+    def runtime(self) -> dict[str, bool]:
+        """The runtime options as ParallelPlan fields."""
+        return {"ep_overlap": self.ep_overlap, "ep_dedup": self.ep_dedup, "tp_overlap": self.tp_overlap}
 
     @property
     def zero_ladder(self) -> tuple[int, ...]:

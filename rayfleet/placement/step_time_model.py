@@ -38,7 +38,7 @@ from rayfleet.placement.model_spec import ModelSpec
 from rayfleet.placement.plan import ParallelPlan
 from rayfleet.platform.catalogue import AcceleratorSpec
 
-__all__ = ["LayerTime", "StepTimeBreakdown", "layer_time", "layer_times", "estimate_step_time"]
+__all__ = ["LayerTime", "StepTimeBreakdown", "ep_overlap_possible", "exposed_p2p", "layer_time", "layer_times", "estimate_step_time"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,10 @@ class StepTimeBreakdown:
     dp_comm: float
     optimizer: float
     stage_microbatch_s: tuple[float, ...]
+    # per stage, one micro-batch's compute (what hides interleaved sends), and one chunk's send:
+    # with them the planner prices other virtual-stage counts in closed form
+    stage_compute_s: tuple[float, ...] = ()
+    pp_send_s: float = 0.0
 
     @property
     def total(self) -> float:
@@ -85,6 +89,27 @@ class StepTimeBreakdown:
 
 def _domain(accel: AcceleratorSpec) -> int:
     return accel.scaleup_domain_size
+
+
+def ep_overlap_possible(plan: ParallelPlan) -> bool:
+    """Whether the schedule can hide one micro-batch's EP all-to-all behind another's compute.
+
+    Megatron-Core's EP A2A overlap (``overlap_moe_expert_parallel_comm``) merges the forward of
+    one micro-batch with the backward of another, layer by layer; its config asserts a
+    non-interleaved schedule has no such pairs when ``pp > 1`` (it demands virtual stages) and
+    that full recompute is off. A plain 1F1B pipeline therefore pays the whole all-to-all, as
+    does a plan that turns the overlap off (``plan.ep_overlap``)."""
+    return plan.ep_overlap and (plan.pp == 1 or plan.vpp > 1) and plan.recompute != "full"
+
+
+def _cross_domain_share(model: ModelSpec, ep: int, in_domain: int) -> float:
+    """Bytes a deduplicating dispatcher (DeepEP, HybridEP: one copy per remote domain, fanned
+    out inside it over the scale-up link) sends across domains, as a share of the routed copies
+    a plain all-to-all sends there: the token's expected remote domains over its remote copies."""
+    domains = max(1, ep // max(1, in_domain))
+    if domains == 1:
+        return 1.0
+    return model.distinct_shards_per_token(domains) / model.top_k
 
 
 def layer_time(model: ModelSpec, plan: ParallelPlan, layer: int, accel: AcceleratorSpec,
@@ -136,16 +161,20 @@ def layer_time(model: ModelSpec, plan: ParallelPlan, layer: int, accel: Accelera
         num_pairs += 1 if model.num_shared_experts else 0
         local = tokens / tp * model.top_k * h  # dispatched elements leaving this device
         in_domain = min(plan.ep, max(1, _domain(accel) // plan.etp))
-        dispatch = all_to_all_time(local * ag_bytes, plan.ep, in_domain, link, nic)
-        rest = all_to_all_time(local * rs_bytes, plan.ep, in_domain, link, nic)
-        # hidden behind another micro-batch's compute, up to that compute (not a fixed share)
-        ep_comm = max(0.0, dispatch + 3 * rest - params.ep_overlap_fraction * compute)
+        cross = _cross_domain_share(model, plan.ep, in_domain) if plan.ep_dedup else 1.0
+        dispatch = all_to_all_time(local * ag_bytes, plan.ep, in_domain, link, nic, cross)
+        rest = all_to_all_time(local * rs_bytes, plan.ep, in_domain, link, nic, cross)
+        # hidden behind another micro-batch's compute, up to that compute (not a fixed share);
+        # only schedules that interleave two micro-batches' layers can do so (see below)
+        overlap = params.ep_overlap_fraction if ep_overlap_possible(plan) else 0.0
+        ep_comm = max(0.0, dispatch + 3 * rest - overlap * compute)
         if plan.etp > 1:
             gathered = local * plan.etp
             ep_comm += ring_time(gathered * ag_bytes, plan.etp, link) + 3 * ring_time(gathered * rs_bytes, plan.etp, link)
     else:
         num_pairs += 1
-    tp_comm = (1 - params.tp_overlap_fraction) * num_pairs * pair if tp > 1 else 0.0
+    hidden = params.tp_overlap_fraction if plan.tp_overlap else 0.0
+    tp_comm = (1 - hidden) * num_pairs * pair if tp > 1 else 0.0
 
     cp_comm = 0.0
     if plan.cp > 1:
@@ -168,7 +197,9 @@ def layer_times(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorSpec,
     Only the degrees a layer sees (tp, cp, ep, etp, micro-batch, recompute, per-layer TP) matter,
     so results are memoised on those: the planner prices one shape at many dp/pp/ZeRO choices."""
     key = ParallelPlan(tp=plan.tp, cp=plan.cp, ep=plan.ep, etp=plan.etp, micro_batch_size=plan.micro_batch_size,
-                       recompute=plan.recompute, layer_tp=plan.layer_tp, dp=plan.ep * plan.etp)
+                       recompute=plan.recompute, layer_tp=plan.layer_tp, dp=plan.ep * plan.etp,
+                       pp=1 if ep_overlap_possible(plan) else 2,  # pp only decides the EP overlap
+                       ep_dedup=plan.ep_dedup, tp_overlap=plan.tp_overlap)
     return _layer_times(model, key, accel, params)
 
 
@@ -207,6 +238,21 @@ def _sharded_exposure(plan: ParallelPlan, counts: ParamCounts, allreduce_s: floa
     return max(0.0, comm - params.dp_overlap_fraction * compute_s)
 
 
+def exposed_p2p(send_s: float, vpp: int, compute_s: float, params: CostParams) -> float:
+    """Exposed pipeline send/recv of one micro-batch on a stage whose micro-batch compute is
+    ``compute_s``: each of the ``vpp`` chunks sends its activation forward and its gradient back.
+
+    The plain 1F1B schedule sends synchronously (Megatron-Bridge batches the sends instead), so
+    all of it is exposed; the interleaved schedule posts them asynchronously behind the next
+    chunk's compute (``overlap_p2p_comm``, which Megatron-Bridge turns on exactly when there are
+    virtual stages), hiding up to ``p2p_overlap_fraction`` of that compute -- the same bounded
+    form as the EP and DP overlaps, so a stage with little compute still pays for its sends."""
+    total = 2 * vpp * send_s
+    if vpp == 1:
+        return total
+    return max(0.0, total - params.p2p_overlap_fraction * compute_s)
+
+
 def estimate_step_time(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorSpec, *,
                        num_microbatches: int, stage_counts: Sequence[ParamCounts],
                        params: CostParams = CostParams(), times: Sequence[LayerTime] | None = None) -> StepTimeBreakdown:
@@ -219,15 +265,14 @@ def estimate_step_time(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorS
     m = num_microbatches
     ranges = plan.stage_ranges(model.num_layers)
 
-    p2p = 0.0
+    send = 0.0  # one chunk's activation (or gradient) to the next stage
     if plan.pp > 1:
         tokens = plan.micro_batch_size * model.seq_len / plan.cp
         act = tokens * model.hidden_size / plan.tp * params.activation_bytes
         pp_link = nic if plan.tp * plan.cp * plan.dp >= domain else link
-        # activation forward, gradient back; each of the vpp chunks sends its own
-        p2p = 2 * plan.vpp * (pp_link.latency_s + act / pp_link.bytes_per_s)
+        send = pp_link.latency_s + act / pp_link.bytes_per_s
 
-    stage_t, parts = [], []
+    stage_t, parts, p2ps = [], [], []
     for s, layers in enumerate(ranges):
         if plan.layer_tp is None:
             num_moe = num_moe_layers(model, layers)
@@ -239,8 +284,10 @@ def estimate_step_time(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorS
         ep_c = sum(t.ep_comm * n for t, n in kinds)
         cp_c = sum(t.cp_comm * n for t, n in kinds)
         bwd = sum(t.backward_compute * n for t, n in kinds)
+        p2p = exposed_p2p(send, plan.vpp, comp, params) if plan.pp > 1 else 0.0
         stage_t.append(comp + tp_c + ep_c + cp_c + p2p)
         parts.append((comp, tp_c, ep_c, cp_c, bwd))
+        p2ps.append(p2p)
 
     slowest = max(range(plan.pp), key=stage_t.__getitem__)
     pipeline = m * stage_t[slowest] + (sum(stage_t) - stage_t[slowest]) / plan.vpp
@@ -267,6 +314,7 @@ def estimate_step_time(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorS
         dp_part = opt_part = 0.0
     return StepTimeBreakdown(
         compute=m * comp, tp_comm=m * tp_c, ep_comm=m * ep_c, cp_comm=m * cp_c,
-        pp_p2p=m * p2p if plan.pp > 1 else 0.0, pp_bubble=pipeline - steady,
+        pp_p2p=m * p2ps[slowest], pp_bubble=pipeline - steady,
         dp_comm=dp_part, optimizer=opt_part, stage_microbatch_s=tuple(stage_t),
+        stage_compute_s=tuple(p[0] for p in parts), pp_send_s=send,
     )

@@ -61,6 +61,9 @@ class _PlanInput(BaseModel):
     etp: int = 1
     micro_batch_size: int = 1
     zero_stage: int = 1
+    ep_overlap: bool = True
+    ep_dedup: bool = True
+    tp_overlap: bool = True
 
 
 class _RunInput(BaseModel):
@@ -136,7 +139,8 @@ def load_published_runs(path: str | Path = PUBLISHED_RUNS_PATH) -> tuple[Publish
             raise SpecError(f"runs[{i}].plan.num_gpus", p.num_gpus, f"is not a multiple of tp*cp*pp={width}",
                             "check the published degrees")
         plan = ParallelPlan(tp=p.tp, pp=p.pp, cp=p.cp, vpp=p.vpp, ep=p.ep, etp=p.etp, dp=p.num_gpus // width,
-                            micro_batch_size=p.micro_batch_size, zero_stage=p.zero_stage)
+                            micro_batch_size=p.micro_batch_size, zero_stage=p.zero_stage, ep_overlap=p.ep_overlap,
+                            ep_dedup=p.ep_dedup, tp_overlap=p.tp_overlap)
         try:  # uneven splits are balanced by the cost model: validate with placeholder boundaries
             validate_plan(replace(plan, stage_starts=tuple(range(plan.pp))), model,
                           scaleup_domain_size=get_accelerator(run.hardware).scaleup_domain_size)
@@ -197,6 +201,9 @@ def rank_published_plan(run: PublishedRun, params: CostParams = CostParams(), *,
     ep, etp) among the planner's ``top_k`` and its predicted gap to the top plan."""
     accel = get_accelerator(run.hardware)
     capacity = FleetCapacity({accel.name: accel}, {accel.name: run.num_gpus})
+    # the shapes are compared under the runtime options the run had (its dispatcher, overlaps)
+    space = replace(space, ep_overlap=run.plan.ep_overlap, ep_dedup=run.plan.ep_dedup,
+                    tp_overlap=run.plan.tp_overlap)
     result = search_plans(run.model, capacity, top_k=top_k, params=params, space=space,
                           goal=JobGoal.exactly(run.num_gpus))
     published = predict_run(run, params).cost

@@ -36,14 +36,26 @@ def _fits(plan: ParallelPlan) -> tuple[bool, float]:
 
 def test_the_reports_plan_fits_only_with_the_reports_memory_savings() -> None:
     validate_plan(replace(OWN_PLAN, stage_starts=tuple(range(16))), DEEPSEEK, world_size=2048, scaleup_domain_size=8)
-    for recompute in ("none", "selective"):
-        for moments in ("fp32", "bf16"):
-            fits, ratio = _fits(replace(OWN_PLAN, recompute=recompute, optimizer_dtype=moments))
-            assert not fits, (recompute, moments, ratio)  # BF16 activations: too much in flight on stage 0
     for moments in ("fp32", "bf16"):
+        for acts in ("bf16", "fp8"):  # without selective recompute stage 0 holds far too much
+            fits, ratio = _fits(replace(OWN_PLAN, optimizer_dtype=moments, activation_dtype=acts))
+            assert not fits and ratio > 1.4, (moments, acts, ratio)
+        # with it, BF16 activations fill 97-98% of the usable HBM; FP8 caching leaves ~18% free
+        tight = _fits(replace(OWN_PLAN, recompute="selective", optimizer_dtype=moments))[1]
         fits, ratio = _fits(replace(OWN_PLAN, recompute="selective", optimizer_dtype=moments, activation_dtype="fp8"))
-        assert fits and ratio > 0.6, (moments, ratio)
-    assert not _fits(replace(OWN_PLAN, activation_dtype="fp8"))[0]  # selective recompute is needed too
+        assert fits and 0.6 < ratio < 0.85 and 0.95 < tight <= 1.0, (moments, ratio, tight)
+
+
+def test_fp8_primary_weights_drop_the_bf16_copy() -> None:
+    """Megatron-Bridge's FP8 recipes keep the weights only in FP8 (``fp8_param_gather``): two bytes
+    a parameter (row- and column-wise) instead of a BF16 copy plus both FP8 copies."""
+    params = CostParams()
+    assert params.weight_bytes("fp8") == 2 and params.weight_bytes("bf16") == 2
+    assert replace(params, fp8_primary_weights=False).weight_bytes("fp8") == 4
+    plan = balanced_plan(DEEPSEEK, replace(OWN_PLAN, recompute="selective"), H800, params)
+    with_copy = plan_memory(DEEPSEEK, plan, H800, params=replace(params, fp8_primary_weights=False))[0]
+    without = plan_memory(DEEPSEEK, plan, H800, params=params)[0]
+    assert with_copy.weights == pytest.approx(2 * without.weights, rel=0.01)
 
 
 def test_what_fp8_stores_in_one_byte() -> None:

@@ -138,19 +138,26 @@ def test_fp8_weight_copies_are_sharded_by_zero3() -> None:
     """Regression (issue 20): the FP8 weight copy was never sharded, even under ZeRO-3."""
     from dataclasses import replace
 
+    from rayfleet.placement.cost_params import CostParams
+
+    with_copy = replace(CostParams(), fp8_primary_weights=False)  # a BF16 weight plus its FP8 copies
     plan = ParallelPlan(tp=2, dp=4, ep=8, zero_stage=3)
     m = MIXTRAL_LIKE
     counts = stage_param_counts(m, plan, 0)
     gathered = 2 * counts.total / m.num_layers  # two layers prefetched, unsharded
     bf16 = stage_memory(m, plan, 0, num_microbatches=1)
     assert bf16.weights == pytest.approx(2 * (counts.dense / 4 + counts.expert / plan.edp) + 2 * gathered)
-    fp8 = stage_memory(replace(m, precision="fp8"), plan, 0, num_microbatches=1)
+    fp8 = stage_memory(replace(m, precision="fp8"), plan, 0, num_microbatches=1, params=with_copy)
     assert fp8.weights - bf16.weights == pytest.approx(2 * (counts.dense / 4 + counts.expert / plan.edp)
                                                        + 2 * gathered)
     # without ZeRO-3 every rank keeps its whole FP8 copy
     zero1 = replace(plan, zero_stage=1)
-    assert (stage_memory(replace(m, precision="fp8"), zero1, 0, num_microbatches=1).weights
+    assert (stage_memory(replace(m, precision="fp8"), zero1, 0, num_microbatches=1, params=with_copy).weights
             - stage_memory(m, zero1, 0, num_microbatches=1).weights) == 2 * counts.total
+    # FP8 primary weights (the default, Megatron-Bridge's fp8_param_gather): no BF16 copy, so the
+    # FP8 model stores as many bytes as the BF16 one
+    assert stage_memory(replace(m, precision="fp8"), zero1, 0, num_microbatches=1).weights == \
+        stage_memory(m, zero1, 0, num_microbatches=1).weights
 
 
 def test_zero_stages_shard_more_and_bf16_moments_save_four_bytes() -> None:
