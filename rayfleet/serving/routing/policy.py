@@ -55,7 +55,7 @@ Design decisions:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from rayfleet.errors import SpecError
@@ -104,11 +104,14 @@ class ReplicaScore:
 @dataclass(frozen=True)
 class RouteDecision:
     """``replica_id`` is ``None`` when no healthy replica exists; ``ranked`` best first
-    (prefill decisions keep the best few; decode decisions all replicas)."""
+    (prefill decisions keep the best few; decode decisions all replicas); ``order`` names every
+    ranked replica best first (prefill), so a caller wanting the whole order need not have a
+    score object built per replica."""
 
     replica_id: ReplicaId | None
     ranked: tuple[ReplicaScore, ...]
     reason: str
+    order: tuple[ReplicaId, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -128,26 +131,31 @@ class RouterPolicy:
 
     def choose_prefill(self, snapshots: Sequence[ReplicaSnapshot], block_hashes: Sequence[BlockHash],
                        index: PrefixIndex, *, num_prompt_blocks: int | None = None,
-                       max_ranked: int = 8, matched: dict[ReplicaId, int] | None = None) -> RouteDecision:
+                       max_ranked: int = 8, matched: dict[ReplicaId, int] | None = None,
+                       recent_work: Mapping[ReplicaId, float] | None = None) -> RouteDecision:
         """Rank prefill replicas for a prompt whose full blocks hash to ``block_hashes``.
 
         ``num_prompt_blocks`` counts the partial last block too (default: ``len(block_hashes)``);
         ``ranked`` holds the best ``max_ranked`` replicas; ``matched`` is the caller's
         ``index.match_prefix(block_hashes)`` when it already has one (the walk is then not
-        repeated). Pure (reads the index). Never raises.
+        repeated); ``recent_work`` is the router's ledger per replica when the caller keeps one
+        (it then replaces the snapshots' ``recent_work_blocks``: no copy of every snapshot per
+        decision). Pure (reads the index). Never raises.
         """
         num_blocks = len(block_hashes) if num_prompt_blocks is None else num_prompt_blocks
         cached = index.match_prefix(block_hashes) if matched is None else matched
         weight = self.load_weight
         healthy = [s for s in snapshots if s.healthy]
-        total_recent = sum(s.recent_work_blocks for s in healthy)
+        recent = ([recent_work.get(s.replica_id, 0.0) for s in healthy] if recent_work is not None
+                  else [s.recent_work_blocks for s in healthy])
+        total_recent = sum(recent)
         # Until the pool has done about one such request per replica recently, ratios of recent work
         # are noise: stickiness decides (a conversation's second turn stays where its first is).
         over_weight = self.overload_weight * num_blocks if total_recent >= len(healthy) * num_blocks else 0.0
         mean_after = (total_recent + num_blocks) / len(healthy) if healthy else 1.0
         # Plain tuples in the hot loop; frozen dataclasses only for the few replicas reported.
         rows = []
-        for snap in healthy:
+        for snap, recent_blocks in zip(healthy, recent):
             hit = cached.get(snap.replica_id, 0)
             to_prefill = num_blocks - hit
             load = snap.num_active_blocks + snap.num_queued_blocks
@@ -155,7 +163,7 @@ class RouterPolicy:
                 not snap.max_num_seqs or snap.num_running_requests < snap.max_num_seqs)
             cost = to_prefill + weight * load
             if over_weight:
-                over = (snap.recent_work_blocks + to_prefill - mean_after) / mean_after
+                over = (recent_blocks + to_prefill - mean_after) / mean_after
                 if over > 0:
                     cost += over_weight * over
             rows.append((not fits, cost, -hit, index.num_blocks_on(snap.replica_id), snap.replica_id, load))
@@ -177,7 +185,7 @@ class RouterPolicy:
             why = "no cached prefix; least loaded"
         return RouteDecision(best.replica_id, ranked,
                              f"{best.replica_id}: {why} ({best.cached_blocks}/{num_blocks} blocks cached, "
-                             f"load {best.load_blocks}, cost {best.cost:.1f})")
+                             f"load {best.load_blocks}, cost {best.cost:.1f})", tuple(row[4] for row in rows))
 
     def choose_decode(self, snapshots: Sequence[ReplicaSnapshot], *, num_blocks_needed: int) -> RouteDecision:
         """Rank decode replicas for a request that needs ``num_blocks_needed`` KV blocks

@@ -26,6 +26,8 @@ __all__ = ["ReplicaId", "PrefixIndex"]
 
 ReplicaId = NewType("ReplicaId", str)
 
+EXACT_WALK_BLOCKS = 64  # blocks walked one by one before bisection (``match_prefix``)
+
 
 class PrefixIndex:
     """Mutable index of cached block hashes per replica."""
@@ -103,22 +105,54 @@ class PrefixIndex:
 
     def match_prefix(self, block_hashes: Sequence[BlockHash]) -> dict[ReplicaId, int]:
         """Length in blocks of the longest cached prefix of ``block_hashes`` per replica
-        (replicas with no match are absent). Pure."""
+        (replicas with no match are absent). Pure.
+
+        Bounded walk: the first ``EXACT_WALK_BLOCKS`` blocks are walked one by one (a hole there,
+        an evicted parent, ends a replica's match exactly); past them the end of each replica's
+        match is found by bisection, O(log n) lookups per distinct match length, assuming a
+        replica that holds block j holds the blocks before it (engines evict a chain's leaves
+        first, LRU). A 100k-token prompt (6k blocks of 16) then costs ~100 lookups, not 6k; a
+        hole past the exact part can only overstate one replica's match, which costs one
+        suboptimal choice, never a wrong answer (the engine does its own lookup)."""
         matched: dict[ReplicaId, int] = {}
-        if not block_hashes:
+        num = len(block_hashes)
+        if not num:
             return matched
         index = self._hash_to_mask
         alive = -1  # every bit set: all replicas still match
-        for i, h in enumerate(block_hashes):
-            mask = index.get(h, 0)
+        for i in range(min(num, EXACT_WALK_BLOCKS)):
+            mask = index.get(block_hashes[i], 0)
             dropped = alive & ~mask
             if dropped and i:
                 self._record(matched, dropped, i)
             alive &= mask
             if not alive:
                 return matched
-        if alive:
-            self._record(matched, alive, len(block_hashes))
+        if num <= EXACT_WALK_BLOCKS:
+            self._record(matched, alive, num)
+            return matched
+        # Bisection over [lo, hi]: every bit in ``alive`` holds block lo and none holds hi + 1.
+        stack = [(EXACT_WALK_BLOCKS - 1, num - 1, alive)]
+        while stack:
+            lo, hi, bits = stack.pop()
+            if lo == hi:
+                self._record(matched, bits, lo + 1)
+                continue
+            held = bits & index.get(block_hashes[hi], 0)
+            if held:
+                self._record(matched, held, hi + 1)
+            rest = bits & ~held
+            if not rest:
+                continue
+            if hi == lo + 1:
+                self._record(matched, rest, lo + 1)
+                continue
+            mid = (lo + hi) // 2
+            up = rest & index.get(block_hashes[mid], 0)
+            if up:
+                stack.append((mid, hi - 1, up))
+            if rest & ~up:
+                stack.append((lo, mid - 1, rest & ~up))
         return matched
 
     def _record(self, matched: dict[ReplicaId, int], mask: int, length: int) -> None:

@@ -96,11 +96,14 @@ class RouterCore:
             ReplicaId(n): ReplicaSnapshot(ReplicaId(n), num_blocks_hint, num_blocks_hint, 0)
             for names in self.roles.values() for n in names}
         self._rr = {role: itertools.count() for role in self.roles}
+        # Prompt blocks booked on their prefill replica but not yet indexed (``flush_bookings``).
+        self._pending_bookings: list[tuple[ReplicaId, Sequence[BlockHash]]] = []
 
     # -- observations ---------------------------------------------------------------------------
 
     def observe(self, replica: str, snapshot: ReplicaSnapshot, events: Sequence[Any] = ()) -> None:
         """A successful poll: its snapshot replaces our guesses; its KV events update the index."""
+        self.flush_bookings()  # a booking must not land after the eviction events that follow it
         rid = ReplicaId(replica)
         was_healthy = self.snapshots.get(rid, snapshot).healthy
         self.snapshots[rid] = replace(snapshot, healthy=True)
@@ -109,6 +112,7 @@ class RouterCore:
         self.index.apply_events(rid, events)
 
     def mark_unhealthy(self, replica: str) -> None:
+        self.flush_bookings()
         rid = ReplicaId(replica)
         if rid in self.snapshots:
             self.snapshots[rid] = replace(self.snapshots[rid], healthy=False)
@@ -129,8 +133,11 @@ class RouterCore:
 
         ``block_hashes`` are the prompt's full-block hashes when the caller already has them
         (they are then not recomputed); ``now_s`` (a monotonic clock) turns on the recent-work
-        ledger that the policy's overload term reads. One prefix walk per decision; only the
-        blocks the chosen replica does not hold yet are indexed."""
+        ledger that the policy's overload term reads. One bounded prefix walk per decision
+        (``PrefixIndex.match_prefix``); the blocks the chosen replica does not hold yet are
+        indexed by ``flush_bookings``, which the async shell runs after the decision is
+        returned (off the decision path) and the next decision runs first if it was not."""
+        self.flush_bookings()
         hashes = list(block_hashes) if block_hashes is not None else hash_full_blocks(
             list(prompt_token_ids), block_size=self.block_size,
             root=root_block_hash(model_id=self.model_id, cache_salt=cache_salt))
@@ -138,9 +145,10 @@ class RouterCore:
         excluded = set(exclude)
         first_snaps = [s for n in self.roles[self.first_role]
                        if (s := self.snapshots[n]).healthy and n not in excluded]
-        if now_s is not None:
-            first_snaps = [replace(s, recent_work_blocks=self.recent_work.value(s.replica_id, now_s))
-                           for s in first_snaps]
+        # The ledger goes to the policy as a map: a copied snapshot per replica per decision
+        # (``dataclasses.replace``) was a third of a 64-replica decision.
+        recent = ({s.replica_id: self.recent_work.value(s.replica_id, now_s) for s in first_snaps}
+                  if now_s is not None else None)
         matched = self.index.match_prefix(hashes) if self.mode == "prefix_aware" else {}
         spans: tuple[SpanAssignment, ...] = ()
         if self.mode == "prefix_aware" and self.long_prefill is not None:
@@ -160,15 +168,17 @@ class RouterCore:
             reason = "round robin"
         else:
             decision = self.policy.choose_prefill(first_snaps, hashes, self.index, matched=matched,
-                                                  num_prompt_blocks=num_prompt_blocks, max_ranked=len(first_snaps))
-            first = tuple(s.replica_id for s in decision.ranked)
+                                                  num_prompt_blocks=num_prompt_blocks, max_ranked=1,
+                                                  recent_work=recent)
+            first = decision.order
             reason = decision.reason
         if first and not spans:
             chosen = self.snapshots[ReplicaId(first[0])]
             hit = matched.get(chosen.replica_id, 0)
             self.snapshots[chosen.replica_id] = replace(
                 chosen, num_queued_blocks=chosen.num_queued_blocks + num_prompt_blocks - hit)
-            self.index.add_blocks(chosen.replica_id, hashes[hit:])  # its first ``hit`` are indexed
+            if len(hashes) > hit:  # its first ``hit`` are indexed there already
+                self._pending_bookings.append((chosen.replica_id, hashes[hit:]))
             if now_s is not None:
                 self.recent_work.add(chosen.replica_id, num_prompt_blocks - hit + -(-max_tokens // self.block_size),
                                      now_s)
@@ -187,6 +197,13 @@ class RouterCore:
                     d, num_free_blocks=d.num_free_blocks - needed, num_active_blocks=d.num_active_blocks + needed,
                     num_running_requests=d.num_running_requests + 1)
         return RoutePlan(first=tuple(first), decode=decode, reason=reason, spans=spans)
+
+    def flush_bookings(self) -> None:
+        """Index the prompt blocks booked by earlier decisions (their replicas will cache them
+        within a step). Mutates the index; cheap when nothing is pending."""
+        pending, self._pending_bookings = self._pending_bookings, []
+        for rid, hashes in pending:
+            self.index.add_blocks(rid, hashes)
 
     def _round_robin(self, role: str, snaps: list[ReplicaSnapshot]) -> tuple[str, ...]:
         if not snaps:
@@ -253,8 +270,11 @@ class Router:
         self._routed_since_poll = True
         if self._wake is not None:
             self._wake.set()
-        return self.core.route(prompt_token_ids, max_tokens=max_tokens, cache_salt=cache_salt, exclude=exclude,
+        plan = self.core.route(prompt_token_ids, max_tokens=max_tokens, cache_salt=cache_salt, exclude=exclude,
                                now_s=time.monotonic())
+        # Index the routed prompt after the answer is on its way, not before (decision path).
+        asyncio.get_running_loop().call_soon(self.core.flush_bookings)
+        return plan
 
     async def report_failure(self, replica: str) -> None:
         self.core.mark_unhealthy(replica)
@@ -361,8 +381,8 @@ class PoolRouterCore:
         for n in names:
             self.snapshots.setdefault(ReplicaId(n), self._unknown(ReplicaId(n)))
         snaps = [self.snapshots[ReplicaId(n)] for n in names]
-        if now_s is not None and self.role != "decode":
-            snaps = [replace(s, recent_work_blocks=self.recent_work.value(s.replica_id, now_s)) for s in snaps]
+        recent = ({s.replica_id: self.recent_work.value(s.replica_id, now_s) for s in snaps}
+                  if now_s is not None and self.role != "decode" else None)
         if self.mode == "round_robin":
             start = next(self._rr) % max(1, len(names))
             return [[n] for n in names[start:] + names[:start]]
@@ -376,8 +396,8 @@ class PoolRouterCore:
             matched = self.index.match_prefix(hashes)
             num_blocks = max(hint.num_prompt_blocks, len(hashes))
             decision = self.policy.choose_prefill(snaps, hashes, self.index, matched=matched,
-                                                  num_prompt_blocks=num_blocks, max_ranked=len(snaps))
-            ranked = [s.replica_id for s in decision.ranked]
+                                                  num_prompt_blocks=num_blocks, max_ranked=1, recent_work=recent)
+            ranked = list(decision.order)
             if ranked:
                 hit = matched.get(ranked[0], 0)
                 self._book_prefill(ranked[0], hashes, num_blocks, hit)

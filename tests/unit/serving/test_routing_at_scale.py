@@ -77,9 +77,12 @@ def test_route_walks_the_prefix_once_and_books_only_new_blocks():
     core.index.add_blocks = lambda rid, hashes: added.append(len(list(hashes))) or original_add(rid, hashes)
     prompt = list(range(8 * BLOCK))
     first = core.route(prompt, max_tokens=4, now_s=0.0).first[0]
+    assert added == []  # the index update is off the decision path: booked, indexed later
     again = core.route(prompt + list(range(1000, 1000 + 2 * BLOCK)), max_tokens=4, now_s=1.0).first[0]
-    assert again == first  # the cached prefix wins on an otherwise idle pool
+    assert again == first  # the cached prefix wins on an otherwise idle pool (a pending booking counts)
     assert walks == [8, 10]  # one walk per decision
+    assert added == [8]
+    core.flush_bookings()  # what the async shell runs once the decision has been returned
     assert added == [8, 2]  # the second request indexes only the 2 blocks the replica lacked
     assert core.recent_work.value(first, 1.0) > 0
 
@@ -89,6 +92,7 @@ def test_route_accepts_precomputed_hashes():
     prompt = list(range(4 * BLOCK))
     hashes = hash_full_blocks(prompt, block_size=BLOCK, root=root_block_hash(model_id="tiny"))
     rid = core.route(prompt, max_tokens=2, block_hashes=hashes).first[0]
+    core.flush_bookings()
     assert core.index.match_prefix(hashes) == {rid: 4}
 
 
