@@ -40,6 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rayfleet.platform.sim import POLICIES, SimConfig, run_policy  # noqa: E402
+from rayfleet.platform.sim.costs import CostModel  # noqa: E402
 from rayfleet.platform.status_table import format_table  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -130,17 +131,21 @@ def main() -> int:
     ap.add_argument("--loads", default="0.6,0.8,0.95", help="offered loads (share of capacity) at 1,024 accelerators")
     ap.add_argument("--json", default=str(RESULTS / "colocation.json"), help="the PNG goes beside it")
     ap.add_argument("--scales", default=None, help="saturated runs' fleet sizes, e.g. 1024,8192 ('' for none)")
+    ap.add_argument("--costs", choices=("calibrated", "defaults"), default="calibrated",
+                    help="calibrated: handover costs measured live by benchmarks/handover.py (when written)")
     args = ap.parse_args()
     scales = [1024] if args.quick else [1024, 8192]
     if args.scales is not None:
         scales = [int(x) for x in args.scales.split(",") if x]
     if args.quick:
         args.days = min(args.days, 2.0)
+    costs, costs_source = CostModel.calibrated() if args.costs == "calibrated" else (CostModel(), "defaults")
     base = SimConfig(days=args.days, seed=args.seed, peak_to_trough=args.peak_to_trough,
-                     inference_peak_share=args.inference_share)
+                     inference_peak_share=args.inference_share, costs=costs)
     print(f"ran on: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()} "
           "(simulation: no accelerators used)")
-    print("cost model (calibrated-local = measured on this project's local Ray fleet; see CostModel):")
+    print(f"cost model (calibrated-local = measured on this project's local Ray fleet; see CostModel); "
+          f"handover costs: {costs_source}")
     for f in fields(base.costs):
         print(f"  {f.name} = {getattr(base.costs, f.name)}")
     start = time.perf_counter()

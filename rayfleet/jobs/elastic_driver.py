@@ -187,8 +187,11 @@ class ElasticDriver:
 
     def _resize(self) -> None:
         end = self.outcome.end if self.outcome is not None else None
-        if end is not None:  # the watcher stopped it to grow (the autoscaler's resizes are its events)
+        if end is not None:  # the watcher stopped it to grow
             self.runtime.record(end.kind.value, end.detail, {"workers": self.launch.layout.world_size})
+        else:  # the autoscaler's resize (its decision is the cause): when the formation let go, for handover timing
+            self.runtime.record("formation_stopped", f"formation {self.formation} stopped to re-form",
+                                {"workers": self.launch.layout.world_size, "step": int(self.last.get("step", 0))})
         self._to(DriverState.SCHEDULING, "re-plan at the new size")
 
     def _recover(self) -> None:

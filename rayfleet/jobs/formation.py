@@ -221,6 +221,9 @@ class RayFormations:
         time.sleep(seconds)
 
 
+TRAIN_CONTROLLER_POLL_S = "0.5"
+
+
 def run_training(spec: Any, *, storage_path: str | None = None, max_failures: int | None = None,
                  log: Callable[[str], None] = print) -> dict[str, Any]:
     """Plan, lay out and train ``spec`` on the connected cluster; returns the last metrics.
@@ -234,6 +237,12 @@ def run_training(spec: Any, *, storage_path: str | None = None, max_failures: in
 
     if max_failures is None:  # restarts only make sense when there is a snapshot to resume from
         max_failures = spec.checkpoint.max_failures if spec.checkpoint is not None else 0
+    # Ray Train's controller (which takes this from the driver's environment) polls its workers
+    # every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s by default: a formation's end, a worker group's
+    # start and a failure are each seen up to one poll late, and a resize or lend waits for two of
+    # them. 0.5 s cut kill -> next step from 11.5 to 9.7 s, for a status call twice a second. A
+    # value the job's environment sets wins.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", TRAIN_CONTROLLER_POLL_S)
     storage = storage_path or default_storage_path()
     job_dir = os.path.join(storage, f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if spec.checkpoint is not None and spec.checkpoint.uri is None:

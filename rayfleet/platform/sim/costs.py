@@ -9,9 +9,17 @@ restart, Serve replica start) as the other issues land; keep the labels honest w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
-__all__ = ["CostModel"]
+from rayfleet.errors import SpecError
+
+__all__ = ["CostModel", "HANDOVER_CALIBRATION", "write_handover_calibration"]
+
+# Written by ``benchmarks/handover.py --calibration``: the live handover's phase p50s on the
+# local fleet, mapped onto the cost model's fields (see ``write_handover_calibration``).
+HANDOVER_CALIBRATION = Path(__file__).with_name("handover_calibration.json")
 
 
 @dataclass(frozen=True)
@@ -49,3 +57,44 @@ class CostModel:
     def slo_utilization(self) -> float:
         """Utilization at which p95 TTFT reaches the SLO under the model above."""
         return 1.0 - self.ttft_base_s / self.ttft_slo_s
+
+    @classmethod
+    def calibrated(cls, path: str | Path = HANDOVER_CALIBRATION) -> tuple["CostModel", str]:
+        """The default model with the handover costs measured live (``benchmarks/handover.py``),
+        and where they come from. No file: the defaults, labelled as such."""
+        path = Path(path)
+        if not path.is_file():
+            return cls(), "defaults (no handover calibration file; run benchmarks/handover.py --calibration)"
+        data = json.loads(path.read_text())
+        known = {f.name for f in fields(cls)}
+        costs = data.get("costs", {})
+        bad = sorted(k for k, v in costs.items() if k not in known or not (isinstance(v, (int, float)) and v >= 0))
+        if bad:
+            raise SpecError(f"{path}: costs", bad, "unknown field or not a non-negative number",
+                            "re-write it with benchmarks/handover.py --calibration")
+        return replace(cls(), **costs), f"calibrated-local: {data.get('source', path.name)}"
+
+
+def write_handover_calibration(path: str | Path, phases_p50_s: dict[str, float], *, baseline_scale_up_s: float,
+                               source: str) -> dict:
+    """Map the live handover's phases (seconds after the ShrinkTraining decision) onto the cost
+    model and write them where ``CostModel.calibrated`` reads them:
+
+    - ``snapshot_s``: decision -> the formation let go (its last step ends, the snapshot is flushed);
+    - ``teardown_s``: -> the lender holds its smaller layout (only the lent accelerator free);
+    - ``model_load_median_s``: -> the lent replica serving (its start, beside the re-forming job);
+    - ``restart_s``: formation let go -> the job's first step at the new size.
+    """
+    need = ("stopped", "placed", "serving", "job stepping")
+    missing = [k for k in need if phases_p50_s.get(k) is None]
+    if missing:
+        raise SpecError("phases_p50_s", missing, "phases missing from the handover measurement",
+                        "re-run benchmarks/handover.py until every phase is seen")
+    p = phases_p50_s
+    costs = {"snapshot_s": round(p["stopped"], 2), "teardown_s": round(max(0.0, p["placed"] - p["stopped"]), 2),
+             "model_load_median_s": round(max(0.0, p["serving"] - p["placed"]), 2),
+             "restart_s": round(max(0.0, p["job stepping"] - p["stopped"]), 2)}
+    data = {"source": source, "phases_p50_s": {k: round(v, 2) for k, v in p.items()},
+            "baseline_scale_up_s": round(baseline_scale_up_s, 2), "costs": costs}
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+    return data

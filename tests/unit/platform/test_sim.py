@@ -79,3 +79,25 @@ def test_only_stepping_training_counts_as_utilized():
     slow = build_simulation("shared", replace(SMALL, costs=replace(SMALL.costs, restart_s=3600.0))).run()
     assert cheap.utilization <= cheap.held_share
     assert slow.held_share - slow.utilization > cheap.held_share - cheap.utilization + 0.01
+
+
+def test_handover_calibration_round_trips_into_the_cost_model(tmp_path):
+    """benchmarks/handover.py's phase p50s become the simulator's handover costs; a bad file is refused."""
+    from rayfleet.errors import SpecError
+    from rayfleet.platform.sim.costs import CostModel, write_handover_calibration
+
+    path = tmp_path / "handover.json"
+    default, source = CostModel.calibrated(path)
+    assert default == CostModel() and source.startswith("defaults")
+    write_handover_calibration(path, {"stopped": 3.0, "re-formed": 4.0, "placed": 9.5, "serving": 21.0,
+                                      "job stepping": 25.0}, baseline_scale_up_s=8.0, source="test run")
+    costs, source = CostModel.calibrated(path)
+    assert source == "calibrated-local: test run"
+    assert (costs.snapshot_s, costs.teardown_s, costs.model_load_median_s, costs.restart_s) == (3.0, 6.5, 11.5, 22.0)
+    # the simulator's lent handover is those phases end to end
+    assert costs.snapshot_s + costs.teardown_s + costs.model_load_median_s == 21.0
+    with pytest.raises(SpecError, match="phases missing"):
+        write_handover_calibration(path, {"stopped": 3.0}, baseline_scale_up_s=8.0, source="x")
+    path.write_text('{"costs": {"snapshot_s": -1}}')
+    with pytest.raises(SpecError, match="snapshot_s"):
+        CostModel.calibrated(path)
