@@ -44,6 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="also consider BF16 Adam moments (DeepSeek-V3's recipe; 4 bytes a parameter less)")
     p.add_argument("--fp8-activations", action="store_true",
                    help="FP8 models: also consider caching Linear/SwiGLU inputs in FP8 (DeepSeek-V3's recipe)")
+    p.add_argument("--dualpipe", action="store_true",
+                   help="also consider DeepSeek's DualPipe schedule (DualPipeV layout) for pipelines")
     p.add_argument("--min-scaling-efficiency", type=float, default=0.8,
                    help="with 'fastest': keep at least this share of the best tokens/s per accelerator (0-1)")
     p.add_argument("--layout", action="store_true", help="also print plan 1's rank -> accelerator layout")
@@ -83,7 +85,8 @@ def handle_plan(args: argparse.Namespace) -> int:
         goal = JobGoal(objective=args.objective, max_accelerators=args.max_accelerators, min_mfu=args.min_mfu,
                        min_scaling_efficiency=args.min_scaling_efficiency)
     space = SearchSpace(optimizer_dtypes=("fp32", "bf16") if args.bf16_moments else ("fp32",),
-                        activation_dtypes=("bf16", "fp8") if args.fp8_activations else ("bf16",))
+                        activation_dtypes=("bf16", "fp8") if args.fp8_activations else ("bf16",),
+                        dualpipe=args.dualpipe)
     if args.fleet and not args.nodes and not args.layout:
         # a fleet string needs no topology to plan on (12,500 node records at 100,000 GPUs)
         capacity = fleet_capacity_of(args.fleet, num_racks=args.racks)

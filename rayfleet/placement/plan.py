@@ -82,6 +82,10 @@ class ParallelPlan:
             instead of one copy per routed expert (Megatron's ``alltoall`` dispatcher).
         tp_overlap: TP all-gathers / reduce-scatters overlap the GEMMs (Transformer Engine
             userbuffers, ``tp_comm_overlap``); False = they run exposed.
+        dualpipe: DeepSeek's DualPipe schedule in its DualPipeV layout: each rank holds two
+            chunks (stage ``i`` and ``2*pp-1-i``, no duplicated weights) and runs a forward
+            and a backward chunk of two micro-batches together, which hides the EP all-to-all
+            and the pipeline sends and halves the fill/drain, at 1F1B's activation memory.
     """
 
     tp: int = 1
@@ -103,6 +107,7 @@ class ParallelPlan:
     ep_overlap: bool = True
     ep_dedup: bool = True
     tp_overlap: bool = True
+    dualpipe: bool = False
 
     def but(self, **changes) -> "ParallelPlan":
         """``dataclasses.replace(self, **changes)`` without its per-field introspection (the
@@ -155,7 +160,8 @@ class ParallelPlan:
                           in_stage // (self.etp * self.ep))
 
     def describe(self) -> str:
-        parts = [f"TP{self.tp}", f"PP{self.pp}" + (f" VP{self.vpp}" if self.vpp > 1 else ""), f"DP{self.dp}"]
+        schedule = f" VP{self.vpp}" if self.vpp > 1 else " DualPipeV" if self.dualpipe else ""
+        parts = [f"TP{self.tp}", f"PP{self.pp}" + schedule, f"DP{self.dp}"]
         if self.cp > 1:
             parts.append(f"CP{self.cp}")
         if self.ep > 1 or self.etp > 1:
@@ -286,6 +292,10 @@ def _check_stages(plan: ParallelPlan, model: ModelSpec) -> None:
     if plan.vpp > 1 and (plan.pp == 1 or plan.pp * plan.vpp > num_layers):
         raise SpecError("plan.vpp", plan.vpp, f"virtual stages need pp > 1 and pp*vpp <= num_layers={num_layers} "
                         f"(pp={plan.pp})", "use vpp=1, or fewer virtual stages")
+    if plan.dualpipe and (plan.pp == 1 or plan.vpp > 1 or 2 * plan.pp > num_layers):
+        raise SpecError("plan.dualpipe", plan.dualpipe, f"DualPipeV needs pp > 1, vpp = 1 and two chunks of layers "
+                        f"a rank (2*pp <= num_layers={num_layers}; pp={plan.pp}, vpp={plan.vpp})",
+                        "use dualpipe=false, or a pipeline with vpp=1 and fewer stages")
     if plan.pp > num_layers:
         raise SpecError("plan.pp", plan.pp, f"more pipeline stages than layers ({num_layers})",
                         f"use pp <= {num_layers}")

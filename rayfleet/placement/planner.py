@@ -87,6 +87,8 @@ def _candidates(model: ModelSpec, accel: AcceleratorSpec, lo: int, hi: int, spac
             if work is None:
                 work = _work_per_sequence(model, core, accel, params, max(space.micro_batch_sizes))
             vmax = max(_vpps(model, pp, space))
+            if space.dualpipe and pp > 1 and 2 * pp <= model.num_layers:
+                vmax = max(vmax, 2)  # DualPipeV halves the fill/drain as two virtual stages do
             for dp in dps:
                 num_shapes += 1
                 cand = _Candidate(core, pp, dp, work, gbs / dp, vmax)
@@ -102,7 +104,20 @@ def _candidates(model: ModelSpec, accel: AcceleratorSpec, lo: int, hi: int, spac
 
 def _configurations(model: ModelSpec, plan: ParallelPlan, fits: list[tuple[int, list[int]]],
                     ladder: list[tuple[int, str, str]], accel: AcceleratorSpec, params: CostParams,
-                    exhaustive: bool) -> list[ParallelPlan]:
+                    exhaustive: bool, dualpipe: bool = False) -> list[ParallelPlan]:
+    """:func:`_virtual_stage_choices`, plus DualPipeV at the rungs that fit without virtual
+    stages when ``dualpipe`` allows it (same memory as 1F1B; priced directly)."""
+    out = _virtual_stage_choices(model, plan, fits, ladder, accel, params, exhaustive)
+    if dualpipe and plan.pp > 1 and 2 * plan.pp <= model.num_layers:
+        plain = [rungs for v, rungs in fits if v == 1]
+        if plain:
+            out += [_with_rung(plan, ladder[r], dualpipe=True) for r in (plain[0] if exhaustive else plain[0][:1])]
+    return out
+
+
+def _virtual_stage_choices(model: ModelSpec, plan: ParallelPlan, fits: list[tuple[int, list[int]]],
+                           ladder: list[tuple[int, str, str]], accel: AcceleratorSpec, params: CostParams,
+                           exhaustive: bool) -> list[ParallelPlan]:
     """The plans worth pricing among ``fits`` ((virtual stages, fitting rungs) pairs).
 
     Virtual stages change the pipeline term -- every stage's micro-batch time grows by one send
@@ -181,7 +196,7 @@ def _best_of(model: ModelSpec, accel: AcceleratorSpec, cand: _Candidate, space: 
                 reason = reason or f"memory: does not fit {usable / GIB:.1f} GiB usable on {accel.name}"
                 continue
             any_fit = True
-            for trial in _configurations(model, plan, fits, ladder, accel, params, exhaustive):
+            for trial in _configurations(model, plan, fits, ladder, accel, params, exhaustive, space.dualpipe):
                 cost = evaluate_plan(model, trial, accel, params=params)
                 if cost.step_time_s * cand.world > accel_s_cap:
                     reason = reason or "efficiency: below the scaling-efficiency / MFU floor"

@@ -64,6 +64,9 @@ class SearchSpace:
     ep_overlap: bool = True
     ep_dedup: bool = True
     tp_overlap: bool = True
+    # DeepSeek's DualPipe schedule (DualPipeV layout) for pipelines; Megatron-Core has no such
+    # schedule, so it is searched only when asked (--dualpipe)
+    dualpipe: bool = False
 
     def runtime(self) -> dict[str, bool]:
         """The runtime options as ParallelPlan fields."""

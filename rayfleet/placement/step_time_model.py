@@ -99,7 +99,7 @@ def ep_overlap_possible(plan: ParallelPlan) -> bool:
     non-interleaved schedule has no such pairs when ``pp > 1`` (it demands virtual stages) and
     that full recompute is off. A plain 1F1B pipeline therefore pays the whole all-to-all, as
     does a plan that turns the overlap off (``plan.ep_overlap``)."""
-    return plan.ep_overlap and (plan.pp == 1 or plan.vpp > 1) and plan.recompute != "full"
+    return plan.ep_overlap and (plan.pp == 1 or plan.vpp > 1 or plan.dualpipe) and plan.recompute != "full"
 
 
 def _cross_domain_share(model: ModelSpec, ep: int, in_domain: int) -> float:
@@ -198,7 +198,7 @@ def layer_times(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorSpec,
     so results are memoised on those: the planner prices one shape at many dp/pp/ZeRO choices."""
     key = ParallelPlan(tp=plan.tp, cp=plan.cp, ep=plan.ep, etp=plan.etp, micro_batch_size=plan.micro_batch_size,
                        recompute=plan.recompute, layer_tp=plan.layer_tp, dp=plan.ep * plan.etp,
-                       pp=1 if ep_overlap_possible(plan) else 2,  # pp only decides the EP overlap
+                       pp=1 if ep_overlap_possible(plan) else 2,  # pp, vpp, dualpipe: only the EP overlap
                        ep_dedup=plan.ep_dedup, tp_overlap=plan.tp_overlap)
     return _layer_times(model, key, accel, params)
 
@@ -238,7 +238,7 @@ def _sharded_exposure(plan: ParallelPlan, counts: ParamCounts, allreduce_s: floa
     return max(0.0, comm - params.dp_overlap_fraction * compute_s)
 
 
-def exposed_p2p(send_s: float, vpp: int, compute_s: float, params: CostParams) -> float:
+def exposed_p2p(send_s: float, vpp: int, compute_s: float, params: CostParams, *, dualpipe: bool = False) -> float:
     """Exposed pipeline send/recv of one micro-batch on a stage whose micro-batch compute is
     ``compute_s``: each of the ``vpp`` chunks sends its activation forward and its gradient back.
 
@@ -246,9 +246,11 @@ def exposed_p2p(send_s: float, vpp: int, compute_s: float, params: CostParams) -
     all of it is exposed; the interleaved schedule posts them asynchronously behind the next
     chunk's compute (``overlap_p2p_comm``, which Megatron-Bridge turns on exactly when there are
     virtual stages), hiding up to ``p2p_overlap_fraction`` of that compute -- the same bounded
-    form as the EP and DP overlaps, so a stage with little compute still pays for its sends."""
-    total = 2 * vpp * send_s
-    if vpp == 1:
+    form as the EP and DP overlaps, so a stage with little compute still pays for its sends.
+    DualPipe(V) sends for its two chunks and overlaps them the same way."""
+    chunks = 2 if dualpipe else vpp
+    total = 2 * chunks * send_s
+    if chunks == 1:
         return total
     return max(0.0, total - params.p2p_overlap_fraction * compute_s)
 
@@ -284,13 +286,15 @@ def estimate_step_time(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorS
         ep_c = sum(t.ep_comm * n for t, n in kinds)
         cp_c = sum(t.cp_comm * n for t, n in kinds)
         bwd = sum(t.backward_compute * n for t, n in kinds)
-        p2p = exposed_p2p(send, plan.vpp, comp, params) if plan.pp > 1 else 0.0
+        p2p = exposed_p2p(send, plan.vpp, comp, params, dualpipe=plan.dualpipe) if plan.pp > 1 else 0.0
         stage_t.append(comp + tp_c + ep_c + cp_c + p2p)
         parts.append((comp, tp_c, ep_c, cp_c, bwd))
         p2ps.append(p2p)
 
     slowest = max(range(plan.pp), key=stage_t.__getitem__)
-    pipeline = m * stage_t[slowest] + (sum(stage_t) - stage_t[slowest]) / plan.vpp
+    # fill/drain: once through the other stages, vpp times faster interleaved; DualPipe's
+    # bidirectional schedule halves it ((pp/2 - 1) chunk pairs, DeepSeek-V3 table 2)
+    pipeline = m * stage_t[slowest] + (sum(stage_t) - stage_t[slowest]) / (2 if plan.dualpipe else plan.vpp)
     comp, tp_c, ep_c, cp_c, _ = parts[slowest]
     steady = m * stage_t[slowest]
 
