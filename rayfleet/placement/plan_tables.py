@@ -31,7 +31,7 @@ def format_plans(result: PlanSearchResult, model: ModelSpec, *, fleet: str = "")
     rows = []
     for rp in result.ranked:
         p, c = rp.plan, rp.cost
-        rows.append([str(rp.rank), f"{p.world_size:,}", f"TP{p.tp}", f"PP{p.pp}" + (f"x{p.vpp}" if p.vpp > 1 else ""),
+        rows.append([str(rp.rank), f"{p.world_size:,}", f"TP{p.tp}", f"PP{p.pp}" + (f"x{p.vpp}" if p.vpp > 1 else "+DualPipe" if p.dualpipe else ""),
                      f"DP{p.dp}", f"CP{p.cp}", f"EP{p.ep}", f"ETP{p.etp}", str(p.micro_batch_size),
                      f"{p.zero_stage}", p.optimizer_dtype, p.activation_dtype, p.recompute, f"{c.peak_memory_gib:.1f}",
                      f"{c.step_time_s:.3f}", f"{rp.tokens_per_s_per_accelerator:,.0f}", f"{100 * c.mfu:.1f}%",

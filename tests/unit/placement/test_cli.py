@@ -64,3 +64,12 @@ def test_bf16_moments_and_fp8_activations_are_opt_in(capsys) -> None:
                  "--fp8-activations", "--bf16-moments"]) == 0
     opened = capsys.readouterr().out
     assert _column(opened, "adam")[0] == "bf16"
+
+
+def test_dualpipe_is_opt_in_and_shown(capsys) -> None:
+    """Megatron-Core has no DualPipe schedule: the planner offers it only with --dualpipe."""
+    argv = ["plan", "deepseek-v3", "--fleet", "H100:256", "--exact", "256", "--top", "3"]
+    assert _run(argv) == 0
+    assert "DualPipe" not in capsys.readouterr().out
+    assert _run(argv + ["--dualpipe"]) == 0
+    assert "PP8+DualPipe" in capsys.readouterr().out
