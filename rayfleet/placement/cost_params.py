@@ -73,8 +73,8 @@ class CostParams:
         usable_memory_fraction: share of HBM a plan may fill (allocator, context, buffers).
     """
 
-    gemm_efficiency: float = 0.53
-    gemm_rows_at_half_efficiency: float = 192.0
+    gemm_efficiency: float = 0.56
+    gemm_rows_at_half_efficiency: float = 96.0
     gemm_width_at_half_efficiency: float = 1536.0
     moe_permute_bytes: float = 64.0
     attention_efficiency: float = 0.22
@@ -98,7 +98,7 @@ class CostParams:
     ep_overlap_fraction: float = 0.3
     cp_overlap_fraction: float = 0.5
     p2p_overlap_fraction: float = 0.8
-    tp_overlap_fraction: float = 0.8
+    tp_overlap_fraction: float = 0.5
     optimizer_bytes_touched: int = 36
     usable_memory_fraction: float = 0.9
 
