@@ -29,14 +29,32 @@ Design decisions:
   with ``mean_after`` the pool's mean ledger once this request is added. A replica at or under
   the mean pays nothing, so the prefix alone decides among those; one that would go over pays
   in proportion to the whole prompt, so a replica 25% over the mean (weight 4) needs the
-  request's whole prompt cached to win. The term waits until the pool's recent work amounts to
-  about one such request per replica: before that the ratios are noise, and on a nearly idle
-  pool a conversation's second turn must stay where its first is cached. The term is scale-free (ratios of work), so the same weight holds
-  at 8 or 64 replicas, at low or high rates and for short or 100k-token prompts, where a fixed
-  blocks-per-block weight had to be tuned to each (0.5 reached ~78% of the hit bound on one
-  long-conversation trace and 0.02 overloaded replicas on another). Replayed on the Mooncake
-  trace and two multi-turn conversation traces (``trace_replay``), it keeps 96-100% of the
-  infinite-cache hit bound at 8, 16 and 64 replicas.
+  request's whole prompt cached to win. The terms wait until the pool's recent work amounts to
+  about one mean-sized request per replica: before that the ratios are noise, and on a nearly
+  idle pool a conversation's second turn must stay where its first is cached.
+- The overload term alone balances what replicas *have done*, and a new conversation then goes
+  to any replica under the mean that holds its system prompt: one whose conversations are still
+  running (and will keep sending turns there) looks as free as an idle one, so at 64 replicas,
+  a few conversations each, the work piled up (max/mean 1.16-1.22 on conversation traces). A
+  *spread* term prices each replica's projected work on both sides of the pool's mean:
+
+      projected(r) = recent(r) + activity_weight * activity(r)
+      cost(r)     += spread_weight * mean_request_blocks * (projected(r) + work(r) - mean) / mean
+
+  with ``activity`` the same bookings in a short-memory ledger (tens of seconds: what the replica
+  is doing now, a forecast of what its running conversations will still bring) and
+  ``mean_request_blocks`` the pool's recent mean prompt (the router learns it). Priced per
+  *mean* request, not per this prompt, a move costs a request its cached blocks while the
+  balance it buys does not depend on its length: new and short conversations (few cached
+  blocks) move to the least-loaded replica, long contexts stay (a 1% spread of projected work
+  is worth 0.02 mean requests of prefill). Every term is a ratio of work learned from the
+  pool, so the same weights hold at 8 or 64 replicas, at any rate and prompt length.
+  Replayed (``benchmarks/serving.py --trace``, caches of twice a replica's share) on Mooncake's
+  trace and generated conversation traces of six shapes, it keeps 0.94-0.99 of the infinite-
+  cache hit bound with max/mean 1.00-1.10 at 8 and 16 replicas and 1.05-1.16 at 64, where the
+  overload term alone had 0.95-0.99 with 1.07-1.22 (README). At 64 replicas both goals (0.95 of
+  the bound, max/mean 1.1) are met on some shapes only: with ~5 conversations per replica one
+  conversation is ~15% of a replica's work, and every price we tried trades one for the other.
 - Ties (equal cost and equal cached prefix, e.g. a new prefix on idle replicas) go to the
   replica whose cache holds the fewest blocks, then by name. A plain by-name tie-break sent
   every new prefix to the first replica whenever the pool was idle, so with more distinct
@@ -117,13 +135,18 @@ class RouteDecision:
 @dataclass(frozen=True)
 class RouterPolicy:
     """``load_weight``: how many blocks of prefill one block of current load is worth;
-    ``overload_weight``: the price of going over the pool's mean recent work (module doc)."""
+    ``overload_weight``: the price of going over the pool's mean recent work; ``spread_weight``:
+    the price of projected work above or below the pool's mean, per mean-sized request;
+    ``activity_weight``: how much a replica's current activity adds to its projected work
+    (module doc)."""
 
     load_weight: float = 0.5
     overload_weight: float = 4.0
+    spread_weight: float = 2.0
+    activity_weight: float = 3.0
 
     def __post_init__(self) -> None:
-        for name in ("load_weight", "overload_weight"):
+        for name in ("load_weight", "overload_weight", "spread_weight", "activity_weight"):
             value = getattr(self, name)
             if not value >= 0:  # also refuses NaN
                 raise SpecError(name, value, "must be a non-negative number",
@@ -132,7 +155,9 @@ class RouterPolicy:
     def choose_prefill(self, snapshots: Sequence[ReplicaSnapshot], block_hashes: Sequence[BlockHash],
                        index: PrefixIndex, *, num_prompt_blocks: int | None = None,
                        max_ranked: int = 8, matched: dict[ReplicaId, int] | None = None,
-                       recent_work: Mapping[ReplicaId, float] | None = None) -> RouteDecision:
+                       recent_work: Mapping[ReplicaId, float] | None = None,
+                       activity: Mapping[ReplicaId, float] | None = None,
+                       mean_request_blocks: float | None = None) -> RouteDecision:
         """Rank prefill replicas for a prompt whose full blocks hash to ``block_hashes``.
 
         ``num_prompt_blocks`` counts the partial last block too (default: ``len(block_hashes)``);
@@ -140,7 +165,10 @@ class RouterPolicy:
         ``index.match_prefix(block_hashes)`` when it already has one (the walk is then not
         repeated); ``recent_work`` is the router's ledger per replica when the caller keeps one
         (it then replaces the snapshots' ``recent_work_blocks``: no copy of every snapshot per
-        decision). Pure (reads the index). Never raises.
+        decision); ``activity`` is the router's short-memory ledger per replica and
+        ``mean_request_blocks`` the pool's recent mean prompt size (both from the router; without
+        them the spread term sees no activity and sizes itself by this prompt). Pure (reads the
+        index). Never raises.
         """
         num_blocks = len(block_hashes) if num_prompt_blocks is None else num_prompt_blocks
         cached = index.match_prefix(block_hashes) if matched is None else matched
@@ -149,20 +177,33 @@ class RouterPolicy:
         recent = ([recent_work.get(s.replica_id, 0.0) for s in healthy] if recent_work is not None
                   else [s.recent_work_blocks for s in healthy])
         total_recent = sum(recent)
-        # Until the pool has done about one such request per replica recently, ratios of recent work
+        unit = mean_request_blocks if mean_request_blocks and mean_request_blocks > 0 else float(num_blocks)
+        # Until the pool has done about one request per replica recently, ratios of recent work
         # are noise: stickiness decides (a conversation's second turn stays where its first is).
-        over_weight = self.overload_weight * num_blocks if total_recent >= len(healthy) * num_blocks else 0.0
-        mean_after = (total_recent + num_blocks) / len(healthy) if healthy else 1.0
+        balancing = bool(healthy) and total_recent >= len(healthy) * unit
+        over_weight = spread = 0.0
+        if balancing:
+            over_weight = self.overload_weight * num_blocks
+            mean_after = (total_recent + num_blocks) / len(healthy)
+            active = ([activity.get(s.replica_id, 0.0) for s in healthy] if activity is not None
+                      else [0.0] * len(healthy))
+            projected = [r + self.activity_weight * a for r, a in zip(recent, active)]
+            mean_projected = (sum(projected) + num_blocks) / len(healthy)
+            spread = self.spread_weight * unit / mean_projected
+        else:
+            projected = recent
+            mean_projected = mean_after = 1.0
         # Plain tuples in the hot loop; frozen dataclasses only for the few replicas reported.
         rows = []
-        for snap, recent_blocks in zip(healthy, recent):
+        for snap, recent_blocks, projected_blocks in zip(healthy, recent, projected):
             hit = cached.get(snap.replica_id, 0)
             to_prefill = num_blocks - hit
             load = snap.num_active_blocks + snap.num_queued_blocks
             fits = snap.num_free_blocks >= to_prefill and (
                 not snap.max_num_seqs or snap.num_running_requests < snap.max_num_seqs)
             cost = to_prefill + weight * load
-            if over_weight:
+            if balancing:
+                cost += spread * (projected_blocks + to_prefill - mean_projected)
                 over = (recent_blocks + to_prefill - mean_after) / mean_after
                 if over > 0:
                     cost += over_weight * over

@@ -6,6 +6,10 @@ Design decisions:
   added to, so a decision costs O(replicas) and nothing runs between requests.
 - Time comes from the caller (``now``), so the ledger stays pure: the live router passes a
   monotonic clock, the trace replay passes trace time.
+- The router keeps two ledgers of the same bookings: a long one (minutes: what each replica
+  has done) and a short one (tens of seconds: what it is doing now, a forecast of the work its
+  running conversations will still bring), plus a ``DecayedMean`` of prompt sizes that gives
+  the policy its unit of work (``RouterPolicy`` module doc).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import math
 
 from rayfleet.errors import SpecError
 
-__all__ = ["RecentWorkLedger"]
+__all__ = ["RecentWorkLedger", "DecayedMean"]
 
 
 class RecentWorkLedger:
@@ -41,3 +45,21 @@ class RecentWorkLedger:
 
     def forget(self, replica: str) -> None:
         self._entries.pop(replica, None)
+
+
+class DecayedMean:
+    """Exponentially weighted mean of recent samples (the pool's mean prompt size, in blocks)."""
+
+    def __init__(self, memory_s: float) -> None:
+        self._sum = RecentWorkLedger(memory_s)
+        self._count = RecentWorkLedger(memory_s)
+
+    def add(self, sample: float, now: float) -> None:
+        """Record one sample at ``now``. Mutates."""
+        self._sum.add("", sample, now)
+        self._count.add("", 1.0, now)
+
+    def value(self, now: float) -> float | None:
+        """The decayed mean at ``now``, or None before the first sample. Pure."""
+        count = self._count.value("", now)
+        return self._sum.value("", now) / count if count > 0 else None

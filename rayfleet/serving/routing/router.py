@@ -53,7 +53,7 @@ from rayfleet.serving.routing.long_prefill import LongPrefillPolicy, SpanAssignm
 from rayfleet.serving.routing.prefix_index import PrefixIndex, ReplicaId
 from rayfleet.serving.deploy.replica_client import ReplicaClient
 from rayfleet.serving.routing.policy import ReplicaSnapshot, RouterPolicy
-from rayfleet.serving.routing.recent_work import RecentWorkLedger
+from rayfleet.serving.routing.recent_work import DecayedMean, RecentWorkLedger
 
 __all__ = ["RoutePlan", "RouterCore", "Router", "RouteHint", "PoolRouterCore", "ROUTING_STATS_KEYS",
            "register_pool_router", "pool_router"]
@@ -82,9 +82,11 @@ class RouterCore:
     def __init__(self, *, roles: Mapping[str, Sequence[str]], policy: RouterPolicy = RouterPolicy(),
                  mode: Mode = "prefix_aware", block_size: int, model_id: str,
                  num_blocks_hint: int = 1 << 30, long_prefill: LongPrefillPolicy | None = None,
-                 load_memory_s: float = 300.0) -> None:
+                 load_memory_s: float = 300.0, activity_memory_s: float = 30.0) -> None:
         self.long_prefill = long_prefill
         self.recent_work = RecentWorkLedger(load_memory_s)
+        self.activity = RecentWorkLedger(activity_memory_s)  # the same bookings, short memory
+        self.prompt_blocks = DecayedMean(load_memory_s)
         self.roles = {role: [ReplicaId(n) for n in names] for role, names in roles.items()}
         self.first_role = "colocated" if "colocated" in self.roles else "prefill"
         self.policy = policy
@@ -118,6 +120,7 @@ class RouterCore:
             self.snapshots[rid] = replace(self.snapshots[rid], healthy=False)
         self.index.remove_replica(rid)
         self.recent_work.forget(rid)
+        self.activity.forget(rid)
 
     def set_mode(self, mode: Mode) -> None:
         if mode not in ("prefix_aware", "round_robin"):
@@ -149,6 +152,8 @@ class RouterCore:
         # (``dataclasses.replace``) was a third of a 64-replica decision.
         recent = ({s.replica_id: self.recent_work.value(s.replica_id, now_s) for s in first_snaps}
                   if now_s is not None else None)
+        active = ({s.replica_id: self.activity.value(s.replica_id, now_s) for s in first_snaps}
+                  if now_s is not None else None)
         matched = self.index.match_prefix(hashes) if self.mode == "prefix_aware" else {}
         spans: tuple[SpanAssignment, ...] = ()
         if self.mode == "prefix_aware" and self.long_prefill is not None:
@@ -169,7 +174,9 @@ class RouterCore:
         else:
             decision = self.policy.choose_prefill(first_snaps, hashes, self.index, matched=matched,
                                                   num_prompt_blocks=num_prompt_blocks, max_ranked=1,
-                                                  recent_work=recent)
+                                                  recent_work=recent, activity=active,
+                                                  mean_request_blocks=self.prompt_blocks.value(now_s)
+                                                  if now_s is not None else None)
             first = decision.order
             reason = decision.reason
         if first and not spans:
@@ -180,8 +187,10 @@ class RouterCore:
             if len(hashes) > hit:  # its first ``hit`` are indexed there already
                 self._pending_bookings.append((chosen.replica_id, hashes[hit:]))
             if now_s is not None:
-                self.recent_work.add(chosen.replica_id, num_prompt_blocks - hit + -(-max_tokens // self.block_size),
-                                     now_s)
+                work = num_prompt_blocks - hit + -(-max_tokens // self.block_size)
+                self.recent_work.add(chosen.replica_id, work, now_s)
+                self.activity.add(chosen.replica_id, work, now_s)
+                self.prompt_blocks.add(num_prompt_blocks, now_s)
         decode: tuple[str, ...] = ()
         if "decode" in self.roles:
             needed = -(-(len(prompt_token_ids) + max_tokens) // self.block_size)
@@ -319,7 +328,7 @@ class PoolRouterCore:
     """Ranks the replicas of one pool (``role``: prefill, decode or colocated). Plain class."""
 
     def __init__(self, *, role: str, policy: RouterPolicy = RouterPolicy(), mode: Mode = "prefix_aware",
-                 load_memory_s: float = 300.0) -> None:
+                 load_memory_s: float = 300.0, activity_memory_s: float = 30.0) -> None:
         if role not in ("prefill", "decode", "colocated"):
             raise SpecError("request_router_kwargs.role", role, "is not a pool role",
                             "use prefill, decode or colocated")
@@ -331,6 +340,8 @@ class PoolRouterCore:
         self.stats: dict[ReplicaId, Mapping[str, Any]] = {}  # last applied publication per replica
         self._known: dict[ReplicaId, set] = {}  # hashes indexed per replica (published + booked)
         self.recent_work = RecentWorkLedger(load_memory_s)
+        self.activity = RecentWorkLedger(activity_memory_s)  # the same bookings, short memory
+        self.prompt_blocks = DecayedMean(load_memory_s)
         self._rr = itertools.count()
 
     def observe(self, replica: str, stats: Mapping[str, Any] | None) -> bool:
@@ -367,6 +378,7 @@ class PoolRouterCore:
             self._known.pop(rid, None)
             self.index.remove_replica(rid)
             self.recent_work.forget(rid)
+            self.activity.forget(rid)
 
     def rank(self, replicas: Sequence[str], hint: RouteHint | None, *,
              now_s: float | None = None) -> list[list[str]]:
@@ -381,8 +393,9 @@ class PoolRouterCore:
         for n in names:
             self.snapshots.setdefault(ReplicaId(n), self._unknown(ReplicaId(n)))
         snaps = [self.snapshots[ReplicaId(n)] for n in names]
-        recent = ({s.replica_id: self.recent_work.value(s.replica_id, now_s) for s in snaps}
-                  if now_s is not None and self.role != "decode" else None)
+        ledgers = now_s is not None and self.role != "decode"
+        recent = {s.replica_id: self.recent_work.value(s.replica_id, now_s) for s in snaps} if ledgers else None
+        active = {s.replica_id: self.activity.value(s.replica_id, now_s) for s in snaps} if ledgers else None
         if self.mode == "round_robin":
             start = next(self._rr) % max(1, len(names))
             return [[n] for n in names[start:] + names[:start]]
@@ -396,13 +409,17 @@ class PoolRouterCore:
             matched = self.index.match_prefix(hashes)
             num_blocks = max(hint.num_prompt_blocks, len(hashes))
             decision = self.policy.choose_prefill(snaps, hashes, self.index, matched=matched,
-                                                  num_prompt_blocks=num_blocks, max_ranked=1, recent_work=recent)
+                                                  num_prompt_blocks=num_blocks, max_ranked=1, recent_work=recent,
+                                                  activity=active, mean_request_blocks=(
+                                                      self.prompt_blocks.value(now_s) if ledgers else None))
             ranked = list(decision.order)
             if ranked:
                 hit = matched.get(ranked[0], 0)
                 self._book_prefill(ranked[0], hashes, num_blocks, hit)
                 if now_s is not None:
                     self.recent_work.add(ranked[0], num_blocks - hit, now_s)
+                    self.activity.add(ranked[0], num_blocks - hit, now_s)
+                    self.prompt_blocks.add(num_blocks, now_s)
         return [[str(r)] for r in ranked]
 
     def _book_prefill(self, rid: ReplicaId, hashes: list, num_blocks: int, hit: int) -> None:

@@ -34,12 +34,14 @@ from rayfleet.errors import SpecError
 from rayfleet.serving.engine.block_hash import BlockHash, hash_block, root_block_hash
 from rayfleet.serving.routing.policy import ReplicaSnapshot, RouterPolicy
 from rayfleet.serving.routing.prefix_index import PrefixIndex, ReplicaId
-from rayfleet.serving.routing.recent_work import RecentWorkLedger
+from rayfleet.serving.routing.recent_work import DecayedMean, RecentWorkLedger
 
 __all__ = ["TraceRequest", "ReplayResult", "read_mooncake_trace", "chain_block_hashes", "replay_routing",
            "infinite_cache_bound", "multi_turn_trace"]
 
 TRACE_BLOCK_TOKENS = 512
+LOAD_MEMORY_S = 300.0  # the live router's defaults (``RouterCore``)
+ACTIVITY_MEMORY_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,8 @@ class _ReplicaModel:
 
 def replay_routing(requests: Sequence[TraceRequest], *, policy: RouterPolicy | None, num_replicas: int,
                    cache_blocks: int, utilization: float = 0.8, decode_token_cost: float = 8.0,
-                   load_memory_s: float = 300.0, label: str = "",
+                   load_memory_s: float = LOAD_MEMORY_S, activity_memory_s: float = ACTIVITY_MEMORY_S,
+                   label: str = "",
                    timer: Callable[[], float] | None = None) -> ReplayResult:
     """Route every request in arrival order; ``policy=None`` is round robin (the baseline).
 
@@ -161,18 +164,21 @@ def replay_routing(requests: Sequence[TraceRequest], *, policy: RouterPolicy | N
     index = PrefixIndex()
     hits = total = 0
     times: list[float] = []
-    ledger = RecentWorkLedger(load_memory_s)
+    ledger, activity = RecentWorkLedger(load_memory_s), RecentWorkLedger(activity_memory_s)
+    prompt_blocks = DecayedMean(load_memory_s)
     for n, (req, chain) in enumerate(zip(requests, chains)):
         now = req.arrival_s
         if policy is None:
             chosen = replicas[n % num_replicas]
         else:
             snaps = [ReplicaSnapshot(r.name, cache_blocks, cache_blocks, 0,
-                                     num_queued_blocks=int(max(0.0, r.busy_until - now) * rate / TRACE_BLOCK_TOKENS),
-                                     recent_work_blocks=ledger.value(r.name, now))
+                                     num_queued_blocks=int(max(0.0, r.busy_until - now) * rate / TRACE_BLOCK_TOKENS))
                      for r in replicas]
             start = timer() if timer else 0.0
-            decision = policy.choose_prefill(snaps, chain, index, max_ranked=1)
+            decision = policy.choose_prefill(
+                snaps, chain, index, max_ranked=1, recent_work={r.name: ledger.value(r.name, now) for r in replicas},
+                activity={r.name: activity.value(r.name, now) for r in replicas},
+                mean_request_blocks=prompt_blocks.value(now))
             index.add_blocks(decision.replica_id, chain)  # the router books the prompt at once
             if timer:
                 times.append(timer() - start)
@@ -184,6 +190,8 @@ def replay_routing(requests: Sequence[TraceRequest], *, policy: RouterPolicy | N
         work = uncached_tokens + decode_token_cost * req.output_tokens
         chosen.assigned_work += work
         ledger.add(chosen.name, work / TRACE_BLOCK_TOKENS, now)
+        activity.add(chosen.name, work / TRACE_BLOCK_TOKENS, now)
+        prompt_blocks.add(len(chain), now)
         chosen.busy_until = max(chosen.busy_until, now) + work / rate
         evicted = chosen.admit(chain)
         if policy is not None:
