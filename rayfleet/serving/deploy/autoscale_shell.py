@@ -84,6 +84,38 @@ def p95(values: Sequence[float]) -> float:
     return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
 
 
+SETTLED_HOLD_S = 1.0  # how long the lender must look settled (``RoomWatch``)
+
+
+class RoomWatch:
+    """When a lent replica may be placed (pure; fed one observation at a time).
+
+    Ready once ``node`` has ``count`` free accelerators and the lender has settled
+    (``lender_settled``) for ``hold_s`` without a break, or after ``settle_s`` with room on the
+    node (a lender that never re-forms). The hold is there because nodes report their free
+    resources one by one: while the lender's old layout is released, one node may already show
+    its accelerators free and another not yet, which looks settled for a moment (seen: the
+    replica then raced the job's new placement group and started 63 s late).
+    """
+
+    def __init__(self, node: str, count: int, *, settle_s: float, hold_s: float = SETTLED_HOLD_S) -> None:
+        self.node, self.count, self.settle_s, self.hold_s = node, count, settle_s, hold_s
+        self.room_since: float | None = None
+        self.settled_since: float | None = None
+
+    def ready(self, now: float, free_by_node: dict[str, float], pending_lent: int) -> bool:
+        if free_by_node.get(self.node, 0) < self.count:
+            self.room_since = self.settled_since = None
+            return False
+        self.room_since = self.room_since if self.room_since is not None else now
+        if lender_settled(free_by_node, pending_lent):
+            self.settled_since = self.settled_since if self.settled_since is not None else now
+        else:
+            self.settled_since = None
+        return ((self.settled_since is not None and now - self.settled_since >= self.hold_s)
+                or now - self.room_since >= self.settle_s)
+
+
 def lender_settled(free_by_node: dict[str, float], pending_lent: int) -> bool:
     """True when no accelerator is free beyond those lent and not yet taken (pure): the lender
     holds its new layout, so a replica placed now can only land on a lent one."""
@@ -262,18 +294,13 @@ class ServeShell(AutoscalerShellBase):
 
         resource = get_accelerator(self.pool.accelerator_type).ray_resource  # GPU, XPU or NPU
         deadline = time.monotonic() + timeout_s
-        room_since: float | None = None
+        watch = RoomWatch(node, count, settle_s=settle_s)
         while time.monotonic() < deadline and not self._halt.is_set():
             alive = {n["NodeID"]: (n.get("Labels") or {}).get(L.NODE) for n in ray.nodes() if n.get("Alive")}
             free_by_node = {name: available_resources_per_node().get(node_id, {}).get(resource, 0)
                             for node_id, name in alive.items()}
-            if free_by_node.get(node, 0) >= count:
-                room_since = room_since or time.monotonic()
-                if lender_settled(free_by_node, self._pending_lent_accelerators(count)) \
-                        or time.monotonic() - room_since >= settle_s:
-                    return
-            else:
-                room_since = None
+            if watch.ready(time.monotonic(), free_by_node, self._pending_lent_accelerators(count)):
+                return
             time.sleep(0.25)
         raise TimeoutError(f"{count} accelerator(s) on {node} did not become free within {timeout_s:g}s")
 

@@ -3,7 +3,8 @@
 from rayfleet.platform.autoscaler_policy import AutoscalerPolicy, AutoscalerState, FleetObservation, GrowTraining
 from rayfleet.platform.autoscaler_policy import TrainingObservation
 from rayfleet.platform.queues import JobClass
-from rayfleet.serving.deploy.autoscale_shell import LentReplica, ServeShellConfig, desired_replicas, lender_settled, p95
+from rayfleet.serving.deploy.autoscale_shell import (LentReplica, RoomWatch, ServeShellConfig, desired_replicas,
+                                                    lender_settled, p95)
 from rayfleet.serving.deploy.autoscale_shell import serve_observation
 
 
@@ -60,3 +61,23 @@ def test_policy_keeps_room_for_an_unplaced_replica():
                                lent=[], config=config)
     r = policy.decide(AutoscalerState(), FleetObservation(100, {"n0": 0, "n6": 1, "n7": 0}, nodes, (placed,), (job,)))
     assert [d.new_size for d in r.decisions if isinstance(d, GrowTraining)] == [4]  # the broken variant
+
+
+def test_room_watch_waits_for_the_lender_to_look_settled_for_a_while():
+    """A momentary 'settled' view (one node reported its freed accelerators, the other not yet)
+    must not place the replica; a settled view that holds for hold_s does."""
+    watch = RoomWatch("n6", 1, settle_s=90.0, hold_s=1.0)
+    assert not watch.ready(0.0, {"n6": 0, "n7": 0}, pending_lent=1)  # the job still holds everything
+    assert not watch.ready(1.0, {"n6": 1, "n7": 0}, pending_lent=1)  # n7's release not reported yet
+    assert not watch.ready(1.25, {"n6": 1, "n7": 2}, pending_lent=1)  # ... now it is: the job re-forms
+    assert not watch.ready(2.25, {"n6": 1, "n7": 2}, pending_lent=1)
+    assert not watch.ready(5.0, {"n6": 1, "n7": 0}, pending_lent=1)  # the new layout holds n7
+    assert not watch.ready(5.5, {"n6": 1, "n7": 0}, pending_lent=1)
+    assert watch.ready(6.0, {"n6": 1, "n7": 0}, pending_lent=1)
+    # a lender that never re-forms: room on the node for settle_s is enough
+    lazy = RoomWatch("n6", 1, settle_s=3.0, hold_s=1.0)
+    assert not lazy.ready(0.0, {"n6": 1, "n7": 2}, pending_lent=1)
+    assert lazy.ready(3.0, {"n6": 1, "n7": 2}, pending_lent=1)
+    # no room on the node resets both clocks
+    assert not lazy.ready(3.5, {"n6": 0, "n7": 2}, pending_lent=1)
+    assert not lazy.ready(4.0, {"n6": 1, "n7": 2}, pending_lent=1)
