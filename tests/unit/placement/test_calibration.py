@@ -17,14 +17,14 @@ RUNS = load_published_runs()
 # (dispatcher, EP/TP overlap; benchmarks/placement.py --calibration prints them all;
 # docs/planner-calibration.md has the analysis). Each is a known modelling gap; the test below
 # fails when one closes, so the list stays true:
-# - DeepSeek-V3 (+12%): the top is TP2 PP8 VP4 CP2 EP32; the published EP64 spreads each token
-#   over twice the nodes (3.5 remote nodes a token against 2.4 with node-limited routing) and
-#   shows 3.4 s of all-to-all beyond what the overlap hides.
-# - Qwen3-235B (+73%): the model prefers EP8 inside a server (no NIC traffic) over the published
+# - DeepSeek-V3 (+15%): the top is TP2 PP16 VP2 CP2 EP16; the published EP64 spreads each token
+#   over 3.5 remote servers (node-limited routing, deduplicated) and shows 3.7 s of all-to-all
+#   beyond what the overlap hides.
+# - Qwen3-235B (+83%): the model prefers EP8 inside a server (no NIC traffic) over the published
 #   EP32 with a per-copy all-to-all across 4 servers (10 s exposed); no measured intra-node-EP run
 #   of a large MoE on H100 constrains that (the B200 recipes do run EP8 in a server).
-# - Qwen3-30B (+5.0%): run without the EP overlap, its EP8 pays 2 s of all-to-all; the model
-#   prefers no EP at all (128 local experts, ZeRO-3) by a hair.
+# - Qwen3-30B (+12%): run without the EP overlap, its EP8 pays 2 s of all-to-all; the model
+#   prefers no EP at all (128 local experts, ZeRO-3).
 KNOWN_RANKING_GAPS: frozenset[str] = frozenset({
     "mbridge-deepseek-v3-h100", "mbridge-qwen3-235b-a22b-h100", "mbridge-qwen3-30b-a3b-h100"})
 
