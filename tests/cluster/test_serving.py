@@ -283,3 +283,46 @@ def test_request_metrics_reach_rays_prometheus_endpoint_with_vllm_names(apps, lo
     text = wait_until(scraped, timeout_s=60, interval_s=2, what="Ray's metrics agents to export the serving metrics")
     success = [line for line in text.splitlines() if line.startswith("ray_vllm_request_success_total")]
     assert any('finished_reason="length"' in line and 'model_name="tiny"' in line for line in success), success
+
+
+def test_rolling_update_keeps_serving_with_the_same_tokens(apps, reference):
+    """Re-deploying an app under its name with a changed engine setting makes Serve replace its
+    replicas (a rolling update) while a client keeps sending: no request fails, every answer is
+    the single engine's, and the new replica runs the new setting. Last in the module: it changes
+    the app it updates."""
+    import threading
+
+    from rayfleet.serving.deploy.deployer import deploy
+
+    served = apps["colocated-nocache"]
+    before = set(served.block_usage())
+    expected = reference(PROMPTS[1])
+    results: list = []
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            try:
+                results.append(_complete(served.url, PROMPTS[1], stream=bool(len(results) % 2))[0])
+            except Exception as exc:  # noqa: BLE001 - a failed request is the finding
+                results.append(repr(exc))
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: len(results) >= 2, timeout_s=60, interval_s=0.2, what="requests before the update")
+        spec = served.spec.model_dump(mode="json")
+        spec["engine"]["enable_prefix_caching"] = True
+        deploy(spec)
+        wait_until(lambda: (now := set(served.block_usage())) and not now & before, timeout_s=300, interval_s=1.0,
+                   what="the replica replaced by the rolling update")
+        during = len(results)
+        wait_until(lambda: len(results) >= during + 2, timeout_s=60, interval_s=0.2, what="requests after the update")
+    finally:
+        stop.set()
+        thread.join(timeout=90)
+    assert all(r == expected for r in results), [r for r in results if r != expected][:3]
+    # the new replica runs the new setting: a repeated prompt now hits its prefix cache
+    _complete(served.url, PROMPTS[0], stream=False)
+    _, data = _complete(served.url, PROMPTS[0], stream=False)
+    assert data["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, data["usage"]
