@@ -8,8 +8,9 @@ cache (on a hit too) and without it; bad input gets 400/404 in both modes; a cli
 disconnects mid-stream leaves no blocks held; a decode replica killed mid-stream is resumed
 elsewhere with the same tokens; a killed prefill replica is routed around; /metrics and
 /v1/models answer, and the same metrics reach Ray's Prometheus endpoint under vLLM's names;
-the OpenAI client works; a repeated prompt goes to the prefill replica that cached it. One app
-is deployed through ``fleet.serve``.
+the OpenAI client works; a repeated prompt goes to the prefill replica that cached it; a rolling
+update (re-deploy with a changed engine setting) fails no request. One app is deployed through
+``fleet.serve``.
 """
 
 from __future__ import annotations
