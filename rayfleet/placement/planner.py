@@ -180,7 +180,9 @@ def _best_of(model: ModelSpec, accel: AcceleratorSpec, cand: _Candidate, space: 
         any_fit = bounded = False
         base = ParallelPlan(tp=c.tp, cp=c.cp, pp=cand.pp, dp=cand.dp, ep=c.ep, etp=c.etp, micro_batch_size=mbs,
                             **space.runtime())
-        split = balanced_plan(model, base, accel, params)  # virtual stages do not move the split
+        # one split per candidate: virtual stages move it only through the EP overlap (MoE layers
+        # weigh less once it hides), a second-order effect the oracle shares
+        split = balanced_plan(model, base, accel, params)
         for recompute in space.recompute[lightest:]:
             if not exhaustive:  # this micro-batch and recompute's own work bound (heavier only adds)
                 work = _work(model, c, accel, params, mbs, recompute)[0]

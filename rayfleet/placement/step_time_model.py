@@ -4,8 +4,9 @@ Design decisions:
 - Work is priced per layer and per micro-batch on one device, then assembled into a 1F1B
   pipeline: ``m * max_s T_s + (sum_s T_s - max_s T_s) / vpp`` (the slowest stage sets the pace;
   fill/drain passes once through the other stages, ``vpp`` times faster with interleaved virtual
-  stages, which send ``vpp`` times as often), followed by the DP gradient reduction (partly
-  hidden behind the last backward) and the optimizer step (HBM-bound).
+  stages -- twice with DualPipe -- which send ``vpp`` times as often but hide the sends behind
+  the stage's compute), followed by the DP gradient reduction (partly hidden behind the last
+  backward) and the optimizer step (HBM-bound).
 - ZeRO-2 reduce-scatters gradients every micro-batch and ZeRO-3 (FSDP) also all-gathers the
   weights for its forward and its backward; prefetching hides them behind that micro-batch's
   compute (``dp_overlap_fraction`` of it), so only the excess is on the critical path.
@@ -16,8 +17,10 @@ Design decisions:
   assumed: each device computes ``1/(tp*cp)`` of a replica's tokens in every layer, in both grids.
 - Communication per layer and micro-batch (sequence-parallel Megatron layout):
   TP all-gather + reduce-scatter pairs around attention, the dense MLP and the shared experts on
-  the scale-up link; EP dispatch/combine all-to-alls (FP8 dispatch under FP8) split into the
-  in-domain and cross-domain parts, exposed beyond what another micro-batch's compute hides;
+  the scale-up link (exposed in full when the run has no TP overlap); EP dispatch/combine
+  all-to-alls (FP8 dispatch under FP8) split into the in-domain and cross-domain parts (one copy
+  per remote domain with a deduplicating dispatcher), exposed beyond what another micro-batch's
+  compute hides where the schedule lets one hide it (:func:`ep_overlap_possible`);
   ETP gathers of dispatched tokens; CP ring K/V exchange; PP activation send/recv, on the NIC
   when stage peers sit on different nodes.
 - Ranks fill scale-up domains consecutively in the ``tp, cp, dp, pp`` order (as the layout
@@ -38,7 +41,8 @@ from rayfleet.placement.model_spec import ModelSpec
 from rayfleet.placement.plan import ParallelPlan
 from rayfleet.platform.catalogue import AcceleratorSpec
 
-__all__ = ["LayerTime", "StepTimeBreakdown", "ep_overlap_possible", "exposed_p2p", "layer_time", "layer_times", "estimate_step_time"]
+__all__ = ["LayerTime", "StepTimeBreakdown", "ep_overlap_possible", "exposed_p2p", "layer_time", "layer_times",
+           "estimate_step_time"]
 
 
 @dataclass(frozen=True)
@@ -97,8 +101,9 @@ def ep_overlap_possible(plan: ParallelPlan) -> bool:
     Megatron-Core's EP A2A overlap (``overlap_moe_expert_parallel_comm``) merges the forward of
     one micro-batch with the backward of another, layer by layer; its config asserts a
     non-interleaved schedule has no such pairs when ``pp > 1`` (it demands virtual stages) and
-    that full recompute is off. A plain 1F1B pipeline therefore pays the whole all-to-all, as
-    does a plan that turns the overlap off (``plan.ep_overlap``)."""
+    that full recompute is off. DualPipe pairs chunks the same way. A plain 1F1B pipeline
+    therefore pays the whole all-to-all, as does a plan that turns the overlap off
+    (``plan.ep_overlap``)."""
     return plan.ep_overlap and (plan.pp == 1 or plan.vpp > 1 or plan.dualpipe) and plan.recompute != "full"
 
 
@@ -165,7 +170,7 @@ def layer_time(model: ModelSpec, plan: ParallelPlan, layer: int, accel: Accelera
         dispatch = all_to_all_time(local * ag_bytes, plan.ep, in_domain, link, nic, cross)
         rest = all_to_all_time(local * rs_bytes, plan.ep, in_domain, link, nic, cross)
         # hidden behind another micro-batch's compute, up to that compute (not a fixed share);
-        # only schedules that interleave two micro-batches' layers can do so (see below)
+        # only schedules that interleave two micro-batches' layers can do so (ep_overlap_possible)
         overlap = params.ep_overlap_fraction if ep_overlap_possible(plan) else 0.0
         ep_comm = max(0.0, dispatch + 3 * rest - overlap * compute)
         if plan.etp > 1:
