@@ -142,7 +142,7 @@ class RouterPolicy:
 
     load_weight: float = 0.5
     overload_weight: float = 4.0
-    spread_weight: float = 2.0
+    spread_weight: float = 3.0
     activity_weight: float = 3.0
 
     def __post_init__(self) -> None:
@@ -157,7 +157,8 @@ class RouterPolicy:
                        max_ranked: int = 8, matched: dict[ReplicaId, int] | None = None,
                        recent_work: Mapping[ReplicaId, float] | None = None,
                        activity: Mapping[ReplicaId, float] | None = None,
-                       mean_request_blocks: float | None = None) -> RouteDecision:
+                       mean_request_blocks: float | None = None,
+                       mean_request_work: float | None = None) -> RouteDecision:
         """Rank prefill replicas for a prompt whose full blocks hash to ``block_hashes``.
 
         ``num_prompt_blocks`` counts the partial last block too (default: ``len(block_hashes)``);
@@ -167,8 +168,10 @@ class RouterPolicy:
         (it then replaces the snapshots' ``recent_work_blocks``: no copy of every snapshot per
         decision); ``activity`` is the router's short-memory ledger per replica and
         ``mean_request_blocks`` the pool's recent mean prompt size (both from the router; without
-        them the spread term sees no activity and sizes itself by this prompt). Pure (reads the
-        index). Never raises.
+        them the spread term sees no activity and sizes itself by this prompt);
+        ``mean_request_work`` the mean work the router books per request (the share of a
+        replica's activity that is this prompt's own conversation). Pure (reads the index).
+        Never raises.
         """
         num_blocks = len(block_hashes) if num_prompt_blocks is None else num_prompt_blocks
         cached = index.match_prefix(block_hashes) if matched is None else matched
@@ -187,7 +190,11 @@ class RouterPolicy:
             mean_after = (total_recent + num_blocks) / len(healthy)
             active = ([activity.get(s.replica_id, 0.0) for s in healthy] if activity is not None
                       else [0.0] * len(healthy))
-            projected = [r + self.activity_weight * a for r, a in zip(recent, active)]
+            # A replica caching most of this prompt probably ran its conversation's last turn:
+            # that turn is not competing activity (counted, it pushed conversations off their cache).
+            own = mean_request_work or 0.0
+            projected = [r + self.activity_weight * (max(0.0, a - own) if 2 * cached.get(s.replica_id, 0) >= num_blocks
+                                                     else a) for r, a, s in zip(recent, active, healthy)]
             mean_projected = (sum(projected) + num_blocks) / len(healthy)
             spread = self.spread_weight * unit / mean_projected
         else:

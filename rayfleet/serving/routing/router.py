@@ -87,6 +87,7 @@ class RouterCore:
         self.recent_work = RecentWorkLedger(load_memory_s)
         self.activity = RecentWorkLedger(activity_memory_s)  # the same bookings, short memory
         self.prompt_blocks = DecayedMean(load_memory_s)
+        self.request_work = DecayedMean(load_memory_s)  # booked work per request
         self.roles = {role: [ReplicaId(n) for n in names] for role, names in roles.items()}
         self.first_role = "colocated" if "colocated" in self.roles else "prefill"
         self.policy = policy
@@ -176,6 +177,8 @@ class RouterCore:
                                                   num_prompt_blocks=num_prompt_blocks, max_ranked=1,
                                                   recent_work=recent, activity=active,
                                                   mean_request_blocks=self.prompt_blocks.value(now_s)
+                                                  if now_s is not None else None,
+                                                  mean_request_work=self.request_work.value(now_s)
                                                   if now_s is not None else None)
             first = decision.order
             reason = decision.reason
@@ -191,6 +194,7 @@ class RouterCore:
                 self.recent_work.add(chosen.replica_id, work, now_s)
                 self.activity.add(chosen.replica_id, work, now_s)
                 self.prompt_blocks.add(num_prompt_blocks, now_s)
+                self.request_work.add(work, now_s)
         decode: tuple[str, ...] = ()
         if "decode" in self.roles:
             needed = -(-(len(prompt_token_ids) + max_tokens) // self.block_size)
@@ -342,6 +346,7 @@ class PoolRouterCore:
         self.recent_work = RecentWorkLedger(load_memory_s)
         self.activity = RecentWorkLedger(activity_memory_s)  # the same bookings, short memory
         self.prompt_blocks = DecayedMean(load_memory_s)
+        self.request_work = DecayedMean(load_memory_s)  # booked work per request
         self._rr = itertools.count()
 
     def observe(self, replica: str, stats: Mapping[str, Any] | None) -> bool:
@@ -411,7 +416,8 @@ class PoolRouterCore:
             decision = self.policy.choose_prefill(snaps, hashes, self.index, matched=matched,
                                                   num_prompt_blocks=num_blocks, max_ranked=1, recent_work=recent,
                                                   activity=active, mean_request_blocks=(
-                                                      self.prompt_blocks.value(now_s) if ledgers else None))
+                                                      self.prompt_blocks.value(now_s) if ledgers else None),
+                                                  mean_request_work=self.request_work.value(now_s) if ledgers else None)
             ranked = list(decision.order)
             if ranked:
                 hit = matched.get(ranked[0], 0)
@@ -420,6 +426,7 @@ class PoolRouterCore:
                     self.recent_work.add(ranked[0], num_blocks - hit, now_s)
                     self.activity.add(ranked[0], num_blocks - hit, now_s)
                     self.prompt_blocks.add(num_blocks, now_s)
+                    self.request_work.add(num_blocks - hit, now_s)
         return [[str(r)] for r in ranked]
 
     def _book_prefill(self, rid: ReplicaId, hashes: list, num_blocks: int, hit: int) -> None:

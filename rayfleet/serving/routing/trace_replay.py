@@ -165,7 +165,7 @@ def replay_routing(requests: Sequence[TraceRequest], *, policy: RouterPolicy | N
     hits = total = 0
     times: list[float] = []
     ledger, activity = RecentWorkLedger(load_memory_s), RecentWorkLedger(activity_memory_s)
-    prompt_blocks = DecayedMean(load_memory_s)
+    prompt_blocks, request_work = DecayedMean(load_memory_s), DecayedMean(load_memory_s)
     for n, (req, chain) in enumerate(zip(requests, chains)):
         now = req.arrival_s
         if policy is None:
@@ -178,7 +178,7 @@ def replay_routing(requests: Sequence[TraceRequest], *, policy: RouterPolicy | N
             decision = policy.choose_prefill(
                 snaps, chain, index, max_ranked=1, recent_work={r.name: ledger.value(r.name, now) for r in replicas},
                 activity={r.name: activity.value(r.name, now) for r in replicas},
-                mean_request_blocks=prompt_blocks.value(now))
+                mean_request_blocks=prompt_blocks.value(now), mean_request_work=request_work.value(now))
             index.add_blocks(decision.replica_id, chain)  # the router books the prompt at once
             if timer:
                 times.append(timer() - start)
@@ -192,6 +192,7 @@ def replay_routing(requests: Sequence[TraceRequest], *, policy: RouterPolicy | N
         ledger.add(chosen.name, work / TRACE_BLOCK_TOKENS, now)
         activity.add(chosen.name, work / TRACE_BLOCK_TOKENS, now)
         prompt_blocks.add(len(chain), now)
+        request_work.add(work / TRACE_BLOCK_TOKENS, now)
         chosen.busy_until = max(chosen.busy_until, now) + work / rate
         evicted = chosen.admit(chain)
         if policy is not None:

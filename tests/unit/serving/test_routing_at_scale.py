@@ -133,7 +133,7 @@ def test_replay_on_conversations_keeps_hits_and_balance():
 
 def test_replay_balances_long_conversations_at_64_replicas():
     """300 conversations of 12 turns over 64 replicas (~5 per replica: lumpy work). Measured:
-    ours 0.96 of the bound with max/mean 1.097; the overload term alone 0.97 with 1.17."""
+    ours 0.96 of the bound with max/mean 1.08; the overload term alone 0.97 with 1.17."""
     trace = multi_turn_trace(num_conversations=300, turns=12, seed=9, turn_blocks=(1, 4), system_blocks=2)
     ours = _replay(trace, RouterPolicy(), 64)
     assert ours.share_of_bound >= 0.95 and ours.load_max_mean <= 1.1, ours
@@ -144,19 +144,34 @@ def test_replay_balances_long_conversations_at_64_replicas():
 def test_spread_term_worked_example():
     """A new conversation (nothing cached), 10-block prompt, mean request 10 blocks, two
     replicas with equal recent work (50) but r0 is busy now (activity 10, weight 3):
-    projected r0 = 80, r1 = 50, mean after = (130 + 10) / 2 = 70, price = 2 x 10 / 70.
-    r0: 10 + 2/7 x (80 + 10 - 70) + 40 x (50 + 10 - 55) / 55 = 10 + 5.714 + 3.636 = 19.35
-    r1: 10 + 2/7 x (50 + 10 - 70) + 3.636 = 10.78 -> r1 wins."""
+    projected r0 = 80, r1 = 50, mean after = (130 + 10) / 2 = 70, price = 3 x 10 / 70 = 3/7;
+    overload (hinge, both): 4 x 10 x (50 + 10 - 55) / 55 = 3.636.
+    r0: 10 + 3/7 x (80 + 10 - 70) + 3.636 = 22.208
+    r1: 10 + 3/7 x (50 + 10 - 70) + 3.636 = 9.351 -> r1 wins.
+    If r0 caches 6 of the 10 blocks (its conversation's last turn ran there) and a request books
+    10 blocks on average, that turn is r0's own activity: 10 - 10 = 0, projected r0 = r1 = 50,
+    mean after 55, price 3 x 10 / 55 = 6/11; r0: 4 + 6/11 x (50 + 4 - 55) (hinge: under) = 3.455,
+    r1: 10 + 6/11 x 5 + 3.636 = 16.364 -> r0 wins (counted as competing, r0 costs
+    4 + 3/7 x 14 = 10 > 9.351 and the conversation leaves its cache)."""
     prompt = hash_full_blocks(list(range(10 * BLOCK)), block_size=BLOCK, root=ROOT)
     snaps = [snap("r0", 0), snap("r1", 0)]
     recent = {ReplicaId("r0"): 50.0, ReplicaId("r1"): 50.0}
+    busy = {ReplicaId("r0"): 10.0, ReplicaId("r1"): 0.0}
     policy = RouterPolicy(load_weight=0.0)
     decision = policy.choose_prefill(snaps, prompt, PrefixIndex(), recent_work=recent, mean_request_blocks=10.0,
-                                     activity={ReplicaId("r0"): 10.0, ReplicaId("r1"): 0.0})
-    assert [(s.replica_id, round(s.cost, 3)) for s in decision.ranked] == [("r1", 10.779), ("r0", 19.351)]
+                                     activity=busy, mean_request_work=10.0)
+    assert [(s.replica_id, round(s.cost, 3)) for s in decision.ranked] == [("r1", 9.351), ("r0", 22.208)]
     # Broken variant: without the activity forecast both look alike and the tie goes to r0.
     assert policy.choose_prefill(snaps, prompt, PrefixIndex(), recent_work=recent,
                                  mean_request_blocks=10.0).replica_id == "r0"
+    index = PrefixIndex()
+    index.add_blocks(ReplicaId("r0"), prompt[:6])
+    kept = policy.choose_prefill(snaps, prompt, index, recent_work=recent, mean_request_blocks=10.0,
+                                 activity=busy, mean_request_work=10.0)
+    assert [(s.replica_id, round(s.cost, 3)) for s in kept.ranked] == [("r0", 3.455), ("r1", 16.364)]
+    # Broken variant: counted as competing activity, the conversation's own turn pushes it off its cache.
+    assert policy.choose_prefill(snaps, prompt, index, recent_work=recent, mean_request_blocks=10.0,
+                                 activity=busy).replica_id == "r1"
 
 
 def test_prefix_walk_is_bounded_and_exact_for_contiguous_caches():
