@@ -47,14 +47,18 @@ Design decisions:
   *mean* request, not per this prompt, a move costs a request its cached blocks while the
   balance it buys does not depend on its length: new and short conversations (few cached
   blocks) move to the least-loaded replica, long contexts stay (a 1% spread of projected work
-  is worth 0.02 mean requests of prefill). Every term is a ratio of work learned from the
+  is worth 0.03 mean requests of prefill). The replica caching at least half of the prompt
+  most likely ran its conversation's last turn: its activity counts less the router's mean
+  booked work per request, else a conversation's own turns pushed it off its cache (share of
+  the bound fell ~1 point at 64 replicas). Every term is a ratio of work learned from the
   pool, so the same weights hold at 8 or 64 replicas, at any rate and prompt length.
   Replayed (``benchmarks/serving.py --trace``, caches of twice a replica's share) on Mooncake's
-  trace and generated conversation traces of six shapes, it keeps 0.94-0.99 of the infinite-
-  cache hit bound with max/mean 1.00-1.10 at 8 and 16 replicas and 1.05-1.16 at 64, where the
-  overload term alone had 0.95-0.99 with 1.07-1.22 (README). At 64 replicas both goals (0.95 of
-  the bound, max/mean 1.1) are met on some shapes only: with ~5 conversations per replica one
-  conversation is ~15% of a replica's work, and every price we tried trades one for the other.
+  trace and five generated conversation traces, it keeps 0.98-0.99 of the infinite-cache hit
+  bound with max/mean 1.01-1.05 at 8 and 16 replicas, and 0.943-0.968 with 1.04-1.16 at 64,
+  where the overload term alone had 0.949-0.984 with 1.08-1.20 (README). At 64 replicas both
+  goals (0.95 of the bound, max/mean 1.1) hold on some shapes only: with 3-15 conversations per
+  replica one conversation is ~15% of a replica's work, and each price we tried (fixed, or
+  raised with the pool's imbalance) traded one goal for the other.
 - Ties (equal cost and equal cached prefix, e.g. a new prefix on idle replicas) go to the
   replica whose cache holds the fewest blocks, then by name. A plain by-name tie-break sent
   every new prefix to the first replica whenever the pool was idle, so with more distinct
