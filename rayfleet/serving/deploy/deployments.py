@@ -8,12 +8,12 @@ Design decisions:
   ``decode``) with N replicas: Serve starts, health-checks, restarts, rolls and autoscales them
   (``pool_scaling``: Serve's rule within bounds the shared autoscaler moves). Requests are routed
   by ``routing.request_router.PrefixLoadRequestRouter`` inside the ingress's handles, from the
-  state each replica publishes with ``record_routing_stats`` (its snapshot and cached block
-  hashes; ``routing.router.ROUTING_STATS_KEYS``). No router deployment sits in the request
-  path: a router hop (ask a router deployment, then call the chosen replica) doubled the p50
-  latency of an engine call on a 2-replica pool (``benchmarks/serve_routing_hop.py``: 16.6 ms
-  against 8.0 ms in-handle on the shared 2-core machine), and the old router also polled every
-  replica ten times a second while busy.
+  state each replica publishes with ``record_routing_stats`` (its snapshot, and its cached
+  block hashes as a bounded log plus a periodic full set: ``routing.hash_log``). No router
+  deployment sits in the request path: a router hop (ask a router deployment, then call the
+  chosen replica) doubled the p50 latency of an engine call on a 2-replica pool
+  (``benchmarks/serve_routing_hop.py``: 16.6 ms against 8.0 ms in-handle on the shared 2-core
+  machine), and the old router also polled every replica ten times a second while busy.
 - Replicas name themselves (Serve's replica id) in their answers, and honour a pinned
   ``RouteHint`` only if it names them (``ReplicaUnavailableError`` otherwise): Serve's router has
   no "this replica or fail", so a pin to a replica that left the pool reaches another one,
@@ -29,6 +29,7 @@ Design decisions:
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any
 
 from ray import serve
@@ -43,6 +44,7 @@ from rayfleet.serving.engine.sampling import SamplingParams
 from rayfleet.serving.errors import ReplicaUnavailableError
 from rayfleet.serving.experts.balancer import ExpertBalanceStats, ExpertBalancingConfig, ExpertLoadBalancer
 from rayfleet.serving.kv.transfer import HandoffId, KVHandle, make_transport
+from rayfleet.serving.routing.hash_log import HashLogPublisher
 from rayfleet.serving.routing.router import RouteHint
 from rayfleet.serving.routing.split_prefill import SpanPrefillWorker, SpanReply, SpanWork
 from rayfleet.serving.spec import PoolSpec, ServeSpec
@@ -90,7 +92,7 @@ class EngineReplica:
         self.engine = AsyncEngine(engine, name=name, transport=make_transport(transport, owner=name, lease_s=lease_s),
                                   after_step=self.balancer.after_step if self.balancer is not None else None)
         self.spans = SpanPrefillWorker(self.engine)
-        self._cached_hashes: set = set()
+        self._hash_log = HashLogPublisher()  # cached block hashes, published as a log + periodic full set
         self._stats: dict[str, Any] = {}
         self._stats_key: tuple | None = None
         self._versions = itertools.count()
@@ -168,29 +170,32 @@ class EngineReplica:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Serve calls this every ``request_routing_stats_period_s`` and hands the result to every
-        caller's request router (schema: ``routing.router.ROUTING_STATS_KEYS``, plus ``state``
-        for the ingress's /metrics and /health). The version changes only when the state did,
-        so an idle pool causes no updates."""
+        caller's request router (schema: ``routing.pool_router.ROUTING_STATS_KEYS`` and
+        ``routing.hash_log.HASH_LOG_KEYS``, plus ``state`` for the ingress's /metrics and
+        /health). The version changes only when the state did or the full hash set is due
+        (``HashLogPublisher``: recent hash events every time, the whole set every period), so an
+        idle pool causes no updates once its last publication carries the full set."""
         from dataclasses import replace
 
         state = await self.engine.poll_state()
-        for event in state.events:
-            self._cached_hashes.update(event.stored)
-            self._cached_hashes.difference_update(event.removed)
+        self._hash_log.apply(state.events)
         if self._kv_index is not None and state.events:  # the global index: fire and forget (a hint)
             self._kv_index.apply_engine_events.remote(self.kv_tiers.node_id, self.replica_id, list(state.events))
         snap = state.snapshot
         key = (snap.num_total_blocks, snap.num_free_blocks, snap.num_active_blocks, snap.num_queued_blocks,
-               snap.num_running_requests, state.num_waiting, state.kv.prefix_query_tokens, bool(state.events))
+               snap.num_running_requests, state.num_waiting, state.kv.prefix_query_tokens,
+               self._hash_log.epoch, self._hash_log.seq)
         if self._engine_metrics is not None:
             self._engine_metrics.observe(state)
-        if key != self._stats_key or not self._stats:
+        now_s = time.monotonic()
+        if key != self._stats_key or not self._stats or (
+                "block_hashes" not in self._stats and self._hash_log.full_due(now_s)):
             self._stats_key = key
             self._stats = {"version": next(self._versions), "num_total_blocks": snap.num_total_blocks,
                            "num_free_blocks": snap.num_free_blocks, "num_active_blocks": snap.num_active_blocks,
                            "num_queued_blocks": snap.num_queued_blocks,
                            "num_running_requests": snap.num_running_requests, "max_num_seqs": snap.max_num_seqs,
-                           "block_hashes": tuple(self._cached_hashes), "state": replace(state, events=())}
+                           **self._hash_log.fields(now_s), "state": replace(state, events=())}
         return self._stats
 
     async def prefill_span(self, work: SpanWork, *, route: RouteHint | None = None) -> SpanReply:

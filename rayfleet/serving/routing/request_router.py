@@ -7,12 +7,14 @@ Serve builds one instance per deployment in every process that holds a handle to
 ``choose_replicas`` there, so routing costs no extra hop and no router deployment.
 
 Design decisions:
-- Thin shell over ``router.PoolRouterCore`` (pure, unit-tested): it feeds the core each
+- Thin shell over ``pool_router.PoolRouterCore`` (pure, unit-tested): it feeds the core each
   candidate's ``routing_stats`` (published by the replica's ``record_routing_stats``, schema in
-  ``router.ROUTING_STATS_KEYS``), reads the call's ``RouteHint`` (keyword ``route`` by default,
-  or any positional ``RouteHint``), and returns one-replica tiers best first. Serve then sends
-  to the first tier whose replica accepts (queue below ``max_ongoing_requests``), so a
-  full or dead best replica falls through to the next.
+  ``pool_router.ROUTING_STATS_KEYS`` and ``hash_log``), reads the call's ``RouteHint`` (keyword
+  ``route`` by default, or any positional ``RouteHint``), and returns one-replica tiers best
+  first. Serve then sends to the first tier whose replica accepts (queue below
+  ``max_ongoing_requests``), so a full or dead best replica falls through to the next. The
+  routed prompt's blocks are indexed (``PoolRouterCore.flush_bookings``) once the answer is
+  returned, off the decision path.
 - Generic: any engine whose replicas publish those stats and whose callers attach a
   ``RouteHint`` can use it (the Serve LLM pools reuse it with their own block hashes).
 - No ``FIFOMixin``: Serve's FIFO matching hands a chosen replica to the *oldest* pending
@@ -31,6 +33,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -39,7 +42,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from rayfleet.serving.routing.policy import RouterPolicy
 from rayfleet.serving.routing import router as _router
-from rayfleet.serving.routing.router import PoolRouterCore, RouteHint
+from rayfleet.serving.routing.pool_router import PoolRouterCore, RouteHint
 
 __all__ = ["PrefixLoadRequestRouter"]
 
@@ -82,6 +85,7 @@ class PrefixLoadRequestRouter(RequestRouter):
             ranked = self.core.rank(list(by_id), self._hint(pending_request), now_s=time.monotonic())
             tiers = [[by_id[u] for u in tier if u in by_id] for tier in ranked]
             tiers = [t for t in tiers if t]
+            asyncio.get_running_loop().call_soon(self.core.flush_bookings)  # after we answer (module doc)
             if tiers:
                 return tiers
         except Exception:  # noqa: BLE001 - an exception here would hang the request (module doc)

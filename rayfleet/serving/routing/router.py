@@ -1,5 +1,5 @@
-"""The router: ``RouterCore`` (plain class) and ``Router`` (its async shell, in-process apps);
-``PoolRouterCore`` ranks the replicas of one pool deployment for Serve's request router.
+"""The router: ``RouterCore`` (plain class) and ``Router`` (its async shell, in-process apps),
+and the registry of this process's pool request routers.
 
 Design decisions:
 - ``RouterCore`` keeps the last ``ReplicaSnapshot`` of every engine replica and a
@@ -23,16 +23,10 @@ Design decisions:
   one) and every ``idle_poll_interval_s`` otherwise, woken at once by the next route: an idle
   app with ten polls a second per replica kept a core of a small machine a third busy, and an
   idle replica has nothing new to say (a dead one is still found within the idle interval).
-- Deployed apps route without a router deployment: each pool is one Serve deployment and
-  ``PoolRouterCore`` (driven by ``request_router.PrefixLoadRequestRouter`` inside the caller's
-  handle) ranks that pool's replicas per call from their published routing stats
-  (``ROUTING_STATS_KEYS``: a snapshot and the full set of cached block hashes, with a version)
-  and a ``RouteHint`` the caller attaches to the call (the prompt's block hashes, computed once
-  by the caller; a pinned replica for calls that must reach one replica). Stats are a state,
-  not an event stream, because Serve hands the same stats to every caller's router; the hash
-  set is diffed against what this core knew (published plus booked), so an update costs
-  O(cached blocks) in C set operations. Between two publications the core books routed work
-  exactly as ``RouterCore`` does.
+- Deployed apps route without a router deployment: ``pool_router.PoolRouterCore`` (re-exported
+  here with ``RouteHint`` and ``ROUTING_STATS_KEYS``) ranks a pool's replicas inside the
+  caller's handle. The registry of this process's pool request routers stays in this module:
+  ``request_router`` is pickled by value by Serve, so its own globals would be a copy per handle.
 """
 
 from __future__ import annotations
@@ -44,7 +38,7 @@ import time
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
 from rayfleet.errors import SpecError
 from rayfleet.serving.engine.block_hash import BlockHash, hash_full_blocks, root_block_hash
@@ -53,15 +47,13 @@ from rayfleet.serving.routing.long_prefill import LongPrefillPolicy, SpanAssignm
 from rayfleet.serving.routing.prefix_index import PrefixIndex, ReplicaId
 from rayfleet.serving.deploy.replica_client import ReplicaClient
 from rayfleet.serving.routing.policy import ReplicaSnapshot, RouterPolicy
+from rayfleet.serving.routing.pool_router import ROUTING_STATS_KEYS, Mode, PoolRouterCore, RouteHint
 from rayfleet.serving.routing.recent_work import DecayedMean, RecentWorkLedger
 
 __all__ = ["RoutePlan", "RouterCore", "Router", "RouteHint", "PoolRouterCore", "ROUTING_STATS_KEYS",
            "register_pool_router", "pool_router"]
 
 log = logging.getLogger(__name__)
-
-Mode = Literal["prefix_aware", "round_robin"]
-
 
 @dataclass(frozen=True)
 class RoutePlan:
@@ -303,145 +295,7 @@ class Router:
             raise RuntimeError(f"router poll loop died: {self._task.exception()!r}")
 
 
-# -- pools as Serve deployments --------------------------------------------------------------------
-
-ROUTING_STATS_KEYS = ("version", "num_total_blocks", "num_free_blocks", "num_active_blocks", "num_queued_blocks",
-                      "num_running_requests", "max_num_seqs", "block_hashes")
-"""What a replica's ``record_routing_stats`` publishes for ``PoolRouterCore`` (extra keys are
-ignored): a ``version`` that changes with every publication, the ``ReplicaSnapshot`` numbers, and
-``block_hashes``, every block hash its prefix cache holds (any engine: only equality matters)."""
-
-
-@dataclass(frozen=True)
-class RouteHint:
-    """What a pool's router needs to know about one call (passed as the ``route`` keyword).
-
-    ``block_hashes``/``num_prompt_blocks`` rank a prefill/colocated pool; ``num_blocks_needed``
-    (prompt plus room to generate) ranks a decode pool. ``replica`` pins the call to one replica
-    (KV release, abort, spans, per-replica usage); ``avoid`` names replicas that just failed
-    this request (skipped while another replica exists)."""
-
-    block_hashes: tuple[Any, ...] = ()
-    num_prompt_blocks: int = 0
-    num_blocks_needed: int = 0
-    replica: str | None = None
-    avoid: tuple[str, ...] = ()
-
-
-class PoolRouterCore:
-    """Ranks the replicas of one pool (``role``: prefill, decode or colocated). Plain class."""
-
-    def __init__(self, *, role: str, policy: RouterPolicy = RouterPolicy(), mode: Mode = "prefix_aware",
-                 load_memory_s: float = 300.0, activity_memory_s: float = 30.0) -> None:
-        if role not in ("prefill", "decode", "colocated"):
-            raise SpecError("request_router_kwargs.role", role, "is not a pool role",
-                            "use prefill, decode or colocated")
-        self.role = role
-        self.policy = policy
-        self.mode = mode
-        self.index = PrefixIndex()
-        self.snapshots: dict[ReplicaId, ReplicaSnapshot] = {}
-        self.stats: dict[ReplicaId, Mapping[str, Any]] = {}  # last applied publication per replica
-        self._known: dict[ReplicaId, set] = {}  # hashes indexed per replica (published + booked)
-        self.recent_work = RecentWorkLedger(load_memory_s)
-        self.activity = RecentWorkLedger(activity_memory_s)  # the same bookings, short memory
-        self.prompt_blocks = DecayedMean(load_memory_s)
-        self.request_work = DecayedMean(load_memory_s)  # booked work per request
-        self._rr = itertools.count()
-
-    def observe(self, replica: str, stats: Mapping[str, Any] | None) -> bool:
-        """Apply ``replica``'s published stats if their version is new; True if applied."""
-        rid = ReplicaId(replica)
-        if not stats or "version" not in stats:
-            self.snapshots.setdefault(rid, self._unknown(rid))
-            return False
-        if rid in self.stats and self.stats[rid].get("version") == stats["version"]:
-            return False
-        self.stats[rid] = stats
-        self.snapshots[rid] = ReplicaSnapshot(
-            rid, int(stats["num_total_blocks"]), int(stats["num_free_blocks"]), int(stats["num_active_blocks"]),
-            int(stats.get("num_queued_blocks", 0)), int(stats.get("num_running_requests", 0)),
-            int(stats.get("max_num_seqs", 0)))
-        new = set(stats.get("block_hashes", ()))
-        known = self._known.get(rid, set())
-        self.index.remove_blocks(rid, known - new)
-        self.index.add_blocks(rid, new - known)
-        self._known[rid] = new
-        return True
-
-    def _unknown(self, rid: ReplicaId) -> ReplicaSnapshot:
-        # A replica that has not published yet (just started): as roomy as the roomiest known one.
-        total = max((s.num_total_blocks for s in self.snapshots.values()), default=1 << 30)
-        return ReplicaSnapshot(rid, total, total, 0)
-
-    def retain(self, replicas: Sequence[str]) -> None:
-        """Forget replicas that left the pool (Serve stopped or replaced them)."""
-        keep = set(replicas)
-        for rid in [r for r in self.snapshots if r not in keep]:
-            self.snapshots.pop(rid, None)
-            self.stats.pop(rid, None)
-            self._known.pop(rid, None)
-            self.index.remove_replica(rid)
-            self.recent_work.forget(rid)
-            self.activity.forget(rid)
-
-    def rank(self, replicas: Sequence[str], hint: RouteHint | None, *,
-             now_s: float | None = None) -> list[list[str]]:
-        """Ranked tiers of ``replicas`` for one call (best first, one replica per tier), and the
-        routed work booked on the first. A pinned replica that is not in ``replicas`` gives
-        ``[]``: the caller decides (Serve's router must not wait for it). ``now_s`` (a
-        monotonic clock) turns on the recent-work ledger behind the policy's overload term."""
-        hint = hint or RouteHint()
-        if hint.replica is not None:
-            return [[hint.replica]] if hint.replica in replicas else []
-        names = [n for n in replicas if n not in hint.avoid] or list(replicas)
-        for n in names:
-            self.snapshots.setdefault(ReplicaId(n), self._unknown(ReplicaId(n)))
-        snaps = [self.snapshots[ReplicaId(n)] for n in names]
-        ledgers = now_s is not None and self.role != "decode"
-        recent = {s.replica_id: self.recent_work.value(s.replica_id, now_s) for s in snaps} if ledgers else None
-        active = {s.replica_id: self.activity.value(s.replica_id, now_s) for s in snaps} if ledgers else None
-        if self.mode == "round_robin":
-            start = next(self._rr) % max(1, len(names))
-            return [[n] for n in names[start:] + names[:start]]
-        if self.role == "decode":
-            ranked = [s.replica_id for s in self.policy.choose_decode(
-                snaps, num_blocks_needed=hint.num_blocks_needed).ranked]
-            if ranked:
-                self._book_decode(ranked[0], hint.num_blocks_needed)
-        else:
-            hashes = list(hint.block_hashes)
-            matched = self.index.match_prefix(hashes)
-            num_blocks = max(hint.num_prompt_blocks, len(hashes))
-            decision = self.policy.choose_prefill(snaps, hashes, self.index, matched=matched,
-                                                  num_prompt_blocks=num_blocks, max_ranked=1, recent_work=recent,
-                                                  activity=active, mean_request_blocks=(
-                                                      self.prompt_blocks.value(now_s) if ledgers else None),
-                                                  mean_request_work=self.request_work.value(now_s) if ledgers else None)
-            ranked = list(decision.order)
-            if ranked:
-                hit = matched.get(ranked[0], 0)
-                self._book_prefill(ranked[0], hashes, num_blocks, hit)
-                if now_s is not None:
-                    self.recent_work.add(ranked[0], num_blocks - hit, now_s)
-                    self.activity.add(ranked[0], num_blocks - hit, now_s)
-                    self.prompt_blocks.add(num_blocks, now_s)
-                    self.request_work.add(num_blocks - hit, now_s)
-        return [[str(r)] for r in ranked]
-
-    def _book_prefill(self, rid: ReplicaId, hashes: list, num_blocks: int, hit: int) -> None:
-        snap = self.snapshots[rid]
-        self.snapshots[rid] = replace(snap, num_queued_blocks=snap.num_queued_blocks + num_blocks - hit)
-        if len(hashes) > hit:
-            self.index.add_blocks(rid, hashes[hit:])  # the first ``hit`` are indexed there already
-            self._known.setdefault(rid, set()).update(hashes[hit:])
-
-    def _book_decode(self, rid: ReplicaId, needed: int) -> None:
-        d = self.snapshots[rid]
-        self.snapshots[rid] = replace(d, num_free_blocks=d.num_free_blocks - needed,
-                                      num_active_blocks=d.num_active_blocks + needed,
-                                      num_running_requests=d.num_running_requests + 1)
-
+# -- pools as Serve deployments: ``pool_router``; the registry stays here (request_router's doc) ---
 
 _POOL_ROUTERS: "weakref.WeakValueDictionary[tuple[str, str], Any]" = weakref.WeakValueDictionary()
 

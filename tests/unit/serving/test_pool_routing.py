@@ -15,7 +15,7 @@ from rayfleet.serving.deploy.pool_scaling import clamp_to_bounds
 from rayfleet.serving.engine.block_hash import hash_full_blocks, root_block_hash
 from rayfleet.serving.openai_api.metrics import ServingMetrics, finished_reason_label
 from rayfleet.serving.routing.policy import RouterPolicy
-from rayfleet.serving.routing.router import PoolRouterCore, RouteHint
+from rayfleet.serving.routing.pool_router import PoolRouterCore, RouteHint
 
 BLOCK = 4
 PROMPT = list(range(1, 33))  # 8 full blocks
@@ -57,9 +57,8 @@ def test_same_version_is_not_reapplied_so_bookings_survive_until_the_next_public
     picks = set()
     for i in range(10):
         for r in ("a", "b"):
-            frozen.stats.pop(r, None)
-            frozen._known.pop(r, None)
-            frozen.index.remove_replica(r)
+            frozen.versions.pop(r, None)
+            frozen.hashes.forget(r)
             frozen.observe(r, stats(1))
         picks.add(frozen.rank(["a", "b"], hint(tuple(hash_full_blocks([i] * 32, block_size=BLOCK,
                                                                         root=root_block_hash()))))[0][0])

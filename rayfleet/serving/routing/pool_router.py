@@ -1,0 +1,185 @@
+"""``PoolRouterCore``: ranks the replicas of one pool deployment for Serve's request router.
+
+Design decisions:
+- Deployed apps route without a router deployment: each pool is one Serve deployment and
+  ``PoolRouterCore`` (driven by ``request_router.PrefixLoadRequestRouter`` inside the caller's
+  handle) ranks that pool's replicas per call from their published routing stats
+  (``ROUTING_STATS_KEYS``: a snapshot with a version; the cached block hashes as
+  ``hash_log.HASH_LOG_KEYS``) and a ``RouteHint`` the caller attaches to the call (the prompt's
+  block hashes, computed once by the caller; a pinned replica for calls that must reach one
+  replica). Stats are a state, not an event stream, because Serve hands the same latest stats
+  to every caller's router: the hashes come as a bounded log of recent events plus a periodic
+  full set (``hash_log``), so an update costs O(change), not O(cached blocks).
+- Between two publications the core books routed work exactly as ``router.RouterCore`` does.
+  The routed prompt's blocks are indexed on the chosen replica by ``flush_bookings``, which the
+  request router runs after it has answered (off the decision path); the next ``observe`` or
+  ``rank`` runs it first if it has not run.
+- Plain class (no Ray, clock or I/O): ``now_s`` comes from the caller.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from rayfleet.errors import SpecError
+from rayfleet.serving.routing.hash_log import HashSetMirror
+from rayfleet.serving.routing.policy import ReplicaSnapshot, RouterPolicy
+from rayfleet.serving.routing.prefix_index import PrefixIndex, ReplicaId
+from rayfleet.serving.routing.recent_work import DecayedMean, RecentWorkLedger
+
+__all__ = ["Mode", "RouteHint", "PoolRouterCore", "ROUTING_STATS_KEYS"]
+
+Mode = Literal["prefix_aware", "round_robin"]
+
+ROUTING_STATS_KEYS = ("version", "num_total_blocks", "num_free_blocks", "num_active_blocks", "num_queued_blocks",
+                      "num_running_requests", "max_num_seqs")
+"""What a replica's ``record_routing_stats`` must publish for ``PoolRouterCore`` (extra keys are
+ignored): a ``version`` that changes with every publication and the ``ReplicaSnapshot`` numbers.
+Its cached block hashes (any engine: only equality matters) come as ``hash_log.HASH_LOG_KEYS``
+plus a periodic full ``block_hashes``, or as ``block_hashes`` alone (the whole set every time)."""
+
+
+@dataclass(frozen=True)
+class RouteHint:
+    """What a pool's router needs to know about one call (passed as the ``route`` keyword).
+
+    ``block_hashes``/``num_prompt_blocks`` rank a prefill/colocated pool; ``num_blocks_needed``
+    (prompt plus room to generate) ranks a decode pool. ``replica`` pins the call to one replica
+    (KV release, abort, spans, per-replica usage); ``avoid`` names replicas that just failed
+    this request (skipped while another replica exists)."""
+
+    block_hashes: tuple[Any, ...] = ()
+    num_prompt_blocks: int = 0
+    num_blocks_needed: int = 0
+    replica: str | None = None
+    avoid: tuple[str, ...] = ()
+
+
+class PoolRouterCore:
+    """Ranks the replicas of one pool (``role``: prefill, decode or colocated). Plain class."""
+
+    def __init__(self, *, role: str, policy: RouterPolicy = RouterPolicy(), mode: Mode = "prefix_aware",
+                 load_memory_s: float = 300.0, activity_memory_s: float = 30.0) -> None:
+        if role not in ("prefill", "decode", "colocated"):
+            raise SpecError("request_router_kwargs.role", role, "is not a pool role",
+                            "use prefill, decode or colocated")
+        self.role = role
+        self.policy = policy
+        self.mode = mode
+        self.index = PrefixIndex()
+        self.hashes = HashSetMirror(self.index)  # published hashes (and bookings) per replica, in ``index``
+        self.snapshots: dict[ReplicaId, ReplicaSnapshot] = {}
+        self.versions: dict[ReplicaId, Any] = {}  # version of the last applied publication per replica
+        self.recent_work = RecentWorkLedger(load_memory_s)
+        self.activity = RecentWorkLedger(activity_memory_s)  # the same bookings, short memory
+        self.prompt_blocks = DecayedMean(load_memory_s)
+        self.request_work = DecayedMean(load_memory_s)  # booked work per request
+        self._rr = itertools.count()
+        # Prompt blocks booked on their replica but not yet indexed (``flush_bookings``).
+        self._pending_bookings: list[tuple[ReplicaId, Sequence[Any]]] = []
+
+    def observe(self, replica: str, stats: Mapping[str, Any] | None) -> bool:
+        """Apply ``replica``'s published stats if their version is new; True if applied."""
+        rid = ReplicaId(replica)
+        if not stats or "version" not in stats:
+            self.snapshots.setdefault(rid, self._unknown(rid))
+            return False
+        if rid in self.versions and self.versions[rid] == stats["version"]:
+            return False
+        self.flush_bookings()  # a booking must not land after the events that follow it
+        self.versions[rid] = stats["version"]
+        self.snapshots[rid] = ReplicaSnapshot(
+            rid, int(stats["num_total_blocks"]), int(stats["num_free_blocks"]), int(stats["num_active_blocks"]),
+            int(stats.get("num_queued_blocks", 0)), int(stats.get("num_running_requests", 0)),
+            int(stats.get("max_num_seqs", 0)))
+        self.hashes.observe(rid, stats)
+        return True
+
+    def _unknown(self, rid: ReplicaId) -> ReplicaSnapshot:
+        # A replica that has not published yet (just started): as roomy as the roomiest known one.
+        total = max((s.num_total_blocks for s in self.snapshots.values()), default=1 << 30)
+        return ReplicaSnapshot(rid, total, total, 0)
+
+    def retain(self, replicas: Sequence[str]) -> None:
+        """Forget replicas that left the pool (Serve stopped or replaced them)."""
+        keep = set(replicas)
+        gone = [r for r in self.snapshots if r not in keep]
+        if not gone:
+            return
+        self.flush_bookings()
+        for rid in gone:
+            self.snapshots.pop(rid, None)
+            self.versions.pop(rid, None)
+            self.hashes.forget(rid)
+            self.recent_work.forget(rid)
+            self.activity.forget(rid)
+
+    def rank(self, replicas: Sequence[str], hint: RouteHint | None, *,
+             now_s: float | None = None) -> list[list[str]]:
+        """Ranked tiers of ``replicas`` for one call (best first, one replica per tier), and the
+        routed work booked on the first (its prompt blocks are indexed by ``flush_bookings``).
+        A pinned replica that is not in ``replicas`` gives ``[]``: the caller decides (Serve's
+        router must not wait for it). ``now_s`` (a monotonic clock) turns on the recent-work
+        ledger behind the policy's overload term."""
+        hint = hint or RouteHint()
+        if hint.replica is not None:
+            return [[hint.replica]] if hint.replica in replicas else []
+        self.flush_bookings()
+        names = [n for n in replicas if n not in hint.avoid] or list(replicas)
+        for n in names:
+            self.snapshots.setdefault(ReplicaId(n), self._unknown(ReplicaId(n)))
+        snaps = [self.snapshots[ReplicaId(n)] for n in names]
+        if self.mode == "round_robin":
+            start = next(self._rr) % max(1, len(names))
+            return [[n] for n in names[start:] + names[:start]]
+        if self.role == "decode":
+            ranked = [s.replica_id for s in self.policy.choose_decode(
+                snaps, num_blocks_needed=hint.num_blocks_needed).ranked]
+            if ranked:
+                self._book_decode(ranked[0], hint.num_blocks_needed)
+        else:
+            ranked = self._rank_prefill(snaps, hint, now_s)
+        return [[str(r)] for r in ranked]
+
+    def _rank_prefill(self, snaps: list[ReplicaSnapshot], hint: RouteHint, now_s: float | None) -> list[ReplicaId]:
+        ledgers = now_s is not None
+        recent = {s.replica_id: self.recent_work.value(s.replica_id, now_s) for s in snaps} if ledgers else None
+        active = {s.replica_id: self.activity.value(s.replica_id, now_s) for s in snaps} if ledgers else None
+        hashes = list(hint.block_hashes)
+        matched = self.index.match_prefix(hashes)
+        num_blocks = max(hint.num_prompt_blocks, len(hashes))
+        decision = self.policy.choose_prefill(snaps, hashes, self.index, matched=matched,
+                                              num_prompt_blocks=num_blocks, max_ranked=1, recent_work=recent,
+                                              activity=active, mean_request_blocks=(
+                                                  self.prompt_blocks.value(now_s) if ledgers else None),
+                                              mean_request_work=self.request_work.value(now_s) if ledgers else None)
+        ranked = list(decision.order)
+        if ranked:
+            hit = matched.get(ranked[0], 0)
+            snap = self.snapshots[ranked[0]]
+            self.snapshots[ranked[0]] = replace(snap, num_queued_blocks=snap.num_queued_blocks + num_blocks - hit)
+            if len(hashes) > hit:  # the first ``hit`` are indexed there already
+                self._pending_bookings.append((ranked[0], hashes[hit:]))
+            if ledgers:
+                self.recent_work.add(ranked[0], num_blocks - hit, now_s)
+                self.activity.add(ranked[0], num_blocks - hit, now_s)
+                self.prompt_blocks.add(num_blocks, now_s)
+                self.request_work.add(num_blocks - hit, now_s)
+        return ranked
+
+    def flush_bookings(self) -> None:
+        """Index the prompt blocks booked by earlier decisions on their replicas (they will
+        cache them within a step). Mutates the index; cheap when nothing is pending."""
+        pending, self._pending_bookings = self._pending_bookings, []
+        for rid, hashes in pending:
+            if rid in self.snapshots:  # not a replica that left the pool meanwhile
+                self.hashes.book(rid, hashes)
+
+    def _book_decode(self, rid: ReplicaId, needed: int) -> None:
+        d = self.snapshots[rid]
+        self.snapshots[rid] = replace(d, num_free_blocks=d.num_free_blocks - needed,
+                                      num_active_blocks=d.num_active_blocks + needed,
+                                      num_running_requests=d.num_running_requests + 1)
