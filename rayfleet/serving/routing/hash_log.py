@@ -9,9 +9,10 @@ Design decisions:
   from any point. ``HashLogPublisher`` (replica side) publishes ``HASH_LOG_KEYS``:
   ``hash_epoch`` (a fresh token per replica process and per emptied cache), ``hash_seq`` (events
   applied in this epoch), ``hash_log_start`` (the seq just before the oldest logged event) and
-  ``hash_log``, the newest events as ``(seq, stored, removed)`` holding at most
-  ``max_log_hashes`` hashes in all (the newest event is always kept, whatever its size: one
-  engine operation, never the cache). The full set, ``block_hashes`` (as of ``hash_seq``), rides
+  ``hash_log``, the newest events as ``(seq, stored, removed)``: every event since the previous
+  publication, and older ones while the log holds at most ``max_log_hashes`` hashes (so a
+  consumer that reads every publication never falls behind; the size is bounded by
+  ``max_log_hashes`` plus one stats period of change, never the cache). The full set, ``block_hashes`` (as of ``hash_seq``), rides
   along only every ``full_period_s`` and in the first publication.
 - ``HashSetMirror`` (router side) applies the events after the last seq it saw, and is then
   exact. A consumer that fell behind the log (``last seq < hash_log_start``: Serve pushed
@@ -73,6 +74,7 @@ class HashLogPublisher:
         self._log: deque[LogEntry] = deque()
         self._log_hashes = 0
         self._last_full_s: float | None = None
+        self._published_seq = 0  # events up to here were in an earlier publication
 
     def apply(self, events: Iterable[KVCacheEvent]) -> bool:
         """Apply the engine's KV events in order; True if the cached set changed."""
@@ -89,16 +91,12 @@ class HashLogPublisher:
             self.seq += 1
             self._log.append((self.seq, tuple(event.stored), tuple(event.removed)))
             self._log_hashes += len(event.stored) + len(event.removed)
-            while self._log_hashes > self.max_log_hashes and len(self._log) > 1:
-                seq, stored, removed = self._log.popleft()
-                self._log_hashes -= len(stored) + len(removed)
-                self.log_start = seq
         return changed
 
     def _new_epoch(self) -> None:
         self._num_epochs += 1
         self.epoch = f"{self._token}:{self._num_epochs}"
-        self.seq = self.log_start = self._log_hashes = 0
+        self.seq = self.log_start = self._log_hashes = self._published_seq = 0
         self._log.clear()
 
     def full_due(self, now_s: float) -> bool:
@@ -107,7 +105,15 @@ class HashLogPublisher:
 
     def fields(self, now_s: float) -> dict[str, Any]:
         """The hash keys of one publication (``HASH_LOG_KEYS``, plus ``block_hashes`` when
-        ``full_due``). Size: O(``max_log_hashes`` + one event) except in full publications."""
+        ``full_due``). Size: O(``max_log_hashes`` + the events since the last publication)
+        except in full publications."""
+        # Trim only events an earlier publication carried: a consumer reading every
+        # publication never falls behind, however many events one stats period brings.
+        while self._log_hashes > self.max_log_hashes and self._log and self._log[0][0] <= self._published_seq:
+            seq, stored, removed = self._log.popleft()
+            self._log_hashes -= len(stored) + len(removed)
+            self.log_start = seq
+        self._published_seq = self.seq
         out: dict[str, Any] = {"hash_epoch": self.epoch, "hash_seq": self.seq, "hash_log_start": self.log_start,
                                "hash_log": tuple(self._log)}
         if self.full_due(now_s):

@@ -135,6 +135,10 @@ class PoolRouterCore:
         if self.mode == "round_robin":
             start = next(self._rr) % max(1, len(names))
             return [[n] for n in names[start:] + names[:start]]
+        if self.role != "decode" and not hint.block_hashes and not hint.num_prompt_blocks:
+            # A control call (usage, state): no prompt to match or book, so the least loaded
+            # replica; the prefill policy divides by the pool's work, which may be 0 here.
+            return [[str(s.replica_id)] for s in sorted(snaps, key=lambda s: s.num_active_blocks + s.num_queued_blocks)]
         if self.role == "decode":
             ranked = [s.replica_id for s in self.policy.choose_decode(
                 snaps, num_blocks_needed=hint.num_blocks_needed).ranked]

@@ -89,8 +89,10 @@ def test_a_consumer_behind_the_log_drops_evicted_blocks_and_recovers_at_the_next
     replica.pub.apply([KVCacheEvent(stored=gone + kept)])
     core.observe("r", replica.publish())
     assert set(gone + kept) == indexed(core, "r")
-    replica.pub.apply([KVCacheEvent(removed=gone)] + [KVCacheEvent(stored=(replica.rng.randbytes(16),))
-                                                      for _ in range(20)])  # the removal leaves the log
+    replica.pub.apply([KVCacheEvent(removed=gone)])
+    replica.publish()  # missed
+    replica.pub.apply([KVCacheEvent(stored=(replica.rng.randbytes(16),)) for _ in range(20)])
+    replica.publish()  # missed; the next one drops the removal from the log
     stats = replica.publish()
     assert "block_hashes" not in stats and stats["hash_log_start"] > 1
     core.observe("r", stats)
@@ -136,12 +138,12 @@ def test_publication_size_is_bounded_by_the_log_not_the_cache():
         cached = [rng.randbytes(16) for _ in range(num_cached)]
         pub.apply([KVCacheEvent(stored=tuple(cached))])
         pub.fields(0.0)  # the first publication carries the full set
-        for i in range(100):
+        for i in range(100):  # a publication per stats period
             new = tuple(rng.randbytes(16) for _ in range(8))
             pub.apply([KVCacheEvent(stored=new), KVCacheEvent(removed=tuple(cached[8 * i:8 * i + 8]))])
-        fields = pub.fields(1.0)
+            fields = pub.fields(1.0 + 0.01 * i)
         assert "block_hashes" not in fields
-        assert sum(len(s) + len(r) for _, s, r in fields["hash_log"]) <= 256
+        assert sum(len(s) + len(r) for _, s, r in fields["hash_log"]) <= 256 + 16  # + one period's events
         return len(pickle.dumps(fields))
 
     small, large = delta_bytes(2_000), delta_bytes(50_000)
@@ -177,3 +179,38 @@ def test_bad_publisher_settings_are_spec_errors():
         HashLogPublisher(max_log_hashes=0)
     with pytest.raises(SpecError, match="full_period_s"):
         HashLogPublisher(full_period_s=0)
+
+
+def test_a_real_engines_events_published_as_a_log_mirror_its_prefix_cache(tiny_model):
+    """Hashes agree end to end: an engine evicting under pressure, then resetting its prefix
+    cache, publishes through ``HashLogPublisher`` (as ``EngineReplica.record_routing_stats``)
+    and a router's mirror equals the engine's cached hashes after every publication."""
+    from rayfleet.serving.engine.llm_engine import EngineConfig, LLMEngine
+    from rayfleet.serving.engine.sampling import SamplingParams
+
+    engine = LLMEngine(tiny_model, EngineConfig(block_size=4, num_blocks=16, enable_kv_events=True, model_id="tiny"))
+    pub = HashLogPublisher(max_log_hashes=6, full_period_s=1e9)
+    in_step, behind = PoolRouterCore(role="prefill"), PoolRouterCore(role="prefill")
+    rng = random.Random(7)
+    for version in range(12):
+        prompt = [rng.randrange(3, 250) for _ in range(rng.choice((9, 17, 25)))]
+        engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0))
+        if version == 8:
+            assert engine.block_pool.reset_prefix_cache()
+        pub.apply(engine.take_kv_events())
+        stats = {"version": version, **SNAP, **pub.fields(float(version))}
+        in_step.observe("e0", stats)
+        truth = set(engine.block_pool._hash_to_block)
+        assert indexed(in_step, "e0") == truth == pub.cached
+        if version % 4 == 3:  # reads a third of the publications: behind the 6-hash log
+            behind.observe("e0", stats)
+            assert indexed(behind, "e0") <= truth
+    assert pub.epoch.endswith(":1")  # the reset started an epoch
+
+
+def test_a_call_without_a_prompt_goes_to_the_least_loaded_replica_and_books_nothing():
+    core = PoolRouterCore(role="prefill")
+    core.observe("busy", {"version": 1, **SNAP, "num_queued_blocks": 50})
+    core.observe("idle", {"version": 1, **SNAP})
+    assert core.rank(["busy", "idle"], RouteHint(), now_s=1.0) == [["idle"], ["busy"]]
+    assert core.snapshots["idle"].num_queued_blocks == 0 and core.recent_work.value("idle", 1.0) == 0
