@@ -110,7 +110,9 @@ def phases_of(events: list, shell_history: list[dict], job: str) -> dict[str, fl
             "job stepping": (resized[0].ts - t0) if resized else None}
 
 
-def one_run(sdk, served, shell, dataset: str, ckpt: str, index: int) -> dict[str, float]:
+def one_run(sdk, served, shell, dataset: str, ckpt: str, index: int, *, give_back: bool = True) -> dict[str, float]:
+    """One lend; ``give_back``: also wait for the replica's removal and the job's grow-back (the
+    next run needs the accelerator back; a last run can stop the job right away)."""
     spec = {"name": f"{SPEC_NAME}-{index}", "model": {"preset": "tiny", "seed": 0},
             "data": {"uri": dataset, "seq_len": 64}, "plan": {}, "precision": "fp32", "steps": 5000,
             "global_batch_size": 12, "optimizer": {"lr": 1e-3}, "schedule": {"warmup_steps": 1},
@@ -137,9 +139,11 @@ def one_run(sdk, served, shell, dataset: str, ckpt: str, index: int) -> dict[str
                                                         if e.subject == f"job:{spec['name']}"}, 300,
               "the job's first step at the smaller size")
         history = shell.history()[history_before:]
-        _wait(lambda: all(h["removed_at"] for h in shell.history()[history_before:]), 180, "the lent replica removed")
-        _wait(lambda: "with 3 workers" in run.logs().split("formation 1", 1)[-1] or run.status() != "RUNNING",
-              300, "the job grown back")
+        if give_back:
+            _wait(lambda: all(h["removed_at"] for h in shell.history()[history_before:]), 180,
+                  "the lent replica removed")
+            _wait(lambda: "with 3 workers" in run.logs().split("formation 1", 1)[-1] or run.status() != "RUNNING",
+                  300, "the job grown back")
         events = [e for e in sdk.events(limit=400) if e.ts >= run_started(run)]
         Path(ckpt, f"job-{index}.log").write_text(run.logs())  # for a look at where the time went
         return phases_of(events, history, spec["name"])
@@ -192,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         shell = sdk.autoscale_serve(served, ttft_slo_s=2.0, target_ongoing_requests=2, max_replicas=2,
                                     window_s=3.0, interval_s=1.0)
         for i in range(runs):
-            rows.append(one_run(sdk, served, shell, dataset, os.path.join(work, "ckpt"), i))
+            rows.append(one_run(sdk, served, shell, dataset, os.path.join(work, "ckpt"), i, give_back=i < runs - 1))
             print(f"run {i + 1}/{runs}: " + ", ".join(f"{k} {v:.1f}s" for k, v in rows[-1].items() if v is not None),
                   flush=True)
     finally:
