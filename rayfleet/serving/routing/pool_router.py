@@ -84,6 +84,9 @@ class PoolRouterCore:
     def observe(self, replica: str, stats: Mapping[str, Any] | None) -> bool:
         """Apply ``replica``'s published stats if their version is new; True if applied."""
         rid = ReplicaId(replica)
+        if rid not in self.snapshots:  # joins the pool: its ledgers start at its peers' mean
+            for ledger in (self.recent_work, self.activity):
+                ledger.join(rid, list(self.snapshots))
         if not stats or "version" not in stats:
             self.snapshots.setdefault(rid, self._unknown(rid))
             return False

@@ -15,6 +15,7 @@ Design decisions:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 from rayfleet.errors import SpecError
 
@@ -45,6 +46,20 @@ class RecentWorkLedger:
 
     def forget(self, replica: str) -> None:
         self._entries.pop(replica, None)
+
+    def join(self, replica: str, peers: Iterable[str]) -> None:
+        """A replica joining a pool whose peers have a history starts at their mean, not at 0:
+        the ledger then balances the work assigned from now on, not history the newcomer was not
+        there for. (A restarted replica at 0 drew every request, cached elsewhere or not, until
+        the ledgers met.) No-op when it has an entry or no peer has one. Mutates the ledger."""
+        if replica in self._entries:
+            return
+        known = [self._entries[p] for p in peers if p != replica and p in self._entries]
+        if not known:
+            return
+        at = max(t for _, t in known)
+        mean = sum(v * math.exp(-(at - t) / self.memory_s) for v, t in known) / len(known)
+        self._entries[replica] = (mean, at)
 
 
 class DecayedMean:

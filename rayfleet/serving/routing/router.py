@@ -101,6 +101,10 @@ class RouterCore:
         self.flush_bookings()  # a booking must not land after the eviction events that follow it
         rid = ReplicaId(replica)
         was_healthy = self.snapshots.get(rid, snapshot).healthy
+        if rid not in self.snapshots or not was_healthy:  # (re)joins: its ledgers start at its peers' mean
+            peers = [r for r, s in self.snapshots.items() if s.healthy]
+            for ledger in (self.recent_work, self.activity):
+                ledger.join(rid, peers)
         self.snapshots[rid] = replace(snapshot, healthy=True)
         if not was_healthy:  # its cache was lost with it: start its index afresh
             self.index.remove_replica(rid)

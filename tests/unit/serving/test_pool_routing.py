@@ -5,6 +5,7 @@ vLLM's finished_reason labels."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -125,3 +126,52 @@ def test_finished_reason_uses_vllm_label_values():
     for reason in ("stop", "length", "abort"):
         assert f'rayfleet:request_success_total{{finished_reason="{reason}",model_name="tiny"}} 1.0' in text
     assert "finished_reason=\"finished\"" not in text
+
+
+def test_a_replica_that_joins_starts_at_its_peers_recent_work_and_a_repeat_stays_on_its_cache():
+    """A restarted replica (new id) must not draw requests away from the replica caching them
+    because its ledger is empty: it joins at its peers' mean. Broken variant: started at 0, the
+    newcomer looks idle against the survivor's history."""
+    from rayfleet.serving.routing.recent_work import RecentWorkLedger
+
+    ledger = RecentWorkLedger(300.0)
+    ledger.add("a", 90.0, now=0.0)
+    ledger.add("c", 30.0, now=10.0)
+    ledger.join("b", ["a", "c"])
+    expected = (90.0 * math.exp(-10.0 / 300.0) + 30.0) / 2
+    assert ledger.value("b", 10.0) == pytest.approx(expected)
+    ledger.join("b", ["a"])  # already known: unchanged
+    assert ledger.value("b", 10.0) == pytest.approx(expected)
+    fresh = RecentWorkLedger(300.0)
+    fresh.join("x", ["y"])  # no peer history: nothing to join
+    assert fresh.value("x", 0.0) == 0.0
+
+    def stays_on_its_cache_after_a_restart(join: bool) -> list[bool]:
+        core = PoolRouterCore(role="prefill")
+        core.observe("a", stats(1))
+        core.observe("c", stats(1))
+        t = 0.0
+        for i in range(30):  # history: distinct prompts over both replicas
+            h = tuple(hash_full_blocks([i + 100] * 32, block_size=BLOCK, root=root_block_hash(model_id="tiny")))
+            core.rank(["a", "c"], hint(h), now_s=t)
+            core.flush_bookings()
+            t += 0.5
+        prompt = tuple(hash_full_blocks(list(range(200, 264)), block_size=BLOCK, root=root_block_hash(model_id="tiny")))
+        core.rank(["a", "c"], hint(prompt), now_s=t)  # the prompt is cached on one of them
+        core.flush_bookings()
+        holder = "a" if core.index.match_prefix(prompt).get("a") else "c"
+        core.retain([holder])  # the other one is killed; "b" replaces it
+        if not join:
+            core.recent_work.join = core.activity.join = lambda *a, **k: None
+        core.observe("b", stats(1))
+        core.observe(holder, stats(2, hashes=prompt))
+        stays = []
+        for version in range(3, 6):
+            t += 1.5
+            stays.append(core.rank([holder, "b"], hint(prompt), now_s=t)[0][0] == holder)
+            core.flush_bookings()
+            core.observe(holder, stats(version, hashes=prompt))
+        return stays
+
+    assert stays_on_its_cache_after_a_restart(True) == [True] * 3
+    assert stays_on_its_cache_after_a_restart(False) != [True] * 3  # the broken variant is caught
