@@ -187,7 +187,11 @@ class RouterPolicy:
         unit = mean_request_blocks if mean_request_blocks and mean_request_blocks > 0 else float(num_blocks)
         # Until the pool has done about one request per replica recently, ratios of recent work
         # are noise: stickiness decides (a conversation's second turn stays where its first is).
-        balancing = bool(healthy) and total_recent >= len(healthy) * unit
+        # A pool with nothing running or queued anywhere makes no request wait: the cache decides
+        # (a repeated prompt on an idle pool stays on the replica holding it), whatever the ledgers'
+        # history says.
+        busy = any(s.num_active_blocks or s.num_queued_blocks or s.num_running_requests for s in healthy)
+        balancing = busy and total_recent >= len(healthy) * unit
         over_weight = spread = 0.0
         if balancing:
             over_weight = self.overload_weight * num_blocks

@@ -164,13 +164,13 @@ def test_a_replica_that_joins_starts_at_its_peers_recent_work_and_a_repeat_stays
         if not join:
             core.recent_work.join = core.activity.join = lambda *a, **k: None
         core.observe("b", stats(1))
-        core.observe(holder, stats(2, hashes=prompt))
+        core.observe(holder, stats(2, hashes=prompt, running=1))  # a busy pool: the ledgers count
         stays = []
         for version in range(3, 6):
             t += 1.5
             stays.append(core.rank([holder, "b"], hint(prompt), now_s=t)[0][0] == holder)
             core.flush_bookings()
-            core.observe(holder, stats(version, hashes=prompt))
+            core.observe(holder, stats(version, hashes=prompt, running=1))
         return stays
 
     assert stays_on_its_cache_after_a_restart(True) == [True] * 3

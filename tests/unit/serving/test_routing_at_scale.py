@@ -21,8 +21,24 @@ BLOCK = 16
 ROOT = root_block_hash(model_id="tiny")
 
 
-def snap(rid: str, recent: float, load: int = 0) -> ReplicaSnapshot:
-    return ReplicaSnapshot(ReplicaId(rid), 1000, 1000, load, recent_work_blocks=recent)
+def snap(rid: str, recent: float, load: int = 0, running: int = 1) -> ReplicaSnapshot:
+    """A replica of a busy pool (one request running: it adds no load cost); ``running=0`` on
+    every replica is an idle pool, where the cache alone decides."""
+    return ReplicaSnapshot(ReplicaId(rid), 1000, 1000, load, num_running_requests=running, recent_work_blocks=recent)
+
+
+def test_an_idle_pool_keeps_a_prompt_on_its_cache_whatever_the_ledgers_say():
+    """Nothing running or queued anywhere: no request waits, so balancing recent work would only
+    throw a cache hit away (a repeated prompt must stay where it is cached)."""
+    index = PrefixIndex()
+    prompt = hash_full_blocks(list(range(10 * BLOCK)), block_size=BLOCK, root=ROOT)
+    index.add_blocks(ReplicaId("r0"), prompt)
+    policy = RouterPolicy()
+    recent = {ReplicaId("r0"): 600.0, ReplicaId("r1"): 0.0}
+    idle = [snap("r0", 0, running=0), snap("r1", 0, running=0)]
+    assert policy.choose_prefill(idle, prompt, index, recent_work=recent, mean_request_blocks=10.0).replica_id == "r0"
+    busy = [snap("r0", 0), snap("r1", 0)]  # the same ledgers on a busy pool: r0 is far over the mean
+    assert policy.choose_prefill(busy, prompt, index, recent_work=recent, mean_request_blocks=10.0).replica_id == "r1"
 
 
 def test_overload_term_worked_example():
