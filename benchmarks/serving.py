@@ -171,7 +171,7 @@ def routing_replay(trace_path: Path, *, replica_counts: tuple[int, ...] = (8, 16
         rows = {}
         # Baselines in the same run: the overload term alone (the policy before the spread term),
         # the fixed load weight 0.5 alone (before the ledger), round robin.
-        for label, policy in (("rayfleet", RouterPolicy()), ("overload_only", RouterPolicy(spread_weight=0.0)),
+        for label, policy in (("rayfleet", RouterPolicy()), ("spread_opt_in", RouterPolicy(spread_weight=3.0)),
                               ("fixed_weight_0.5", RouterPolicy(overload_weight=0.0, spread_weight=0.0)),
                               ("round_robin", None)):
             r = replay_routing(requests, policy=policy, num_replicas=n, cache_blocks=cache, label=label,
