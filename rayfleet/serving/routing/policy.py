@@ -36,7 +36,8 @@ Design decisions:
   to any replica under the mean that holds its system prompt: one whose conversations are still
   running (and will keep sending turns there) looks as free as an idle one, so at 64 replicas,
   a few conversations each, the work piled up (max/mean 1.16-1.22 on conversation traces). A
-  *spread* term prices each replica's projected work on both sides of the pool's mean:
+  *spread* term (opt-in: ``spread_weight`` is 0 by default, see the field's comment) prices
+  each replica's projected work on both sides of the pool's mean:
 
       projected(r) = recent(r) + activity_weight * activity(r)
       cost(r)     += spread_weight * mean_request_blocks * (projected(r) + work(r) - mean) / mean
