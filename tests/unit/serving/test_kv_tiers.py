@@ -112,6 +112,21 @@ def test_block_bytes_round_trip(dtype):
         KVBlockData.from_bytes(block.to_bytes()[:-2])
 
 
+def test_a_pickled_block_carries_its_own_bytes_not_the_buffer_it_views():
+    """Write-back copies many evicted blocks out at once and sends each as a view of that copy;
+    Ray pickles what it sends. Before the fix each block shipped the whole buffer (90x)."""
+    import pickle
+
+    k, v = torch.randn(4, 90, 16, 2, 64), torch.randn(4, 90, 16, 2, 64)
+    blocks = [KVBlockData(k[:, i], v[:, i]) for i in range(90)]
+    data = pickle.dumps(blocks)
+    assert len(data) < 1.1 * sum(b.nbytes for b in blocks)  # 5.9 MB; views would be 531 MB
+    back = pickle.loads(data)
+    assert all(torch.equal(a.k, b.k) and torch.equal(a.v, b.v) for a, b in zip(blocks, back))
+    read = KVBlockData.from_bytes(blocks[0].to_bytes())  # K and V halves of one buffer
+    assert len(pickle.dumps(read)) < 1.1 * read.nbytes
+
+
 @pytest.mark.parametrize("uri_kind", ["local", "memory"])
 def test_disk_store_atomic_lru_capacity_and_restart(tmp_path, uri_kind):
     uri = str(tmp_path / "kv") if uri_kind == "local" else f"memory://kv-test-{tmp_path.name}"
