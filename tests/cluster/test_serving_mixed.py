@@ -3,7 +3,9 @@ nodes and its decode pool on a Kunlun P800 node (``XPU`` resources, from the cat
 to the fleet for this module. Greedy tokens equal one in-process engine's; each pool's replicas
 sit on nodes of their accelerator type; moving the decode pool's bounds (what the shared
 autoscaler does when it lends or reclaims an accelerator) makes Serve start a second P800
-replica, which serves, and drain it again.
+replica, which serves, and drain it again. Last, the shared autoscaler itself lends a P800: an
+elastic training job on the P800 node's other three XPUs shrinks by one worker under a burst,
+the decode pool grows onto the freed XPU, and after the burst the job gets it back.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import pytest
 import requests
 
 from .conftest import wait_until
+from .test_autoscaler import Burst, dataset  # noqa: F401 - a module fixture, used here too
 
 pytestmark = pytest.mark.cluster
 
 MODEL = {"preset": "tiny", "seed": 5, "dtype": "float64", "overrides": {"max_seq_len": 512, "init_std": 0.1}}
 ENGINE = {"block_size": 8, "num_blocks": 96, "max_num_seqs": 4, "max_num_batched_tokens": 128}
 P800_NODE = "n0100"
+P800_XPUS = 4  # one decode replica + an elastic job of 2..3 workers
 
 
 def _free_port() -> int:
@@ -39,7 +43,7 @@ def mixed_app(local_fleet):
     # The shared fleet is all H100: one P800 node (2 XPUs) joins it for this module (and stays:
     # conftest runs this module after the fleet tests that list exact nodes).
     if all(n.accelerator_type != "P800" for n in local_fleet.fleet.topology.nodes):
-        local_fleet.fleet.add_node(NodeTopology(name=P800_NODE, accelerator_type="P800", num_accelerators=2,
+        local_fleet.fleet.add_node(NodeTopology(name=P800_NODE, accelerator_type="P800", num_accelerators=P800_XPUS,
                                                 rack="r09", block="b9", nvlink_domain=f"sn-{P800_NODE}"),
                                    timeout_s=300)  # a loaded 2-core machine took over 120 s to start one
     http = {"port": _free_port(), "route_prefix": "/mixed"}
@@ -122,3 +126,59 @@ def test_moving_the_decode_pool_bounds_lends_and_reclaims_a_p800(mixed_app):
     wait_until(lambda: _pool_accelerators("test-mixed", "decode") == ["P800"], timeout_s=120, interval_s=1,
                what="Serve to drain and stop the lent decode replica")
     assert _complete(mixed_app.url, prompt) == _reference(prompt)
+
+
+def test_the_shared_autoscaler_lends_a_p800_from_training_to_the_decode_pool(local_fleet, mixed_app, dataset,
+                                                                               tmp_path):
+    """The whole loop on XPUs: a P800 job lends one accelerator to the P800 decode pool and gets it back."""
+    sdk = local_fleet.sdk
+    spec = {"name": "p800-lender", "model": {"preset": "tiny", "seed": 0}, "data": {"uri": dataset, "seq_len": 64},
+            "plan": {}, "precision": "fp32", "steps": 2000, "global_batch_size": 6,
+            "optimizer": {"lr": 1e-3}, "schedule": {"warmup_steps": 1},
+            "resources": {"accelerator": "P800", "elastic": {"min_workers": 2, "max_workers": P800_XPUS - 1}},
+            "checkpoint": {"every_n_steps": 1, "persist_every": 1, "uri": str(tmp_path / "ckpt")}}
+    shell = run = None
+    try:
+        sdk.start_autoscaler(interval_s=1.0, scale_down_after_s=3.0, job_resize_cooldown_s=5.0)
+        shell = sdk.autoscale_serve(mixed_app, ttft_slo_s=2.0, target_ongoing_requests=2, max_replicas=2,
+                                    window_s=3.0, interval_s=1.0)
+        run = sdk.train(spec)
+        steps = lambda: [int(r["step"]) for r in run.metrics().rows]  # noqa: E731
+        wait_until(lambda: len(steps()) >= 2 or run.status() in ("FAILED", "STOPPED"), timeout_s=300,
+                   interval_s=0.5, what="the P800 job's first steps at 3 workers")
+        assert "on 3 workers" in run.logs(), run.logs()[-3000:]
+        burst = Burst(mixed_app.openai_base_url, clients=6, api_key=mixed_app.api_key).start()
+        try:
+            wait_until(lambda: any(h["running_at"] for h in shell.history()) or run.status() in ("FAILED", "STOPPED"),
+                       timeout_s=300, interval_s=0.5, what="a lent P800 decode replica running")
+        finally:
+            burst.join()
+        assert _pool_accelerators("test-mixed", "decode") == ["P800", "P800"]
+        wait_until(lambda: all(h["removed_at"] for h in shell.history()), timeout_s=180, interval_s=0.5,
+                   what="the lent decode replica drained and removed after the burst")
+        wait_until(lambda: "with 3 workers" in run.logs().split("with 2 workers", 1)[-1]
+                   or run.status() in ("FAILED", "STOPPED"), timeout_s=300, interval_s=1.0,
+                   what="the P800 job grown back to 3 workers")
+        history, logs = shell.history(), run.logs()
+        kinds = [e.kind for e in sdk.autoscaler_decisions(limit=50)]
+        assert run.status() == "RUNNING", logs[-4000:]
+    except AssertionError as err:
+        raise AssertionError(f"{err}\nhistory {shell.history() if shell else None}\n"
+                             f"events {[(e.kind, e.cause) for e in sdk.events(limit=30)]}\n"
+                             f"job log {run.logs()[-3000:] if run else ''}") from None
+    finally:
+        if run is not None:
+            run.cancel()
+        if shell is not None:
+            shell.stop()
+        sdk.stop_autoscaler()
+    failed = [r for r in burst.results if r["error"] or r["chars"] == 0]
+    print(f"\nP800 lend: handover {[h['handover_s'] for h in history]}, {len(burst.results)} requests, "
+          f"{len(failed)} failed")
+    assert not failed, failed[:3]
+    assert len(history) == 1 and history[0]["node"] == P800_NODE and history[0]["handover_s"], history
+    assert "autoscaler_ShrinkTraining" in kinds and "autoscaler_GrowTraining" in kinds, kinds
+    assert "autoscaler_handover" in kinds and "autoscaler_replica_removed" in kinds, kinds
+    assert "with 2 workers" in logs, logs[-4000:]
+    prompt = "lent accelerators serve too"
+    assert _complete(mixed_app.url, prompt) == _reference(prompt)  # the pool is back to one replica, still right
