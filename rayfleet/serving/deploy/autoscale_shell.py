@@ -5,6 +5,8 @@ only gathers and acts, so it stays thin:
 - Every ``interval_s`` it builds a ``ServeObservation`` from what the app itself measures — the
   ingress's requests in flight and waiting for a first token (queue depth) and its recent TTFTs
   (p95 over ``window_s`` against ``ttft_slo_s``), the router's polled KV usage — and reports it.
+  A vLLM pool (``engine: vllm``) has no such ingress: the same figures come from vLLM's own
+  metrics (``serving.vllm.pool_load``); the pool is then Serve LLM's deployment of that role.
   The pool is one Serve deployment that Serve autoscales only within bounds this shell moves
   (``pool_scaling``), so *desired* replicas come from the same rule Serve's uses:
   ``ceil(in flight / target_ongoing_requests)`` within ``[pool replicas, max_replicas]``
@@ -34,6 +36,7 @@ from typing import Any, Sequence
 from rayfleet.errors import SpecError
 from rayfleet.platform.autoscaler_shell import AutoscalerShellBase, RayChannel
 from rayfleet.platform.autoscaler_types import Decision, ScaleServe, ServeObservation
+from rayfleet.serving.deploy.deployer import pool_deployment_name
 from rayfleet.serving.spec import ServeSpec
 
 __all__ = ["ServeShellConfig", "LentReplica", "desired_replicas", "p95", "serve_observation", "ServeShell",
@@ -137,7 +140,8 @@ def desired_replicas(in_flight: int, *, target_ongoing_requests: float, min_repl
 def serve_observation(*, deployment: str, accelerator_type: str, accelerators_per_replica: int,
                       load: dict, kv_usage_by_replica: dict[str, float], base_nodes: Sequence[str],
                       lent: Sequence[LentReplica], config: ServeShellConfig) -> ServeObservation:
-    """What the shell reports (pure): ``load`` is the ingress's ``load(window_s)``; lent
+    """What the shell reports (pure): ``load`` is the ingress's ``load(window_s)`` (or a vLLM
+    pool's, with its TTFT p95 already taken from vLLM's histogram: ``ttft_p95_s``); lent
     replicas count as running once the router polled them, as pending before. Lent replicas
     come last in ``replica_nodes`` so that the policy's scale-down names their nodes."""
     base = len(base_nodes)
@@ -152,7 +156,8 @@ def serve_observation(*, deployment: str, accelerator_type: str, accelerators_pe
         replica_nodes=tuple(base_nodes) + tuple(r.node for r in running + pending),
         min_replicas=base, max_replicas=config.max_replicas,
         unplaced_nodes=tuple(r.node for r in pending if r.placed_at is None),
-        queue_depth=float(load.get("waiting_first_token", 0)), ttft_p95_s=p95(load.get("ttft_s", ())),
+        queue_depth=float(load.get("waiting_first_token", 0)),
+        ttft_p95_s=float(load["ttft_p95_s"]) if "ttft_p95_s" in load else p95(load.get("ttft_s", ())),
         ttft_slo_s=config.ttft_slo_s, kv_usage=max(kv_usage_by_replica.values(), default=0.0))
 
 
@@ -166,8 +171,6 @@ class ServeShell(AutoscalerShellBase):
     observation_type = ServeObservation
 
     def __init__(self, spec: dict, config: dict) -> None:
-        from ray import serve
-
         from rayfleet.platform.controller import get_controller
 
         self.spec = ServeSpec.parse(spec)
@@ -184,8 +187,9 @@ class ServeShell(AutoscalerShellBase):
         super().__init__(RayChannel(get_controller(), timeout_s=10), inbox=self.spec.name,
                          subject=f"serve:{self.spec.name}", interval_s=self.config.interval_s, log=log.warning,
                          thread_name="serve-shell")
-        self.ingress = serve.get_deployment_handle("ingress", app_name=self.spec.name)
-        self.base_nodes = _replica_nodes(self.spec.name, self.role)
+        self.deployment = pool_deployment_name(self.spec, self.role)  # the pool's Serve deployment
+        self.load_source = _load_source(self.spec, self.deployment, window_s=self.config.window_s)
+        self.base_nodes = _replica_nodes(self.spec.name, self.deployment)
         self.lent: list[LentReplica] = []
         self._lock = threading.Lock()
         self.last_observation: ServeObservation | None = None
@@ -208,9 +212,7 @@ class ServeShell(AutoscalerShellBase):
         self.event("autoscaler_serve_shell_error", repr(exc), {})
 
     def observe(self) -> ServeObservation:
-        load = self.ingress.load.remote(self.config.window_s).result(timeout_s=10)
-        states = self.ingress.replica_states.remote().result(timeout_s=10)
-        kv = {name: 1.0 - s.snapshot.num_free_blocks / max(1, s.snapshot.num_total_blocks) for name, s in states.items()}
+        load, kv = self.load_source.sample()
         with self._lock:
             lent = list(self.lent)
         observation = serve_observation(
@@ -252,9 +254,9 @@ class ServeShell(AutoscalerShellBase):
     def _set_bounds_and_wait(self, replicas: int, timeout_s: float) -> None:
         from rayfleet.serving.deploy.pool_scaling import set_pool_bounds
 
-        set_pool_bounds(self.spec.name, self.role, min_replicas=replicas, max_replicas=replicas)
+        set_pool_bounds(self.spec.name, self.deployment, min_replicas=replicas, max_replicas=replicas)
         deadline = time.monotonic() + timeout_s
-        while _running_replicas(self.spec.name, self.role) != replicas:
+        while _running_replicas(self.spec.name, self.deployment) != replicas:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the {self.role} pool did not reach {replicas} running replicas in {timeout_s:g}s")
             time.sleep(0.25)
@@ -320,6 +322,31 @@ class ServeShell(AutoscalerShellBase):
                    f"{replica.name} drained and removed from the {self.role} pool "
                    f"{replica.removed_at - replica.removal_decided_at:.1f}s after the decision ({reason})",
                    {"replica": replica.name, "node": replica.node})
+
+
+class _IngressLoad:
+    """The built-in engine's load source: its ingress measures load and polls KV usage."""
+
+    def __init__(self, app_name: str, window_s: float) -> None:
+        from ray import serve
+
+        self.ingress, self.window_s = serve.get_deployment_handle("ingress", app_name=app_name), window_s
+
+    def sample(self) -> tuple[dict, dict[str, float]]:
+        load = self.ingress.load.remote(self.window_s).result(timeout_s=10)
+        states = self.ingress.replica_states.remote().result(timeout_s=10)
+        return load, {name: 1.0 - s.snapshot.num_free_blocks / max(1, s.snapshot.num_total_blocks)
+                      for name, s in states.items()}
+
+
+def _load_source(spec: ServeSpec, deployment: str, *, window_s: float):
+    """Where a pool's load comes from, by engine: the built-in ingress, or vLLM's own metrics
+    (``serving.vllm.pool_load``; a Serve LLM app has no ingress that measures load)."""
+    if spec.engine.kind == "vllm":
+        from rayfleet.serving.vllm.pool_load import VLLMPoolLoadSource
+
+        return VLLMPoolLoadSource(spec.name, deployment, window_s=window_s)
+    return _IngressLoad(spec.name, window_s)
 
 
 def _replica_nodes(app_name: str, deployment: str) -> list[str]:

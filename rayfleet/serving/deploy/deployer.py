@@ -12,7 +12,8 @@ Design decisions:
   app is named ``spec.name`` and routed at ``spec.http.route_prefix`` (``/`` by default, so
   OpenAI clients need no path prefix; several apps on one proxy use distinct prefixes). Deploying a spec with the same name replaces that app.
 - Each pool's Serve autoscaling bounds start at the spec's ``replicas`` .. ``max_replicas``
-  (``pool_scaling``); the shared autoscaler moves them later.
+  (``pool_scaling``), for either engine, keyed by the pool's Serve deployment
+  (``pool_deployment_name``); the shared autoscaler moves them later.
 - ``deploy`` waits until the app is RUNNING and the ingress answers ``/health`` (the engines
   have loaded and published their state), so the returned URL is usable at once; a failed
   deployment raises ``ServeDeployError`` with Serve's message.
@@ -29,7 +30,7 @@ from typing import Any
 from rayfleet.errors import RayfleetError
 from rayfleet.serving.spec import ServeSpec, load_serve_spec
 
-__all__ = ["ServeDeployment", "ServeDeployError", "deploy"]
+__all__ = ["ServeDeployment", "ServeDeployError", "deploy", "pool_deployment_name"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,17 @@ class ServeDeployment:
 
     def __repr__(self) -> str:
         return f"ServeDeployment(name={self.spec.name!r}, mode={self.spec.mode!r}, url={self.url!r})"
+
+
+def pool_deployment_name(spec: ServeSpec, role: str) -> str:
+    """The Serve deployment of ``role``'s pool in the app of ``spec``, which keys its autoscaling
+    bounds (``pool_scaling``): the role itself for the built-in engine (``deployments``), the name
+    Serve LLM derives from the model for ``engine: vllm`` (``vllm.config.llm_deployment_name``)."""
+    if spec.engine.kind == "vllm":
+        from rayfleet.serving.vllm.config import llm_deployment_name
+
+        return llm_deployment_name(spec, role)
+    return role
 
 
 def _ensure_connected(address: str | None) -> None:
@@ -151,7 +163,8 @@ def deploy(spec: ServeSpec | dict[str, Any] | str | Path, *, address: str | None
     serve.start(proxy_location="HeadOnly", http_options={"host": spec.http.host, "port": spec.http.port})
     deadline = time.monotonic() + timeout_s
     for role, pool in spec.pools().items():  # Serve autoscales each pool within these (pool_scaling)
-        set_pool_bounds(spec.name, role, min_replicas=pool.replicas, max_replicas=pool.max_replicas or pool.replicas)
+        set_pool_bounds(spec.name, pool_deployment_name(spec, role), min_replicas=pool.replicas,
+                        max_replicas=pool.max_replicas or pool.replicas)
     try:
         serve.run(build_app(spec), name=spec.name, route_prefix=spec.http.route_prefix, blocking=False)
     except RuntimeError as exc:  # Serve raises RuntimeError when a deployment fails to start

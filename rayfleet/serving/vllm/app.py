@@ -66,8 +66,17 @@ def build_vllm_app(spec: ServeSpec):
 
 def app_builder(args: dict[str, Any]):
     """Serve application builder (``import_path: rayfleet.serving.vllm.app:app_builder``):
-    ``args`` is a ``ServeSpec`` as a dict."""
-    return build_vllm_app(ServeSpec.parse(dict(args)))
+    ``args`` is a ``ServeSpec`` as a dict. Like ``deploy``, it writes each pool's autoscaling
+    bounds from the spec (``pool_scaling``; Serve runs it inside the cluster)."""
+    from rayfleet.serving.deploy.pool_scaling import set_pool_bounds
+    from rayfleet.serving.vllm.config import llm_deployment_name
+
+    spec = ServeSpec.parse(dict(args))
+    app = build_vllm_app(spec)
+    for role, pool in spec.pools().items():
+        set_pool_bounds(spec.name, llm_deployment_name(spec, role), min_replicas=pool.replicas,
+                        max_replicas=pool.max_replicas or pool.replicas)
+    return app
 
 
 def serve_config(spec: ServeSpec) -> dict[str, Any]:

@@ -19,6 +19,10 @@ decides what to ask of it, from the same spec as the built-in engine:
   afford no more per engine; the engine's threads are not bound to it anyway).
 - The replica actor itself asks for no CPU (``num_cpus: 0``): its placement group bundle holds
   the engine's share, and on a two-core machine one more core per replica does not exist.
+- Each pool autoscales like the built-in engine's (``deploy.pool_scaling``): Serve's rule within
+  bounds kept in Ray's KV, keyed by the app and the pool's Serve deployment name, which Serve LLM
+  derives from the model id (``llm_deployment_name``); ``deploy`` writes the spec's bounds and the
+  shared autoscaler moves them when it lends an accelerator to the pool.
 - The pool's Serve ``RequestRouter`` is chosen by ``vllm.request_router``; rayfleet's
   (``routing.VLLMPrefixLoadRequestRouter``) needs replicas that publish its routing stats, so
   its pools run ``server.RayfleetLLMServer`` (``LLMConfig.server_cls``).
@@ -34,10 +38,11 @@ from typing import Any, Literal
 from rayfleet.errors import SpecError
 from rayfleet.platform import labels as L
 from rayfleet.platform.catalogue import get_accelerator
+from rayfleet.serving.deploy.pool_scaling import autoscaling_config
 from rayfleet.serving.spec import PoolSpec, ServeSpec
 from rayfleet.serving.vllm.text_blocks import DEFAULT_CHARS_PER_TOKEN
 
-__all__ = ["VLLMAppArgs", "vllm_app_args", "llm_config_fields", "placement_group_config", "engine_kwargs",
+__all__ = ["VLLMAppArgs", "vllm_app_args", "llm_config_fields", "llm_deployment_name", "placement_group_config", "engine_kwargs",
            "kv_transfer_config", "model_loading_config", "request_router_config", "CPU_ENGINE_SHARE", "CPU_BLOCK_MULTIPLE",
            "REQUEST_ROUTERS", "request_router_name"]
 
@@ -204,12 +209,11 @@ def llm_config_fields(spec: ServeSpec, role: str) -> dict[str, Any]:
         _check_router(spec, pg["bundles"])
     deployment: dict[str, Any] = {"ray_actor_options": {"num_cpus": 0},
                                   "health_check_period_s": 5, "health_check_timeout_s": 60}
-    if pool.max_replicas and pool.max_replicas > pool.replicas:
-        # Serve autoscales the pool between the spec's bounds, like the built-in engine's pools.
-        deployment["autoscaling_config"] = {"min_replicas": pool.replicas, "max_replicas": pool.max_replicas,
-                                            "target_ongoing_requests": pool.target_ongoing_requests}
-    else:
-        deployment["num_replicas"] = pool.replicas
+    # Serve autoscales the pool within the bounds ``deploy`` and the shared autoscaler keep in
+    # Ray's KV (``pool_scaling``), like the built-in engine's pools: ``replicas`` .. ``max_replicas``
+    # until the autoscaler lends it more.
+    deployment["autoscaling_config"] = autoscaling_config(replicas=pool.replicas,
+                                                          target_ongoing_requests=pool.target_ongoing_requests)
     _, accelerator_name = _accelerator(pool)
     if accelerator_name:
         deployment["placement_group_bundle_label_selector"] = [{L.ACCELERATOR_TYPE: accelerator_name}] * len(pg["bundles"])
@@ -226,6 +230,28 @@ def llm_config_fields(spec: ServeSpec, role: str) -> dict[str, Any]:
     if request_router_name(spec) == "rayfleet":
         fields["server_cls"] = RAYFLEET_SERVER
     return fields
+
+
+def llm_deployment_name(spec: ServeSpec, role: str) -> str:
+    """The Serve deployment name Ray Serve LLM gives ``role``'s pool (Ray 2.60,
+    ``ray.llm._internal.serve.core.server.builder``): the model id with ``/`` -> ``--`` and
+    ``.`` -> ``_``, after ``Prefill:`` / ``Decode:`` in a PD app (``build_pd_openai_app``), after
+    the server class name in a colocated one (``build_openai_app``: ``LLMServer:``, or
+    ``RayfleetLLMServer:`` under rayfleet's router). The vLLM tier checks it against Serve.
+
+    >>> spec = ServeSpec.parse({"name": "a", "engine": "vllm", "mode": "disaggregated", "vllm": {"device": "cpu"},
+    ...                         "model": {"hf": "/models/q", "name": "Qwen/Qwen3-0.6B"}})
+    >>> llm_deployment_name(spec, "decode")
+    'Decode:Qwen--Qwen3-0_6B'
+    """
+    if role not in spec.pools():
+        raise SpecError("autoscale.role", role, f"is not a pool of this {spec.mode} deployment",
+                        f"use one of {sorted(spec.pools())}")
+    model_id = spec.model.served_name.replace("/", "--").replace(".", "_")
+    if spec.mode == "disaggregated":
+        return f"{role.capitalize()}:{model_id}"
+    server = RAYFLEET_SERVER if request_router_name(spec) == "rayfleet" else "LLMServer"
+    return f"{server.rsplit('.', 1)[-1]}:{model_id}"
 
 
 def vllm_app_args(spec: ServeSpec) -> VLLMAppArgs:

@@ -8,7 +8,9 @@ import yaml
 
 from rayfleet.errors import RayfleetError, SpecError
 from rayfleet.serving.spec import ServeSpec, load_serve_spec
-from rayfleet.serving.vllm.config import CPU_ENGINE_SHARE, llm_config_fields, vllm_app_args
+from rayfleet.serving.deploy.deployer import pool_deployment_name
+from rayfleet.serving.deploy.pool_scaling import HARD_MAX_REPLICAS
+from rayfleet.serving.vllm.config import CPU_ENGINE_SHARE, llm_config_fields, llm_deployment_name, vllm_app_args
 
 
 def _spec(**fields) -> ServeSpec:
@@ -51,7 +53,7 @@ def test_colocated_cpu_pool_maps_to_build_openai_app():
     assert cfg["model_loading_config"] == {"model_id": "tiny-moe", "model_source": "/models/tiny-moe"}
     assert cfg["accelerator_config"] == {"kind": "cpu"}
     assert cfg["placement_group_config"] == {"bundles": [{"CPU": CPU_ENGINE_SHARE}], "strategy": "PACK"}
-    assert cfg["deployment_config"]["num_replicas"] == 2
+    assert cfg["deployment_config"]["autoscaling_config"]["initial_replicas"] == 2
     assert cfg["deployment_config"]["ray_actor_options"] == {"num_cpus": 0}
     kw = cfg["engine_kwargs"]
     assert (kw["block_size"], kw["max_model_len"], kw["max_num_seqs"], kw["enforce_eager"]) == (32, 512, 4, True)
@@ -60,12 +62,31 @@ def test_colocated_cpu_pool_maps_to_build_openai_app():
     assert built.args["ingress_deployment_config"]["ray_actor_options"] == {"num_cpus": 0}
 
 
-def test_pool_bounds_become_serve_autoscaling():
-    cfg = llm_config_fields(_spec(colocated={"replicas": 1, "max_replicas": 3, "target_ongoing_requests": 2}),
-                            "colocated")
-    assert "num_replicas" not in cfg["deployment_config"]
-    assert cfg["deployment_config"]["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3,
-                                                              "target_ongoing_requests": 2.0}
+def test_pools_autoscale_within_the_shared_autoscalers_bounds():
+    """Like the built-in engine's pools: Serve's rule clamped by ``bounded_pool_policy`` to the
+    bounds in Ray's KV (``deploy`` writes replicas..max_replicas, the autoscaler moves them), so
+    the Serve config's own maximum is only the hard ceiling."""
+    for pool in ({"replicas": 1, "max_replicas": 3, "target_ongoing_requests": 2}, {"replicas": 2}):
+        auto = llm_config_fields(_spec(colocated=pool), "colocated")["deployment_config"]
+        assert "num_replicas" not in auto  # Serve refuses both
+        auto = auto["autoscaling_config"]
+        assert (auto["min_replicas"], auto["initial_replicas"]) == (pool["replicas"], pool["replicas"])
+        assert auto["max_replicas"] == HARD_MAX_REPLICAS
+        assert auto["target_ongoing_requests"] == pool.get("target_ongoing_requests", 4.0)
+        assert auto["policy"] == {"policy_function": "rayfleet.serving.deploy.pool_scaling:bounded_pool_policy"}
+
+
+def test_pool_deployment_names_are_serve_llms():
+    """The bounds' key: Serve LLM names a pool deployment after the model id (``/`` -> ``--``,
+    ``.`` -> ``_``), prefixed by the PD role or the server class (checked live in tests/vllm)."""
+    pd = _spec(mode="disaggregated", model={"hf": "/m", "name": "org/tiny.moe"})
+    assert llm_deployment_name(pd, "prefill") == "Prefill:org--tiny_moe"
+    assert pool_deployment_name(pd, "decode") == "Decode:org--tiny_moe"
+    assert llm_deployment_name(_spec(), "colocated") == "RayfleetLLMServer:tiny-moe"  # rayfleet's router
+    assert llm_deployment_name(_spec(vllm={"request_router": "power_of_two"}), "colocated") == "LLMServer:tiny-moe"
+    assert pool_deployment_name(ServeSpec.parse({"mode": "disaggregated"}), "decode") == "decode"  # built-in
+    with pytest.raises(SpecError, match="autoscale.role"):
+        llm_deployment_name(pd, "colocated")
 
 
 def test_disaggregated_nixl_on_cpu_keeps_kv_in_host_memory():
@@ -75,7 +96,7 @@ def test_disaggregated_nixl_on_cpu_keeps_kv_in_host_memory():
     for cfg in (prefill, decode):
         assert cfg["engine_kwargs"]["kv_transfer_config"] == {
             "kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-    assert prefill["deployment_config"]["num_replicas"] == 2 and decode["deployment_config"]["num_replicas"] == 1
+    assert [c["deployment_config"]["autoscaling_config"]["min_replicas"] for c in (prefill, decode)] == [2, 1]
 
 
 def test_shared_storage_connector_and_gpu_nixl():

@@ -1,0 +1,209 @@
+"""A vLLM pool's load for the shared autoscaler, from vLLM's own metrics.
+
+The autoscaler's Serve shell (``serving.deploy.autoscale_shell``) reports, every tick, a pool's
+requests in flight, its queue, its TTFT p95 over a window and its KV usage. The built-in engine's
+ingress measures these itself; a Ray Serve LLM app has no such ingress, so for ``engine: vllm``
+they come from the engines: ``vllm:num_requests_running`` / ``vllm:num_requests_waiting``
+(gauges), ``vllm:kv_cache_usage_perc`` (gauge, 0..1) and the ``vllm:time_to_first_token_seconds``
+histogram, as Ray's Prometheus endpoints export them (``metrics.scrape_vllm_metrics``; Ray
+renames them ``ray_vllm_*`` and labels every series with the Serve replica's ``ReplicaId``).
+
+Design decisions:
+- vLLM's metrics rather than ``RayfleetLLMServer``'s routing stats: only colocated pools routed
+  by rayfleet run that server class (Serve LLM's PD builder fixes its own), and the metrics are
+  what a fleet's Prometheus and Grafana already show, so the autoscaler sees the same figures.
+- Per replica, only the pool's live replicas (``ReplicaId`` in the ids the caller passes): a
+  stopped replica's gauges linger in Ray's agent for up to two export intervals.
+- in flight = running + waiting; queue depth = waiting (for a decode engine this includes
+  requests waiting for their KV from the prefill side).
+- TTFT p95 over the window: the histogram counts since the engine started, so the window's TTFTs
+  are the bucket deltas between now and the sample taken ``window_s`` ago (``LoadWindow``); a
+  replica that appeared since counts from zero, and so does one whose counts went down (its
+  engine restarted). The quantile is Prometheus' ``histogram_quantile`` (linear within the
+  bucket; the highest finite bound when it falls in ``+Inf``). No TTFT in the window: 0.
+- Ray exports metrics every ``metrics_report_interval_ms`` (10 s by default), so these figures lag
+  by up to that: the autoscaler reacts to a burst, and notices its end, that much later.
+
+The figures are pure functions of the samples (unit-tested without Ray); only
+``VLLMPoolLoadSource`` scrapes and lists replicas.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Collection, Iterable, Mapping, Sequence
+
+from rayfleet.serving.vllm.metrics import MetricSample, named
+
+__all__ = ["ReplicaSample", "PoolLoad", "replica_samples", "histogram_quantile", "window_buckets", "pool_load",
+           "LoadWindow", "VLLMPoolLoadSource", "pool_replica_ids"]
+
+TTFT_QUANTILE = 0.95
+
+
+@dataclass(frozen=True)
+class ReplicaSample:
+    """One replica's engine figures at one scrape. ``ttft_buckets``: cumulative counts by
+    upper bound in seconds (``math.inf`` last), as the histogram exports them."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    ttft_buckets: tuple[tuple[float, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class PoolLoad:
+    """What the shell reports for the pool (see module doc)."""
+
+    in_flight: int
+    waiting: int
+    ttft_p95_s: float
+    num_ttft: int  # TTFTs observed in the window
+    kv_usage_by_replica: Mapping[str, float] = field(default_factory=dict)
+
+    def as_load(self) -> dict:
+        """The shape of the built-in ingress's ``load()`` that ``serve_observation`` reads."""
+        return {"in_flight": self.in_flight, "waiting_first_token": self.waiting, "ttft_p95_s": self.ttft_p95_s,
+                "num_ttft": self.num_ttft}
+
+
+def _bound(le: str) -> float:
+    return math.inf if le in ("+Inf", "Inf", "inf") else float(le)
+
+
+def replica_samples(samples: Iterable[MetricSample], replica_ids: Collection[str]) -> dict[str, ReplicaSample]:
+    """Group a scrape by replica (``ReplicaId`` label), for ``replica_ids`` only (pure).
+
+    Series of one replica that differ in other labels (vLLM's ``engine`` index under data
+    parallelism) are summed; KV usage takes their maximum.
+    """
+    running: dict[str, float] = defaultdict(float)
+    waiting: dict[str, float] = defaultdict(float)
+    kv: dict[str, float] = defaultdict(float)
+    buckets: dict[str, dict[float, float]] = defaultdict(lambda: defaultdict(float))
+    for s in samples:
+        replica = s.labels.get("ReplicaId", "")
+        if replica not in replica_ids:
+            continue
+        if named(s.name, "num_requests_running"):
+            running[replica] += s.value
+        elif named(s.name, "num_requests_waiting"):
+            waiting[replica] += s.value
+        elif named(s.name, "kv_cache_usage_perc"):
+            kv[replica] = max(kv[replica], s.value)
+        elif named(s.name, "time_to_first_token_seconds_bucket") and "le" in s.labels:
+            buckets[replica][_bound(s.labels["le"])] += s.value
+    seen = set(running) | set(waiting) | set(kv) | set(buckets)
+    return {r: ReplicaSample(running=running[r], waiting=waiting[r], kv_usage=kv[r],
+                             ttft_buckets=tuple(sorted(buckets[r].items())))
+            for r in seen}
+
+
+def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float:
+    """Prometheus' ``histogram_quantile`` over cumulative ``(upper bound, count)`` pairs (pure):
+    linear within the bucket holding the ``q``-th observation (from 0 for the first bucket);
+    the highest finite bound when it lies in ``+Inf``; 0 for no observations.
+
+    >>> histogram_quantile(0.95, [(0.1, 0), (0.5, 10), (1.0, 20), (math.inf, 20)])
+    0.95
+    >>> histogram_quantile(0.5, [(0.1, 0), (math.inf, 4)])
+    0.1
+    """
+    ordered = sorted(buckets)
+    if not ordered or ordered[-1][1] <= 0:
+        return 0.0
+    rank = q * ordered[-1][1]
+    prev_bound, prev_count = 0.0, 0.0
+    for bound, count in ordered:
+        if count >= rank and count > prev_count:
+            if math.isinf(bound):
+                return prev_bound
+            return prev_bound + (bound - prev_bound) * (rank - prev_count) / (count - prev_count)
+        prev_bound, prev_count = (bound if not math.isinf(bound) else prev_bound), count
+    return prev_bound
+
+
+def window_buckets(now: Mapping[str, ReplicaSample],
+                   before: Mapping[str, ReplicaSample]) -> tuple[tuple[float, float], ...]:
+    """The pool's TTFT histogram of the window: per replica ``now - before`` bucket by bucket,
+    summed over replicas (pure; see module doc for new and restarted replicas)."""
+    total: dict[float, float] = defaultdict(float)
+    for replica, sample in now.items():
+        base = dict(before[replica].ttft_buckets) if replica in before else {}
+        current = dict(sample.ttft_buckets)
+        if any(current.get(bound, 0.0) < count for bound, count in base.items()):
+            base = {}  # its counts went down: a restarted engine, counted from zero
+        for bound, count in current.items():
+            total[bound] += count - base.get(bound, 0.0)
+    return tuple(sorted(total.items()))
+
+
+def pool_load(now: Mapping[str, ReplicaSample], before: Mapping[str, ReplicaSample]) -> PoolLoad:
+    """The pool's load from two scrapes ``window_s`` apart (pure).
+
+    >>> a = ReplicaSample(running=2, waiting=1, kv_usage=0.25, ttft_buckets=((0.5, 3), (1.0, 4), (math.inf, 4)))
+    >>> b = ReplicaSample(running=0, waiting=0, kv_usage=0.5, ttft_buckets=((0.5, 0), (1.0, 0), (math.inf, 0)))
+    >>> load = pool_load({"r1": a, "r2": b}, {})
+    >>> (load.in_flight, load.waiting, round(load.ttft_p95_s, 6), load.num_ttft)
+    (3, 1, 0.9, 4)
+    """
+    buckets = window_buckets(now, before)
+    return PoolLoad(in_flight=round(sum(s.running + s.waiting for s in now.values())),
+                    waiting=round(sum(s.waiting for s in now.values())),
+                    ttft_p95_s=histogram_quantile(TTFT_QUANTILE, buckets),
+                    num_ttft=round(buckets[-1][1]) if buckets else 0,
+                    kv_usage_by_replica={r: s.kv_usage for r, s in now.items()})
+
+
+class LoadWindow:
+    """Scrapes over the last ``window_s`` seconds (pure: the caller passes the time).
+
+    ``add(t, samples)`` returns the load against the newest scrape at least ``window_s`` old (the
+    oldest one while the window is not yet full), and forgets scrapes older than that one. The
+    first scrape is its own baseline: what the engines counted before the shell started is not
+    in its window.
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._scrapes: deque[tuple[float, dict[str, ReplicaSample]]] = deque()
+
+    def add(self, t: float, samples: dict[str, ReplicaSample]) -> PoolLoad:
+        self._scrapes.append((t, samples))
+        while len(self._scrapes) > 1 and t - self._scrapes[1][0] >= self.window_s:
+            self._scrapes.popleft()
+        return pool_load(samples, self._scrapes[0][1])
+
+
+def pool_replica_ids(app_name: str, deployment: str) -> set[str]:
+    """Serve's unique ids of the live replicas of ``deployment`` in ``app_name`` (what vLLM puts
+    in ``ReplicaId``): replica actors are named ``SERVE_REPLICA::<app>#<deployment>#<id>``."""
+    import ray
+    from ray.util.state import list_actors
+
+    prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
+    # This cluster's address: with another Ray instance on the host, "auto" is ambiguous.
+    alive = list_actors(address=ray.get_runtime_context().gcs_address, filters=[("state", "=", "ALIVE")],
+                        limit=10000)
+    return {a.name[len(prefix):] for a in alive if (a.name or "").startswith(prefix)}
+
+
+class VLLMPoolLoadSource:
+    """The shell's load source for a vLLM pool (thin: scrape, list replicas, call the pure part)."""
+
+    def __init__(self, app_name: str, deployment: str, *, window_s: float) -> None:
+        self.app_name, self.deployment = app_name, deployment
+        self.window = LoadWindow(window_s)
+
+    def sample(self) -> tuple[dict, dict[str, float]]:
+        """``(load, kv_usage_by_replica)`` as ``serve_observation`` takes them."""
+        import time
+
+        from rayfleet.serving.vllm.metrics import scrape_vllm_metrics
+
+        replicas = pool_replica_ids(self.app_name, self.deployment)
+        load = self.window.add(time.monotonic(), replica_samples(scrape_vllm_metrics(timeout_s=5.0), replicas))
+        return load.as_load(), dict(load.kv_usage_by_replica)

@@ -1,0 +1,114 @@
+"""A vLLM pool's load from vLLM's metrics as Ray's Prometheus exports them
+(``rayfleet.serving.vllm.pool_load``), without Ray: the text below has the shape Ray 2.60's
+metrics agent serves (names sanitized to ``ray_vllm_*``, every series labelled ``ReplicaId``)."""
+
+from __future__ import annotations
+
+import math
+
+from rayfleet.serving.deploy.autoscale_shell import ServeShellConfig, serve_observation
+from rayfleet.serving.vllm.metrics import parse_samples
+from rayfleet.serving.vllm.pool_load import (LoadWindow, ReplicaSample, histogram_quantile, pool_load,
+                                             replica_samples, window_buckets)
+
+BOUNDS = (0.1, 0.5, 1.0, 2.5, 5.0)
+
+
+def _labels(replica: str, **extra: str) -> str:
+    labels = {"Component": "core_worker", "ReplicaId": replica, "SessionName": "s", "engine": "0",
+              "model_name": "tiny-moe", **extra}
+    return ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+
+
+def _scrape(replicas: dict[str, dict]) -> str:
+    """Prometheus text for ``replicas``: id -> running, waiting, kv, ttft (a list of seconds)."""
+    lines = ["# TYPE ray_vllm_num_requests_running gauge"]
+    lines += [f"ray_vllm_num_requests_running{{{_labels(r)}}} {v['running']}" for r, v in replicas.items()]
+    lines += ["# TYPE ray_vllm_num_requests_waiting gauge"]
+    lines += [f"ray_vllm_num_requests_waiting{{{_labels(r)}}} {v['waiting']}" for r, v in replicas.items()]
+    lines += ["# TYPE ray_vllm_num_requests_waiting_by_reason gauge"]  # must not count as waiting
+    lines += [f"ray_vllm_num_requests_waiting_by_reason{{{_labels(r, reason='capacity')}}} 99" for r in replicas]
+    lines += ["# TYPE ray_vllm_kv_cache_usage_perc gauge"]
+    lines += [f"ray_vllm_kv_cache_usage_perc{{{_labels(r)}}} {v['kv']}" for r, v in replicas.items()]
+    lines += ["# TYPE ray_vllm_time_to_first_token_seconds histogram"]
+    for r, v in replicas.items():
+        ttft = v["ttft"]
+        for bound in (*BOUNDS, math.inf):
+            le = "+Inf" if math.isinf(bound) else str(bound)
+            lines.append(f"ray_vllm_time_to_first_token_seconds_bucket{{{_labels(r, le=le)}}} "
+                         f"{sum(1 for t in ttft if t <= bound)}")
+        lines.append(f"ray_vllm_time_to_first_token_seconds_count{{{_labels(r)}}} {len(ttft)}")
+        lines.append(f"ray_vllm_time_to_first_token_seconds_sum{{{_labels(r)}}} {sum(ttft)}")
+    return "\n".join(lines) + "\n"
+
+
+def _replica(running=0, waiting=0, kv=0.0, ttft=()):
+    return {"running": running, "waiting": waiting, "kv": kv, "ttft": list(ttft)}
+
+
+def test_histogram_quantile_is_prometheus_linear_interpolation():
+    buckets = [(0.1, 0), (0.5, 10), (1.0, 20), (math.inf, 20)]
+    assert math.isclose(histogram_quantile(0.95, buckets), 0.95)  # 0.5 + 0.5 * (19 - 10) / 10
+    assert math.isclose(histogram_quantile(0.5, buckets), 0.5)
+    assert histogram_quantile(0.95, [(0.1, 0), (1.0, 0), (math.inf, 0)]) == 0.0  # nothing observed
+    assert histogram_quantile(0.95, []) == 0.0
+    assert histogram_quantile(0.95, [(0.1, 1), (1.0, 1), (math.inf, 5)]) == 1.0  # in +Inf: the highest bound
+
+
+def test_only_the_pools_live_replicas_count():
+    text = _scrape({"d1": _replica(running=3, waiting=2, kv=0.4, ttft=[0.05, 0.3]),
+                    "d2": _replica(running=1, kv=0.7),
+                    "p1": _replica(running=5, waiting=5, kv=0.9),  # the prefill pool's replica
+                    "gone": _replica(running=7, kv=1.0)})  # a stopped replica's lingering gauges
+    samples = replica_samples(parse_samples(text), {"d1", "d2"})
+    assert set(samples) == {"d1", "d2"}
+    assert samples["d1"] == ReplicaSample(running=3, waiting=2, kv_usage=0.4,
+                                          ttft_buckets=((0.1, 1), (0.5, 2), (1.0, 2), (2.5, 2), (5.0, 2), (math.inf, 2)))
+    load = pool_load(samples, samples)
+    assert (load.in_flight, load.waiting, load.num_ttft, load.ttft_p95_s) == (6, 2, 0, 0.0)
+    assert load.kv_usage_by_replica == {"d1": 0.4, "d2": 0.7}
+
+
+def test_ttft_p95_is_over_the_window_not_the_engines_lifetime():
+    """200 fast TTFTs before the window, 8 slow ones in it: the window's p95 is slow. The broken
+    variant (the cumulative histogram) reports the fast bucket and would not see the burst."""
+    before = replica_samples(parse_samples(_scrape({"d1": _replica(ttft=[0.05] * 200)})), {"d1"})
+    now = replica_samples(parse_samples(_scrape({"d1": _replica(running=4, ttft=[0.05] * 200 + [3.0] * 8)})), {"d1"})
+    load = pool_load(now, before)
+    assert load.num_ttft == 8 and 2.5 < load.ttft_p95_s <= 5.0
+    assert histogram_quantile(0.95, now["d1"].ttft_buckets) <= 0.1  # the broken variant
+    assert load.in_flight == 4
+
+
+def test_new_and_restarted_replicas_count_from_zero():
+    before = {"d1": ReplicaSample(ttft_buckets=((1.0, 50), (math.inf, 50)))}
+    now = {"d1": ReplicaSample(ttft_buckets=((1.0, 3), (math.inf, 4))),  # restarted: counts went down
+           "d2": ReplicaSample(ttft_buckets=((1.0, 2), (math.inf, 2)))}  # lent since the window began
+    assert window_buckets(now, before) == ((1.0, 5), (math.inf, 6))
+
+
+def test_load_window_forgets_what_is_older_than_the_window():
+    window = LoadWindow(window_s=10.0)
+
+    def scrape(ttft, running=0):
+        return replica_samples(parse_samples(_scrape({"d1": _replica(running=running, ttft=ttft)})), {"d1"})
+
+    # the first scrape is its own baseline: TTFTs from before the shell started are not in the window
+    assert window.add(0.0, scrape([4.0] * 10)).num_ttft == 0
+    burst = window.add(5.0, scrape([4.0] * 10 + [3.0] * 8, running=6))
+    assert burst.num_ttft == 8 and burst.ttft_p95_s > 2.5 and burst.in_flight == 6
+    still = window.add(12.0, scrape([4.0] * 10 + [3.0] * 8))  # baseline: the scrape at t=0
+    assert still.num_ttft == 8
+    quiet = window.add(16.0, scrape([4.0] * 10 + [3.0] * 8))  # baseline: t=5; nothing new since
+    assert (quiet.num_ttft, quiet.ttft_p95_s, quiet.in_flight) == (0, 0.0, 0)
+
+
+def test_serve_observation_takes_a_vllm_pools_load():
+    load = pool_load({"d1": ReplicaSample(running=5, waiting=2, kv_usage=0.3,
+                                          ttft_buckets=((0.5, 0), (2.5, 10), (math.inf, 10)))}, {})
+    obs = serve_observation(deployment="vllm-pd", accelerator_type="H100", accelerators_per_replica=1,
+                            load=load.as_load(), kv_usage_by_replica=dict(load.kv_usage_by_replica),
+                            base_nodes=["n1"], lent=[], config=ServeShellConfig(target_ongoing_requests=2,
+                                                                                max_replicas=2))
+    assert (obs.desired_replicas, obs.queue_depth, obs.kv_usage) == (2, 2.0, 0.3)
+    assert math.isclose(obs.ttft_p95_s, 0.5 + 2.0 * 0.95)
