@@ -147,7 +147,7 @@ def _gpu_fp8_vs_bf16(dataset: str, steps: int) -> list[dict]:
 def _bare_worker(rank: int, world_size: int, port: int, spec_dict: dict, plan: ParallelPlan, steps: int,
                  out_path: str) -> None:
     """The same model, plan, data and optimizer as the rayfleet job, in a hand-written loop:
-    no Ray, no metrics, no hooks. Writes rank 0's step end times (``time.time()``)."""
+    no Ray, no metrics, no hooks. Writes rank 0's (step end ``time.time()``, step CPU seconds)."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -172,6 +172,7 @@ def _bare_worker(rank: int, world_size: int, port: int, spec_dict: dict, plan: P
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     ends = []
     for _ in range(steps):
+        c0 = time.thread_time()  # this rank's CPU in the step: what the platform's compute_time_s counts
         batch = loader.next_batch()
         load = torch.zeros(len(layers), spec.model.to_config().num_experts, dtype=torch.int64)
         for mb in batch.microbatches:
@@ -184,14 +185,14 @@ def _bare_worker(rank: int, world_size: int, port: int, spec_dict: dict, plan: P
         optimizer.zero_grad(set_to_none=True)
         for layer, layer_load in zip(layers, par.sync_expert_load(load, ctx)):
             layer.update_router_bias(layer_load)
-        ends.append(time.time())
+        ends.append((time.time(), time.thread_time() - c0))
     if rank == 0:
         Path(out_path).write_text(json.dumps(ends))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _bare_run(spec: TrainJobSpec, plan: ParallelPlan, *, tmp: str, tag: str) -> list[float]:
+def _bare_run(spec: TrainJobSpec, plan: ParallelPlan, *, tmp: str, tag: str) -> list[list[float]]:
     import torch.multiprocessing as mp
 
     from rayfleet.jobs.local_processes import free_port
@@ -234,14 +235,20 @@ def _between_steps_s(rows: list[dict], warmup: int) -> float:
                                                                           rows[warmup:]))
 
 
+LOOP_NO_RAY = "rayfleet loop, no Ray"
+
+
 def platform_vs_bare(*, steps: int, warmup: int, quick: bool, tmp: str, dataset: str) -> dict:
     """Tokens/s of the same job (a) through rayfleet + Ray Train and (b) as a bare loop, one run.
 
     Bare and platform runs alternate (bare first and last) and the medians of each kind are
     compared: the machine is shared, so a single pair would mostly measure the neighbours.
     Without ``quick`` the platform also runs once with ``RAYFLEET_TRAIN_REPORT_INTERVAL_S=0``:
-    ``ray.train.report`` every step, the paced behaviour issue 19 removed.
+    ``ray.train.report`` every step, the paced behaviour issue 19 removed. ``LOOP_NO_RAY`` is
+    rayfleet's own step loop (``train_worker``: metrics, hooks, health timing) on spawned gloo
+    processes without Ray: it splits the overhead into the loop's and Ray's process environment's.
     """
+    from rayfleet.jobs.local_processes import run_local
     from rayfleet.jobs.planning import resolve_plan
     from rayfleet.platform.launcher import LocalFleet
     from rayfleet.platform.topology import build_topology
@@ -255,14 +262,17 @@ def platform_vs_bare(*, steps: int, warmup: int, quick: bool, tmp: str, dataset:
     plan = resolve_plan(spec, world_size=2, accelerator="H100")  # what the job itself will run
     home = tempfile.mkdtemp(prefix="rayfleet-bench-home-", dir=tmp)
     local = LocalFleet.up(build_topology(num_nodes=1, accelerator="H100", accelerators_per_node=2), home=home)
-    order = ["bare", "rayfleet", "bare"] if quick else \
-        ["bare", "rayfleet", "bare", "rayfleet, report every step", "bare", "rayfleet", "bare"]
+    order = ["bare", LOOP_NO_RAY, "rayfleet", "bare"] if quick else \
+        ["bare", LOOP_NO_RAY, "rayfleet", "bare", "rayfleet, report every step", "bare", LOOP_NO_RAY, "rayfleet",
+         "bare"]
     runs: dict[str, list[list[dict]]] = defaultdict(list)
     try:
         for i, name in enumerate(order):
             if name == "bare":
                 ends = _bare_run(spec, plan, tmp=tmp, tag=str(i))
-                runs[name].append([{"time_unix_s": t} for t in ends])
+                runs[name].append([{"time_unix_s": t, "compute_time_s": cpu} for t, cpu in ends])
+            elif name == LOOP_NO_RAY:
+                runs[name].append(list(run_local(spec, plan, threads_per_rank=1).metrics[0]))
             else:
                 env = {"RAYFLEET_TRAIN_REPORT_INTERVAL_S": "0"} if "every step" in name else {}
                 runs[name].append(_platform_run(local, spec, env=env, timeout_s=900))
@@ -277,10 +287,12 @@ def platform_vs_bare(*, steps: int, warmup: int, quick: bool, tmp: str, dataset:
     for name, values in per_run.items():
         s = statistics.median(values)
         between = [_between_steps_s(rows, warmup) * 1e3 for rows in runs[name]] if name != "bare" else None
+        cpu = statistics.median(r["compute_time_s"] for rows in runs[name] for r in rows[warmup:]) * 1e3
         out.append({"run": "bare torch.distributed (baseline)" if name == "bare" else name, "s_per_step": s,
                     "runs_s_per_step": values, "tokens_per_s": tokens / s, "ratio": base_s / s,
                     "overhead_ms_per_step": (s - base_s) * 1e3,
-                    "between_steps_ms": statistics.median(between) if between else None})
+                    "between_steps_ms": statistics.median(between) if between else None,
+                    "step_cpu_ms": cpu})
     return {"plan": plan.describe(), "model": "tiny", "precision": "fp32", "tokens_per_step": tokens,
             "steps": steps, "warmup": warmup, "order": order, "rows": out,
             "load_avg_1m_at_end": round(os.getloadavg()[0], 2)}
@@ -292,16 +304,18 @@ def print_platform(result: dict) -> None:
           f"median step-end to step-end after step {result['warmup']} of {result['steps']}, runs in the order "
           f"{' / '.join(result['order'])}")
     header = (f"{'run':<34}{'s/step':>8}{'tok/s':>9}{'ratio':>7}{'overhead ms/step':>18}{'between steps ms':>18}"
-              f"  each run s/step")
+              f"{'step CPU ms':>13}  each run s/step")
     print(header)
     print("-" * len(header))
     for r in rows:
         between = "-" if r["between_steps_ms"] is None else f"{r['between_steps_ms']:.1f}"
         each = " ".join(f"{v:.3f}" for v in r["runs_s_per_step"])
         print(f"{r['run']:<34}{r['s_per_step']:>8.3f}{r['tokens_per_s']:>9.0f}{r['ratio']:>7.3f}"
-              f"{r['overhead_ms_per_step']:>18.1f}{between:>18}  {each}")
+              f"{r['overhead_ms_per_step']:>18.1f}{between:>18}{r['step_cpu_ms']:>13.1f}  {each}")
     print(f"goal: ratio >= 0.97 for steps >= 0.1 s. 'between steps' is rank 0's time outside train_step in the "
-          f"same run (the loop's all-gather, reporting, hooks), independent of the machine's load "
+          f"same run (the loop's all-gather, reporting, hooks), independent of the machine's load. 'step CPU' is "
+          f"rank 0's CPU time inside the step (median): equal CPU with a longer step means the rank waited "
+          f"(for its peer or for a core), not that the platform added work to the step "
           f"(1-min load average at the end: {result['load_avg_1m_at_end']})")
 
 
