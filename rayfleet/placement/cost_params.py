@@ -69,11 +69,14 @@ class CostParams:
         cp_overlap_fraction: fraction of ring-attention K/V exchange hidden behind attention.
         tp_overlap_fraction: fraction of TP all-gathers / reduce-scatters hidden behind the GEMMs
             (Transformer Engine's userbuffer overlap).
+        wgrad_accumulation_bytes: HBM bytes per local parameter that each micro-batch's weight-
+            gradient GEMM reads and writes in the FP32 main-grad buffer (Megatron's
+            ``gradient_accumulation_fusion``: 4 read + 4 written); 0 ignores that traffic.
         optimizer_bytes_touched: HBM bytes read+written per parameter by the Adam step.
         usable_memory_fraction: share of HBM a plan may fill (allocator, context, buffers).
     """
 
-    gemm_efficiency: float = 0.56
+    gemm_efficiency: float = 0.60
     gemm_rows_at_half_efficiency: float = 96.0
     gemm_width_at_half_efficiency: float = 1536.0
     moe_permute_bytes: float = 64.0
@@ -98,7 +101,8 @@ class CostParams:
     ep_overlap_fraction: float = 0.3
     cp_overlap_fraction: float = 0.5
     p2p_overlap_fraction: float = 0.8
-    tp_overlap_fraction: float = 0.5
+    tp_overlap_fraction: float = 0.55
+    wgrad_accumulation_bytes: int = 8
     optimizer_bytes_touched: int = 36
     usable_memory_fraction: float = 0.9
 

@@ -36,13 +36,13 @@ from functools import lru_cache
 from typing import Sequence
 
 from rayfleet.placement.cost_params import CostParams, Link, all_to_all_time, hierarchical_allreduce_time, ring_time
-from rayfleet.placement.memory_model import ParamCounts, num_moe_layers
+from rayfleet.placement.memory_model import ParamCounts, layer_param_counts, num_moe_layers
 from rayfleet.placement.model_spec import ModelSpec
 from rayfleet.placement.plan import ParallelPlan
 from rayfleet.platform.catalogue import AcceleratorSpec
 
 __all__ = ["LayerTime", "StepTimeBreakdown", "ep_overlap_possible", "exposed_p2p", "layer_time", "layer_times",
-           "estimate_step_time"]
+           "estimate_step_time", "wgrad_accumulation_s"]
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,28 @@ def _cross_domain_share(model: ModelSpec, ep: int, in_domain: int) -> float:
     return model.distinct_shards_per_token(domains) / model.top_k
 
 
+def wgrad_accumulation_s(model: ModelSpec, plan: ParallelPlan, layer: int, accel: AcceleratorSpec,
+                         params: CostParams = CostParams()) -> float:
+    """HBM seconds one micro-batch's weight-gradient GEMMs of ``layer`` spend folding their
+    result into the FP32 main-grad buffer, on top of their FLOP time.
+
+    Megatron accumulates each micro-batch's weight gradient straight into the FP32 ``main_grad``
+    (``gradient_accumulation_fusion``; Transformer Engine's grouped GEMM does the same for the
+    experts): the GEMM's epilogue reads and writes ``wgrad_accumulation_bytes`` per local
+    parameter after its reduction over the micro-batch's tokens, so that traffic follows the
+    reduction rather than hiding under it, and it does not shrink with the token count. Its
+    weight is ``bytes x params / (2 x rows x params / peak)``: negligible for a dense layer's
+    thousands of rows, comparable to the FLOPs for a fine-grained expert fed a few hundred
+    (``rows = tokens x top_k x ep / num_experts``). It is what makes keeping many experts local
+    (small EP, context parallelism shrinking the rows) cost more than a FLOP count says.
+    Forward and dgrad read each weight once inside their main loop (1-2 bytes per parameter)
+    and stay compute-bound above ~200 rows: not priced."""
+    if params.wgrad_accumulation_bytes <= 0:
+        return 0.0
+    counts = layer_param_counts(model, plan, layer)
+    return params.wgrad_accumulation_bytes * counts.total / (accel.hbm_bandwidth_gbps * 1e9)
+
+
 def layer_time(model: ModelSpec, plan: ParallelPlan, layer: int, accel: AcceleratorSpec,
                params: CostParams = CostParams()) -> LayerTime:
     """Forward+backward time of ``layer`` for one micro-batch on one device."""
@@ -149,7 +171,7 @@ def layer_time(model: ModelSpec, plan: ParallelPlan, layer: int, accel: Accelera
         # so backward reruns the up-projection GEMMs too
         up = model.attention_split_params() - model.num_heads * model.head_dim * h
         recompute += tokens * 2 * up / tp / (gemm_peak * dense_eff)
-    backward = 2 * fwd + recompute
+    backward = 2 * fwd + recompute + wgrad_accumulation_s(model, plan, layer, accel, params)
     compute = fwd + backward
 
     link = Link.scaleup(accel, params)
