@@ -13,7 +13,9 @@ Design decisions:
 - Compute: forward FLOPs per token from :class:`ModelSpec`, x3 for forward+backward, +1 forward
   with full recompute, +attention core forward (and MLA's q/k/v up-projections) with selective
   recompute. GEMMs run at the catalogue's peak for the model's precision (FP8 or BF16) times
-  ``gemm_efficiency``; fused attention and the output head stay BF16. Balanced routing is
+  ``gemm_efficiency``; fused attention and the output head stay BF16. Backward also pays the
+  HBM traffic of folding each micro-batch's weight gradient into the FP32 main grads
+  (:func:`wgrad_accumulation_s`), per local parameter whatever the token count. Balanced routing is
   assumed: each device computes ``1/(tp*cp)`` of a replica's tokens in every layer, in both grids.
 - Communication per layer and micro-batch (sequence-parallel Megatron layout):
   TP all-gather + reduce-scatter pairs around attention, the dense MLP and the shared experts on
