@@ -156,7 +156,7 @@ def _bare_worker(rank: int, world_size: int, port: int, spec_dict: dict, plan: P
     from rayfleet.jobs.optim import build_optimizer
     from rayfleet.models import MoELayer, build_model, materialize
 
-    torch.set_num_threads(1)  # as a Ray Train worker gets on this host: cores // workers per node
+    torch.set_num_threads(_threads_per_rank(world_size))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     spec = TrainJobSpec.model_validate(spec_dict)
     ctx = par.build_parallel_context(plan, device=torch.device("cpu"))
@@ -171,8 +171,9 @@ def _bare_worker(rank: int, world_size: int, port: int, spec_dict: dict, plan: P
                                     shuffle=spec.data.shuffle, seed=spec.data.seed)
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     ends = []
+    cpu_clock = time.thread_time if torch.get_num_threads() == 1 else time.process_time  # as train_worker
     for _ in range(steps):
-        c0 = time.thread_time()  # this rank's CPU in the step: what the platform's compute_time_s counts
+        c0 = cpu_clock()  # this rank's CPU in the step: what the platform's compute_time_s counts
         batch = loader.next_batch()
         load = torch.zeros(len(layers), spec.model.to_config().num_experts, dtype=torch.int64)
         for mb in batch.microbatches:
@@ -185,11 +186,17 @@ def _bare_worker(rank: int, world_size: int, port: int, spec_dict: dict, plan: P
         optimizer.zero_grad(set_to_none=True)
         for layer, layer_load in zip(layers, par.sync_expert_load(load, ctx)):
             layer.update_router_bias(layer_load)
-        ends.append((time.time(), time.thread_time() - c0))
+        ends.append((time.time(), cpu_clock() - c0))
     if rank == 0:
         Path(out_path).write_text(json.dumps(ends))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _threads_per_rank(world_size: int) -> int:
+    """Intra-op threads a rayfleet worker takes on this one-node fleet (``worker_entry``: cores //
+    ranks on the node), so that every run of the comparison computes with the same threads."""
+    return max(1, (os.cpu_count() or 1) // world_size)
 
 
 def _bare_run(spec: TrainJobSpec, plan: ParallelPlan, *, tmp: str, tag: str) -> list[list[float]]:
@@ -238,7 +245,7 @@ def _between_steps_s(rows: list[dict], warmup: int) -> float:
 LOOP_NO_RAY = "rayfleet loop, no Ray"
 
 
-def platform_vs_bare(*, steps: int, warmup: int, quick: bool, tmp: str, dataset: str) -> dict:
+def platform_vs_bare(*, steps: int, warmup: int, quick: bool, tmp: str, dataset: str, workers: int = 2) -> dict:
     """Tokens/s of the same job (a) through rayfleet + Ray Train and (b) as a bare loop, one run.
 
     Bare and platform runs alternate (bare first and last) and the medians of each kind are
@@ -247,6 +254,9 @@ def platform_vs_bare(*, steps: int, warmup: int, quick: bool, tmp: str, dataset:
     ``ray.train.report`` every step, the paced behaviour issue 19 removed. ``LOOP_NO_RAY`` is
     rayfleet's own step loop (``train_worker``: metrics, hooks, health timing) on spawned gloo
     processes without Ray: it splits the overhead into the loop's and Ray's process environment's.
+    ``workers`` ranks (1 or 2) share the same global batch; with 2 every core of a 2-core host runs
+    a rank, with 1 a core is left to the platform's own processes (Ray Train's controller, the
+    job driver, raylet), as on an accelerator server with cores to spare.
     """
     from rayfleet.jobs.local_processes import run_local
     from rayfleet.jobs.planning import resolve_plan
@@ -255,11 +265,11 @@ def platform_vs_bare(*, steps: int, warmup: int, quick: bool, tmp: str, dataset:
 
     spec = TrainJobSpec.model_validate({
         "name": "bench-platform", "model": {"preset": "tiny", "seed": 0}, "data": {"uri": dataset, "seq_len": SEQ},
-        "plan": {"dp": 2, "micro_batch_size": PLATFORM_MICRO}, "precision": "fp32", "steps": steps,
+        "plan": {"dp": workers, "micro_batch_size": PLATFORM_MICRO}, "precision": "fp32", "steps": steps,
         "global_batch_size": PLATFORM_MICRO * 2, "schedule": {"warmup_steps": 1},
-        "resources": {"accelerator": "H100", "num_workers": 2}})
+        "resources": {"accelerator": "H100", "num_workers": workers}})
     tokens = spec.global_batch_size * SEQ
-    plan = resolve_plan(spec, world_size=2, accelerator="H100")  # what the job itself will run
+    plan = resolve_plan(spec, world_size=workers, accelerator="H100")  # what the job itself will run
     home = tempfile.mkdtemp(prefix="rayfleet-bench-home-", dir=tmp)
     local = LocalFleet.up(build_topology(num_nodes=1, accelerator="H100", accelerators_per_node=2), home=home)
     order = ["bare", LOOP_NO_RAY, "rayfleet", "bare"] if quick else \
@@ -272,7 +282,8 @@ def platform_vs_bare(*, steps: int, warmup: int, quick: bool, tmp: str, dataset:
                 ends = _bare_run(spec, plan, tmp=tmp, tag=str(i))
                 runs[name].append([{"time_unix_s": t, "compute_time_s": cpu} for t, cpu in ends])
             elif name == LOOP_NO_RAY:
-                runs[name].append(list(run_local(spec, plan, threads_per_rank=1).metrics[0]))
+                runs[name].append(list(run_local(spec, plan, threads_per_rank=_threads_per_rank(workers),
+                                                 in_process=False).metrics[0]))
             else:
                 env = {"RAYFLEET_TRAIN_REPORT_INTERVAL_S": "0"} if "every step" in name else {}
                 runs[name].append(_platform_run(local, spec, env=env, timeout_s=900))
@@ -328,17 +339,27 @@ def main() -> None:
                         help="fewer plans and steps; the platform comparison without the paced variant")
     parser.add_argument("--part", choices=("all", "scaling", "platform"), default="all")
     parser.add_argument("--platform-steps", type=int, default=60)
+    parser.add_argument("--platform-workers", default=None,
+                        help="comma-separated rank counts for the platform comparison (default: 2,1; quick: 2)")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.warmup, args.platform_steps = min(args.steps, 5), min(args.warmup, 2), 30
-    platform_result = None
+    platform_result, platform_more = None, {}
     if args.part in ("all", "platform"):
+        counts = [int(c) for c in (args.platform_workers or ("2" if args.quick else "2,1")).split(",")]
         with tempfile.TemporaryDirectory(prefix="rayfleet-bench-") as tmp:
-            platform_result = platform_vs_bare(steps=args.platform_steps, warmup=5, quick=args.quick, tmp=tmp,
-                                               dataset=_dataset(tmp))
+            dataset = _dataset(tmp)
+            for count in counts:
+                result = platform_vs_bare(steps=args.platform_steps, warmup=5, quick=args.quick, tmp=tmp,
+                                          dataset=dataset, workers=count)
+                if count == counts[0]:
+                    platform_result = result
+                else:
+                    platform_more[f"platform_vs_bare_{count}_workers"] = result
         if args.part == "platform":
-            print_platform(platform_result)
-            _write_json(args.json, {"platform_vs_bare": platform_result})
+            for result in [platform_result, *platform_more.values()]:
+                print_platform(result)
+            _write_json(args.json, {"platform_vs_bare": platform_result, **platform_more})
             return
     configs = [  # (plan, a2a overlap); global batch = MICRO x workers
         (ParallelPlan(dp=1, micro_batch_size=MICRO), False),
@@ -390,10 +411,10 @@ def main() -> None:
     elif not gpu:
         print("FP8 vs BF16 speed: not measured (no CUDA device here; CPU FP8 GEMMs are emulated-speed)")
     print(f"total {elapsed:.0f} s")
-    if platform_result is not None:
-        print_platform(platform_result)
+    for result in [platform_result, *platform_more.values()] if platform_result is not None else []:
+        print_platform(result)
     _write_json(args.json, {"machine": platform.machine(), "cores": cores, "rows": rows, "gpu_fp8_vs_bf16": gpu,
-                            "platform_vs_bare": platform_result})
+                            "platform_vs_bare": platform_result, **platform_more})
 
 
 def _write_json(path: str, data: dict) -> None:
