@@ -5,7 +5,8 @@ and one with 4 fake H100 (so that placement by the accelerator-type label is obs
 same launcher as ``rayfleet up``. The model is a tiny Qwen3-MoE written by ``transformers`` into
 a temp dir (no download). Engine starts are the cost (1-3 min each on 2 busy cores), so the
 tests share apps: a colocated pool (2 replicas) and then a prefill/decode app (1 + 1); the pool is
-deleted before the PD app starts, so at most two engines run at a time.
+deleted before the PD app starts. The PD app (``pd_app``) is shared by test_pd and test_autoscale,
+where the shared autoscaler lends it one more decode engine for a while (three engines at most).
 
 vLLM must be importable on Linux x86_64 (``make vllm`` installs it): there, a missing vLLM fails
 every test here instead of skipping them. Elsewhere (no wheel) they skip.
@@ -15,16 +16,18 @@ from __future__ import annotations
 
 import importlib.util
 import platform
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 # The order the tests run in: the offline engine needs no fleet; the pool app is deleted before
-# the PD app starts (two engines at a time at most).
-_ORDER = ("test_offline.py", "test_pool.py", "test_pd.py")
+# the PD app starts; the autoscaler test reuses the PD app (one app start less: 2-8 min here).
+_ORDER = ("test_offline.py", "test_pool.py", "test_pd.py", "test_autoscale.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -129,3 +132,34 @@ def long_prompt(seed: int, num_words: int = 120) -> str:
     words = ("the fleet serves mixture of experts models on shared accelerators while training jobs lend "
              "and take back replicas prefill computes the prompt cache and decode streams tokens").split()
     return " ".join(words[(seed * 5 + i * 3) % len(words)] for i in range(num_words))
+
+
+PD_APP, PD_MODEL, PD_BLOCK = "vllm-pd", "tiny-moe", 32
+
+
+@pytest.fixture(scope="session")
+def pd_app(vllm_fleet, tiny_model_dir, tmp_path_factory):
+    """The prefill/decode app on the H100 node (1 + 1 engines, KV over NIXL), started by
+    ``rayfleet serve --detach``; yields (OpenAI base URL, ``ServeSpec``)."""
+    from ray import serve
+
+    from rayfleet.serving.spec import ServeSpec
+
+    spec = {"name": PD_APP, "model": {"hf": str(tiny_model_dir), "name": PD_MODEL, "dtype": "float32"},
+            "engine": {"kind": "vllm", "block_size": PD_BLOCK, "max_model_len": 512, "max_num_seqs": 8,
+                       "max_num_batched_tokens": 512},
+            "mode": "disaggregated",
+            "prefill": {"replicas": 1, "accelerators_per_replica": 1, "accelerator_type": "H100"},
+            "decode": {"replicas": 1, "accelerators_per_replica": 1, "accelerator_type": "H100"},
+            "vllm": {"device": "cpu", "kv_connector": "nixl", "kv_cache_gib": 1},
+            "http": {"route_prefix": "/pd"}}
+    path = tmp_path_factory.mktemp("pd") / "pd.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    proc = subprocess.run([sys.executable, "-m", "rayfleet", "serve", str(path), "--address", vllm_fleet.address,
+                           "--detach", "--timeout", "900"], capture_output=True, text=True, timeout=1000)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    url = next(line.split("OpenAI base URL:")[1].split()[0] for line in proc.stdout.splitlines()
+               if "OpenAI base URL:" in line)
+    assert url.endswith("/pd/v1"), url
+    yield url, ServeSpec.parse(spec)
+    serve.delete(PD_APP, _blocking=True)

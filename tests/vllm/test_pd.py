@@ -1,47 +1,12 @@
 """A prefill/decode-split vLLM app started by ``rayfleet serve --detach`` (the CLI, hence the
-same ``deploy()`` as ``fleet.serve()``): KV moves from the prefill engine to the decode engine
-over NIXL (UCX over host memory), proven by the decode side's own connector counters, and the
-output equals a single engine's (transformers, and the colocated pool's) for greedy requests."""
+same ``deploy()`` as ``fleet.serve()``; the session's ``pd_app``, reused by test_autoscale): KV
+moves from the prefill engine to the decode engine over NIXL (UCX over host memory), proven by the
+decode side's own connector counters, and the output equals a single engine's (transformers, and
+the colocated pool's) for greedy requests."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-import pytest
-import yaml
-
-from .conftest import long_prompt, replica_ids, wait_until
-
-APP = "vllm-pd"
-MODEL = "tiny-moe"
-BLOCK = 32
-
-
-@pytest.fixture(scope="module")
-def pd_app(vllm_fleet, tiny_model_dir, tmp_path_factory):
-    from ray import serve
-
-    from rayfleet.serving.spec import ServeSpec
-
-    spec = {"name": APP, "model": {"hf": str(tiny_model_dir), "name": MODEL, "dtype": "float32"},
-            "engine": {"kind": "vllm", "block_size": BLOCK, "max_model_len": 512, "max_num_seqs": 8,
-                       "max_num_batched_tokens": 512},
-            "mode": "disaggregated",
-            "prefill": {"replicas": 1, "accelerators_per_replica": 1, "accelerator_type": "H100"},
-            "decode": {"replicas": 1, "accelerators_per_replica": 1, "accelerator_type": "H100"},
-            "vllm": {"device": "cpu", "kv_connector": "nixl", "kv_cache_gib": 1},
-            "http": {"route_prefix": "/pd"}}
-    path = tmp_path_factory.mktemp("pd") / "pd.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    proc = subprocess.run([sys.executable, "-m", "rayfleet", "serve", str(path), "--address", vllm_fleet.address,
-                           "--detach", "--timeout", "900"], capture_output=True, text=True, timeout=1000)
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
-    url = next(line.split("OpenAI base URL:")[1].split()[0] for line in proc.stdout.splitlines()
-               if "OpenAI base URL:" in line)
-    assert url.endswith("/pd/v1"), url
-    yield url, ServeSpec.parse(spec)
-    serve.delete(APP, _blocking=True)
+from .conftest import PD_APP as APP, PD_BLOCK as BLOCK, PD_MODEL as MODEL, long_prompt, replica_ids, wait_until
 
 
 def _client(url: str):

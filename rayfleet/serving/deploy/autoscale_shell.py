@@ -52,6 +52,9 @@ class ServeShellConfig:
     interval_s: float = 1.0
     window_s: float = 10.0  # TTFT p95 window
     drain_timeout_s: float = 120.0
+    # From raising the bounds to the replica RUNNING: a vLLM engine start is minutes on a busy
+    # CPU (seen: 7 min at load average 37); past it the lend is given back (``_add``).
+    replica_start_timeout_s: float = 300.0
 
 
 @dataclass
@@ -99,10 +102,15 @@ class RoomWatch:
     resources one by one: while the lender's old layout is released, one node may already show
     its accelerators free and another not yet, which looks settled for a moment (seen: the
     replica then raced the job's new placement group and started 63 s late).
+    ``reforming=False`` (the decision names no job re-forming: free room, or lenders preempted
+    whole, which never re-form on their own): ready as soon as the node has room. Waiting for a
+    paused lender to "settle" waited out ``settle_s`` (seen live: 90 s of a 99 s handover).
     """
 
-    def __init__(self, node: str, count: int, *, settle_s: float, hold_s: float = SETTLED_HOLD_S) -> None:
+    def __init__(self, node: str, count: int, *, settle_s: float, hold_s: float = SETTLED_HOLD_S,
+                 reforming: bool = True) -> None:
         self.node, self.count, self.settle_s, self.hold_s = node, count, settle_s, hold_s
+        self.reforming = reforming
         self.room_since: float | None = None
         self.settled_since: float | None = None
 
@@ -110,6 +118,8 @@ class RoomWatch:
         if free_by_node.get(self.node, 0) < self.count:
             self.room_since = self.settled_since = None
             return False
+        if not self.reforming:
+            return True
         self.room_since = self.room_since if self.room_since is not None else now
         if lender_settled(free_by_node, pending_lent):
             self.settled_since = self.settled_since if self.settled_since is not None else now
@@ -234,7 +244,7 @@ class ServeShell(AutoscalerShellBase):
                 name = f"{self.role}-{index}"
                 replica = LentReplica(name=name, app_name=self.spec.name, node=node, decided_at=decided_at)
                 self.lent.append(replica)
-            threading.Thread(target=self._add, args=(replica,), daemon=True).start()
+            threading.Thread(target=self._add, args=(replica, decision.reforming), daemon=True).start()
         for node in decision.remove_from_nodes:
             with self._lock:
                 active = [r for r in self.lent if r.removal_decided_at is None and r.running_at is not None]
@@ -261,16 +271,20 @@ class ServeShell(AutoscalerShellBase):
                 raise TimeoutError(f"the {self.role} pool did not reach {replicas} running replicas in {timeout_s:g}s")
             time.sleep(0.25)
 
-    def _add(self, replica: LentReplica) -> None:
+    def _add(self, replica: LentReplica, reforming: tuple[str, ...] = ()) -> None:
         try:
             # Raise the bounds only once the policy's freed accelerator is really free (the
             # training job steps off it after its current step): a replica queued in Ray before
             # that was seen to stay pending after the accelerator freed up.
-            self._wait_for_room(replica.node, max(1, self.pool.accelerators_per_replica))
+            self._wait_for_room(replica.node, max(1, self.pool.accelerators_per_replica), reforming=reforming)
             replica.placed_at = time.time()
-            self._set_bounds_and_wait(self._lent_bounds(), timeout_s=300)
+            self._set_bounds_and_wait(self._lent_bounds(), timeout_s=self.config.replica_start_timeout_s)
         except Exception as exc:  # noqa: BLE001 - recorded; the policy sees no new replica
             replica.error = repr(exc)
+            if replica.placed_at is not None:
+                # Lower the bounds again: left raised, Serve went on starting the replica the policy
+                # no longer counted, and the next lend preempted the whole job for it (seen live).
+                self._give_back_bounds()
             self.event("autoscaler_handover_failed", f"{replica.name} on {replica.node}: {exc!r}",
                        {"replica": replica.name, "node": replica.node})
             return
@@ -279,7 +293,17 @@ class ServeShell(AutoscalerShellBase):
                    f"{replica.name} serving on {replica.node} {replica.handover_s:.1f}s after the decision",
                    {"replica": replica.name, "node": replica.node, "handover_s": round(replica.handover_s, 2)})
 
-    def _wait_for_room(self, node: str, count: int, timeout_s: float = 300.0, settle_s: float = 90.0) -> None:
+    def _give_back_bounds(self) -> None:
+        from rayfleet.serving.deploy.pool_scaling import set_pool_bounds
+
+        try:
+            replicas = self._lent_bounds()
+            set_pool_bounds(self.spec.name, self.deployment, min_replicas=replicas, max_replicas=replicas)
+        except Exception as exc:  # noqa: BLE001 - reported; the next decision retries through the policy
+            self.event("autoscaler_serve_shell_error", f"lowering the pool's bounds failed: {exc!r}", {})
+
+    def _wait_for_room(self, node: str, count: int, timeout_s: float = 300.0, settle_s: float = 90.0, *,
+                       reforming: tuple[str, ...] = ()) -> None:
         """Until ``node`` has ``count`` free accelerators and the lender has settled around them.
 
         Serve places the new replica on any free accelerator of the type. While the training job
@@ -287,6 +311,8 @@ class ServeShell(AutoscalerShellBase):
         the job's new layout counts on (seen: the job's placement group pending for good). So the
         bounds rise only once nothing but the lent accelerators is free (the job holds its new
         layout), or after ``settle_s`` with room on the node (a lender that never re-forms).
+        With no job ``reforming`` (the decision's: nothing re-forms around the room), as soon
+        as the node has room.
         """
         import ray
         from rayfleet.platform.ray_compat import available_resources_per_node
@@ -296,7 +322,7 @@ class ServeShell(AutoscalerShellBase):
 
         resource = get_accelerator(self.pool.accelerator_type).ray_resource  # GPU, XPU or NPU
         deadline = time.monotonic() + timeout_s
-        watch = RoomWatch(node, count, settle_s=settle_s)
+        watch = RoomWatch(node, count, settle_s=settle_s, reforming=bool(reforming))
         while time.monotonic() < deadline and not self._halt.is_set():
             alive = {n["NodeID"]: (n.get("Labels") or {}).get(L.NODE) for n in ray.nodes() if n.get("Alive")}
             free_by_node = {name: available_resources_per_node().get(node_id, {}).get(resource, 0)

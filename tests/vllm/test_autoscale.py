@@ -1,0 +1,214 @@
+"""The shared autoscaler lends an accelerator from elastic training to a vLLM decode pool and
+takes it back, on the session's prefill/decode app (``pd_app``: 1 prefill + 1 decode engine on
+the fleet's H100 node, KV over NIXL).
+
+An elastic training job (1..2 workers) takes the H100 node's other two accelerators. A burst of
+streamed completions fills the decode engine (vLLM's own gauges, read from Ray's Prometheus by
+``serving.vllm.pool_load``), so the controller's policy shrinks the job by one DP replica and the
+Serve shell raises the decode pool's bounds (``pool_scaling``, keyed by Serve LLM's deployment
+name): Serve starts a second decode engine on the freed accelerator. Once it has served part of
+the burst, the burst stops; after the hysteresis Serve drains one decode replica and the job grows
+back to 2 workers. The test then stops the job.
+
+Measured and printed: decision-to-replica-running handover time. Asserted: every answer equals
+the single-decode-engine answer for its prompt (greedy), no request failed, the lent engine ran
+on the lent node and generated tokens (its own vLLM counters), both decisions and the handover
+are events with their reasons, the job shrank to 1 worker and grew back to 2.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+
+import pytest
+
+from .conftest import PD_APP, PD_MODEL, long_prompt, replica_ids, wait_until
+
+STEPS = 2000  # a ceiling: the test stops the job once it has seen the whole cycle
+GLOBAL_BATCH = 12
+PROMPTS = [long_prompt(100 + i, 48) for i in range(6)]  # two KV blocks each: NIXL moves something
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    from rayfleet.storage.tokens import prepare_token_dataset
+
+    out = str(tmp_path_factory.mktemp("tokens") / "stdlib-json")
+    prepare_token_dataset([os.path.join(os.path.dirname(os.__file__), "json")], out, shard_tokens=1 << 15, seq_len=128)
+    return out
+
+
+class Burst:
+    """``clients`` threads streaming greedy completions of ``PROMPTS`` until stopped."""
+
+    def __init__(self, base_url: str, clients: int) -> None:
+        import openai
+
+        self.client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300)
+        self.results: list[dict] = []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+
+    def start(self) -> "Burst":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def join(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=300)
+
+    def _run(self, index: int) -> None:
+        n = index
+        while not self.stop.is_set():
+            prompt = n % len(PROMPTS)
+            sent, first, error, text = time.monotonic(), None, None, ""
+            try:
+                for chunk in self.client.completions.create(model=PD_MODEL, prompt=PROMPTS[prompt], max_tokens=MAX_TOKENS,
+                                                            temperature=0, stream=True):
+                    if chunk.choices and chunk.choices[0].text:
+                        first = first or time.monotonic()
+                        text += chunk.choices[0].text
+            except Exception as exc:  # noqa: BLE001 - counted as a failed request
+                error = repr(exc)
+            self.results.append({"prompt": prompt, "text": text, "error": error, "end": time.monotonic(),
+                                 "ttft_s": None if first is None else first - sent})
+            n += 1
+
+
+def _node_name(node_id: str) -> str:
+    """The rayfleet node name (label) of a Ray node."""
+    import ray
+
+    from rayfleet.platform import labels as L
+
+    return next((n.get("Labels") or {}).get(L.NODE, "") for n in ray.nodes() if n["NodeID"] == node_id)
+
+
+def _replica_node(dashboard_url: str, replica_id: str) -> str:
+    """The rayfleet node of the live Serve replica ``replica_id``."""
+    from ray.util.state import list_actors
+
+    for actor in list_actors(address=dashboard_url, filters=[("state", "=", "ALIVE")], limit=1000):
+        if (actor.name or "").endswith(f"#{replica_id}"):
+            return _node_name(actor.node_id)
+    return ""
+
+
+def _generated_tokens(replica_id: str) -> float:
+    from rayfleet.serving.vllm.metrics import metric_sum, scrape_vllm_metrics
+
+    return metric_sum(scrape_vllm_metrics(), "generation_tokens", ReplicaId=replica_id)
+
+
+def test_autoscaler_lends_an_accelerator_from_training_to_the_vllm_decode_pool_and_back(pd_app, vllm_fleet,
+                                                                                        dataset, tmp_path):
+    from ray import serve
+
+    from rayfleet.serving.deploy.deployer import ServeDeployment
+    from rayfleet.serving.deploy.pool_scaling import get_pool_bounds
+    from rayfleet.serving.vllm.config import llm_deployment_name
+
+    url, spec = pd_app
+    sdk = vllm_fleet.sdk
+    decode = llm_deployment_name(spec, "decode")
+    # The names the bounds are keyed by are Serve LLM's, and deploy wrote the spec's bounds.
+    assert set(serve.status().applications[PD_APP].deployments) >= {decode, llm_deployment_name(spec, "prefill")}
+    assert get_pool_bounds(PD_APP, decode) == (1, 1)
+    client = Burst(url, 0).client
+    expected = [client.completions.create(model=PD_MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
+                for p in PROMPTS]  # one decode engine's answers
+    base_decode = replica_ids(vllm_fleet.dashboard_url, PD_APP, "Decode")
+    assert len(base_decode) == 1, base_decode
+
+    job = {"name": "vllm-lender", "model": {"preset": "tiny", "seed": 0}, "data": {"uri": dataset, "seq_len": 64},
+           "plan": {}, "precision": "fp32", "steps": STEPS, "global_batch_size": GLOBAL_BATCH,
+           "optimizer": {"lr": 1e-3}, "schedule": {"warmup_steps": 1},
+           "resources": {"accelerator": "H100", "elastic": {"min_workers": 1, "max_workers": 2}},
+           "checkpoint": {"every_n_steps": 1, "persist_every": 1, "uri": str(tmp_path / "ckpt")}}
+    shell = run = burst = None
+    lent_id, lent_node, lent_tokens = "", "", 0.0
+    try:
+        sdk.start_autoscaler(interval_s=1.0, scale_down_after_s=3.0, job_resize_cooldown_s=5.0)
+        run = sdk.train(job)
+        steps = lambda: [int(r["step"]) for r in run.metrics().rows]  # noqa: E731
+        wait_until(lambda: len(steps()) >= 2 or run.status() in ("FAILED", "STOPPED"), timeout_s=300,
+                   interval_s=1.0, what="the job's first steps on 2 workers")
+        assert "on 2 workers" in run.logs(), run.logs()[-3000:]
+        # Decode in flight above 1 per replica asks for a second one; the TTFT SLO is loose, so the
+        # decision follows vLLM's request gauges and the burst's end lets the pool shrink.
+        # A vLLM engine start takes minutes on 2 busy cores (seen: 7 min at load average 37).
+        shell = sdk.autoscale_serve(ServeDeployment(spec=spec, url=url.removesuffix("/v1")), ttft_slo_s=10.0,
+                                    target_ongoing_requests=1, max_replicas=2, window_s=5.0, interval_s=1.0,
+                                    replica_start_timeout_s=900)
+        burst = Burst(url, clients=3).start()
+        t0 = time.monotonic()
+        try:
+            wait_until(lambda: any(h["running_at"] for h in shell.history()) or run.status() in ("FAILED", "STOPPED"),
+                       timeout_s=1100, interval_s=1.0, what="a lent decode replica running")
+            lent_id = next(iter(replica_ids(vllm_fleet.dashboard_url, PD_APP, "Decode") - base_decode), "")
+            lent_node = _replica_node(vllm_fleet.dashboard_url, lent_id)
+            # The burst goes on until the lent engine has served part of it (its own counters;
+            # Ray exports them every few seconds).
+            lent_tokens = wait_until(lambda: _generated_tokens(lent_id), timeout_s=90, interval_s=2.0,
+                                     what="the lent decode engine's generated tokens")
+        except AssertionError as err:
+            raise AssertionError(f"{err}\nshell saw {shell.observation()}\nhistory {shell.history()}\n"
+                                 f"events {[(e.kind, e.cause) for e in sdk.events(limit=30)]}\n"
+                                 f"job log {run.logs()[-3000:]}") from None
+        finally:
+            burst.join()
+        lend_cycle_s = time.monotonic() - t0
+        try:
+            wait_until(lambda: all(h["removed_at"] for h in shell.history()), timeout_s=240, interval_s=1.0,
+                       what="the lent decode replica drained and removed after the burst")
+            wait_until(lambda: re.search(r"formation [1-9]\d* with 2 workers", run.logs())
+                       or run.status() in ("FAILED", "STOPPED"), timeout_s=300, interval_s=2.0,
+                       what="the job grown back to 2 workers")
+            regrown = max(steps())
+            wait_until(lambda: max(steps()) >= regrown + 2 or run.status() in ("FAILED", "STOPPED"),
+                       timeout_s=180, interval_s=1.0, what="steps after the grow-back")
+        except AssertionError as err:
+            raise AssertionError(f"{err}\nhistory {shell.history()}\n"
+                                 f"events {[(e.kind, e.cause) for e in sdk.events(limit=30)]}\n"
+                                 f"job log {run.logs()[-3000:]}") from None
+        assert run.status() == "RUNNING", run.logs()[-4000:]
+        logs, history = run.logs(), shell.history()
+        decisions = sdk.autoscaler_decisions(limit=50)
+        remaining = replica_ids(vllm_fleet.dashboard_url, PD_APP, "Decode")
+    finally:
+        if shell is not None:
+            shell.stop()
+        sdk.stop_autoscaler()
+        if run is not None:
+            run.cancel()
+            wait_until(lambda: run.status() in ("STOPPED", "FAILED", "SUCCEEDED"), timeout_s=120, interval_s=1.0,
+                       what="the job stopped")
+
+    results = burst.results
+    failed = [r for r in results if r["error"] or not r["text"]]
+    wrong = [r for r in results if not r["error"] and r["text"] != expected[r["prompt"]]]
+    handover = [h["handover_s"] for h in history if h["handover_s"] is not None]
+    print(f"\nvLLM decode pool autoscaled: {len(results)} requests, {len(failed)} failed, {len(wrong)} wrong; "
+          f"lent engine {lent_id} on {lent_node} generated {lent_tokens:.0f} tokens; burst {lend_cycle_s:.0f}s")
+    print(f"handover (decision -> lent vLLM decode replica running): {', '.join(f'{h:.1f}s' for h in handover)}")
+    for e in decisions:
+        print(f"  {e.subject:<18} {e.kind:<34} {e.cause}")
+    kinds = [e.kind for e in decisions]
+
+    assert not failed, failed[:3]
+    assert not wrong, (wrong[:3], expected)
+    assert len(history) == 1 and handover, history  # one accelerator lent, not a cascade
+    h100_node = _node_name(vllm_fleet.node_of_type["H100"])
+    assert lent_id and lent_node == history[0]["node"] == h100_node, (lent_id, lent_node, history)
+    assert lent_tokens > 0
+    assert len(remaining) == 1, remaining  # the pool is back to one decode replica
+    assert "autoscaler_ShrinkTraining" in kinds and "autoscaler_GrowTraining" in kinds, kinds
+    assert kinds.count("autoscaler_ScaleServe") == 2, kinds  # up during the burst, down after it
+    assert "autoscaler_handover" in kinds and "autoscaler_replica_removed" in kinds, kinds
+    assert "with 1 workers" in logs, logs[-4000:]  # shrunk by one DP replica, then grown back (waited above)
