@@ -152,11 +152,15 @@ class TrainingShell(AutoscalerShellBase):
             launch = self._launch
             if launch is None and self.target_size is None:
                 return None
-            resizing = launch is None or self._resize is not None or not self._stepping
-            if not resizing:
+            # Paused (preempted whole, between formations at target 0): it holds nothing and
+            # re-forms only when grown, so it is not resizing; reporting it as resizing made the
+            # policy hold back all growth, its own included (seen: never grown back).
+            paused = launch is None and self.target_size == 0
+            resizing = not paused and (launch is None or self._resize is not None or not self._stepping)
+            if not resizing and not paused:
                 size = launch.layout.world_size
                 nodes = tuple(tuple(dict.fromkeys(s.node for s in r)) for r in replica_slots(launch.layout))
-            else:  # between formations, or stopping to resize: what the job is about to be
+            else:  # paused, between formations, or stopping to resize: what the job is about to be
                 size, nodes = self.target_size or 0, ()
             snap_step, snap_at = self._snapshot
             return TrainingObservation(

@@ -22,9 +22,24 @@ Design decisions:
 - Hysteresis against flapping: a deployment scales down only after its load has stayed low
   (``desired < running + pending`` and TTFT well inside the SLO) for ``scale_down_after_s``
   without a break, and only running replicas are removed: a replica still on its way is not
-  recalled (its lend is already paid, and the shell could only cancel it half-started); it goes
-  in a later window once it runs; a grown-back job is not resized again within ``job_resize_cooldown_s``; training only
-  grows when no deployment is short or at risk.
+  recalled (its lend is already paid, and the shell could only cancel it half-started); a
+  grown-back job is not resized again within ``job_resize_cooldown_s``; training only grows
+  when no deployment is short or at risk.
+- A scale-up is fresh until a whole window after its replicas run (``fresh_until``): no
+  reading taken before then starts a low-load window, as in HPA's scale-down stabilization
+  and KEDA's cooldown. Readings while a replica loads measure the deployment without it, and
+  those of its first window mix in the backlog from before it (TTFT windows, queues moving
+  over): neither says the replica is not needed. Seen live (1 s ticks, 3 s window): a low
+  window that began while the lent replica loaded removed it 1 s after it served, burst still
+  running; the next lend then preempted the lender whole. So a lent replica serves at least
+  two windows (in production ``scale_down_after_s`` is minutes).
+- Flapping guard: a scale-up within ``max(scale_down_after_s, reversal_guard_s)`` of the same
+  deployment's scale-down reverses it; its lend may shrink jobs but never preempts an elastic
+  job whole (the last resort). The replica scaled down gives its accelerator back once
+  drained, and a whole preemption is the most expensive way to buy back what is coming free.
+- A job preempted whole (``paused``: size 0, not re-forming) gets accelerators back as soon as
+  they are free, nothing is short and its gang minimum fits at once; the resize cooldown,
+  which bounds restarts of a running job, does not hold it back (it makes no progress at all).
 - Giving back: accelerators lent by a job are returned to it, but only out of what is free
   beyond the queued training's gang minimums (``reserve_for_queue``): a queued job has made no
   progress yet, so admitting it first shortens mean completion time (lenders-first made the
@@ -70,6 +85,7 @@ class _Work:
         self.size = {t.job_id: t.size for t in obs.training}
         self.removed: dict[str, list[int]] = defaultdict(list)
         self.freed: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.whole_elastic = True  # the lend under way may preempt an elastic job whole (last resort)
         self._by_node: dict[str, list[tuple[str, int]]] | None = None
 
     @property
@@ -97,6 +113,9 @@ class AutoscalerPolicy:
         cfg, now = self.config, obs.now_s
         work = _Work(obs)
         low_since, last_resize, lent = dict(state.low_since), dict(state.last_resize_at), dict(state.lent)
+        fresh_until = {d: t for d, t in state.fresh_until.items() if t > now}
+        reversal_s = max(cfg.scale_down_after_s, cfg.reversal_guard_s)
+        scaled_down_at = {d: t for d, t in state.scaled_down_at.items() if now - t < reversal_s}
         decisions: list[Decision] = []
         unmet: dict[str, int] = defaultdict(int)
         busy = False  # some deployment is short or at risk: do not grow training this tick
@@ -114,9 +133,15 @@ class AutoscalerPolicy:
             if want > have:
                 low_since.pop(serve.deployment, None)
                 trigger = why or f"Serve wants {serve.desired_replicas} replicas, has {have}"
+                # Reversing a scale-down: never by preempting an elastic job whole (module doc).
+                work.whole_elastic = cfg.preempt_elastic_last_resort and serve.deployment not in scaled_down_at
                 decision = self._scale_up(work, serve, want - have, now, trigger, last_resize, lent, unmet)
+                if decision is not None:
+                    fresh_until[serve.deployment] = now + cfg.scale_down_after_s
             else:
-                decision = self._scale_down(serve, want, at_risk, now, low_since)
+                decision = self._scale_down(serve, want, at_risk, now, low_since, fresh_until)
+                if decision is not None:
+                    scaled_down_at[serve.deployment] = now
             if decision is not None:
                 decisions.append(decision)
         decisions.extend(self._shrink_decisions(work, now))
@@ -128,7 +153,8 @@ class AutoscalerPolicy:
         decisions.extend(requests)
         new_state = AutoscalerState(low_since=low_since, last_resize_at=last_resize,
                                     lent={k: v for k, v in lent.items() if v > 0 and k in work.jobs},
-                                    last_request_at=last_request)
+                                    last_request_at=last_request, fresh_until=fresh_until,
+                                    scaled_down_at=scaled_down_at)
         return PolicyResult(new_state, tuple(decisions))
 
     def _scale_up(self, work: _Work, serve: ServeObservation, count: int, now: float, trigger: str,
@@ -142,15 +168,24 @@ class AutoscalerPolicy:
             unmet[serve.accelerator_type] += (count - len(nodes)) * serve.accelerators_per_replica
         if not nodes:
             return None
-        return ScaleServe(serve.deployment, have + len(nodes), tuple(nodes), (), f"{trigger}: +{len(nodes)} replica(s)")
+        # Shrunk jobs (not those preempted whole, which re-form only when grown) and jobs already
+        # re-forming: the shell starts the replica once they hold their new layout.
+        reforming = tuple(sorted(t.job_id for t in work.jobs.values() if t.accelerator_type == serve.accelerator_type
+                                 and ((work.removed[t.job_id] and work.size[t.job_id] > 0)
+                                      or (t.resizing and t.size > 0))))
+        return ScaleServe(serve.deployment, have + len(nodes), tuple(nodes), (), f"{trigger}: +{len(nodes)} replica(s)",
+                          reforming=reforming)
 
     def _scale_down(self, serve: ServeObservation, want: int, at_risk: bool, now: float,
-                    low_since: dict) -> ScaleServe | None:
-        """Remove running replicas once load stayed low for a whole window (``low_since`` mutated)."""
+                    low_since: dict, fresh_until: dict) -> ScaleServe | None:
+        """Remove running replicas once load stayed low for a whole window that began a window
+        after the last scale-up ran (``low_since``/``fresh_until`` mutated; see module doc)."""
         cfg = self.config
         have = serve.running_replicas + serve.pending_replicas
+        if serve.pending_replicas:  # a replica on its way: the load at the size it makes is not seen yet
+            fresh_until[serve.deployment] = now + cfg.scale_down_after_s
         low = (want < have and not at_risk and serve.ttft_p95_s <= cfg.low_ttft_ratio * serve.ttft_slo_s)
-        if not low:
+        if not low or now < fresh_until.get(serve.deployment, -math.inf):
             low_since.pop(serve.deployment, None)
             return None
         since = low_since.setdefault(serve.deployment, now)
@@ -233,7 +268,7 @@ class AutoscalerPolicy:
                 continue
             t = work.jobs[job_id]
             whole = t.job_class is JobClass.OPPORTUNISTIC or (
-                self.config.preempt_elastic_last_resort and work.size[job_id] - t.replica_size < t.min_size)
+                work.whole_elastic and work.size[job_id] - t.replica_size < t.min_size)
             if whole:
                 if job_id in seen:
                     continue
@@ -337,8 +372,11 @@ class AutoscalerPolicy:
     def _grow(self, work: _Work, obs: FleetObservation, now: float, last_resize: dict, lent: dict) -> list[GrowTraining]:
         out = []
         cfg = self.config
+        # The cooldown bounds restarts of a running job; a paused one (preempted whole) makes no
+        # progress at all, and resuming is the one restart it has to pay anyway.
         candidates = [t for t in obs.training if t.job_class is JobClass.ELASTIC and not work.removed.get(t.job_id)
-                      and not t.resizing and t.size < t.max_size and now - last_resize.get(t.job_id, -math.inf) >= cfg.job_resize_cooldown_s]
+                      and not t.resizing and t.size < t.max_size
+                      and (t.paused or now - last_resize.get(t.job_id, -math.inf) >= cfg.job_resize_cooldown_s)]
         # Jobs that lent come first (their accelerators come back), then higher priority.
         candidates.sort(key=lambda t: (-lent.get(t.job_id, 0), -t.priority, t.job_id))
         smallest = min((t.replica_size for t in candidates), default=0)
@@ -374,6 +412,11 @@ class AutoscalerPolicy:
                     nodes.append(node)
                 if size + t.replica_size > limit:
                     break
+            if t.paused and size < t.min_size:  # it can only resume at its gang minimum: leave the room
+                for node in nodes:
+                    work.free[node] += t.replica_size
+                    budget[t.accelerator_type] += t.replica_size
+                nodes, size = [], t.size
             open_nodes = [n for n in open_nodes if work.free[n] >= smallest]
             if not nodes:
                 continue

@@ -59,7 +59,14 @@ class TrainingObservation:
     last_snapshot_at_s: float = 0.0
     # Stopping or re-forming: its accelerators look free for a while but are spoken for, and
     # it has no replicas to lend. The policy neither shrinks nor grows it until it runs again.
+    # A job preempted whole and waiting (``paused``: size 0, not resizing) holds nothing and
+    # re-forms only when grown, so it is not resizing.
     resizing: bool = False
+
+    @property
+    def paused(self) -> bool:
+        """Preempted whole and waiting for accelerators (holds none, re-forms only when grown)."""
+        return self.size == 0 and not self.resizing
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,11 @@ class ScaleServe:
     add_on_nodes: tuple[str, ...]  # one node per added replica
     remove_from_nodes: tuple[str, ...]  # one node per removed replica
     reason: str
+    # Training jobs that re-form around the accelerators this replica takes (shrunk, not
+    # preempted whole, by this decision, or already re-forming): while they re-form all their
+    # accelerators look free, so the shell starts the replica only once they hold their new
+    # layout. Empty: nothing re-forms (free room, or lenders paused whole), start at once.
+    reforming: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -121,6 +133,11 @@ class AutoscalerConfig:
     kv_usage_risk: float = 0.92
     low_ttft_ratio: float = 0.5  # load counts as low only while TTFT p95 is below this share
     scale_down_after_s: float = 900.0  # hysteresis window
+    # A scale-up within this long of the same deployment's scale-down (or within one hysteresis
+    # window, if longer) reverses it: the lend that follows never preempts an elastic job whole
+    # (see the policy's module doc). It covers the drain of the replica scaled down (the Serve
+    # shell's ``drain_timeout_s``, 120 s), whose accelerator comes back on its own.
+    reversal_guard_s: float = 120.0
     job_resize_cooldown_s: float = 600.0  # a resized job is not grown again sooner
     request_nodes_cooldown_s: float = 600.0
     restart_cost_s: float = 20.0  # modeled stop/restart of a resized job (for cost ranking)
@@ -144,6 +161,10 @@ class AutoscalerState:
     last_resize_at: Mapping[str, float] = field(default_factory=dict)
     lent: Mapping[str, int] = field(default_factory=dict)  # job -> accelerators lent to Serve
     last_request_at: float = -math.inf
+    # deployment -> until when its load readings cannot start a low-load window (a scale-up
+    # on its way, then one window after its replicas run)
+    fresh_until: Mapping[str, float] = field(default_factory=dict)
+    scaled_down_at: Mapping[str, float] = field(default_factory=dict)  # deployment -> last scale-down
 
 
 @dataclass(frozen=True)

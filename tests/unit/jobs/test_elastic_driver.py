@@ -234,3 +234,55 @@ def test_a_whole_preemption_pauses_the_job_until_accelerators_come_back(spec, tm
     assert states(driver) == ["SCHEDULING", "RUNNING", "RESIZING", "SCHEDULING", "PAUSED", "SCHEDULING", "RUNNING",
                               "FINISHED"]
     assert [size for size, _, _ in fleet.runs] == [4, 4]  # all lent slots came back
+
+
+def test_a_job_preempted_whole_by_the_policy_is_grown_back_by_it_on_the_next_step(job_dict, tmp_path):
+    """Regression (quickstart notebook, fresh clone): after a whole preemption the paused job's
+    shell reported it *resizing*, so the policy grew nothing, that job included; it was never
+    grown back. Here the real policy preempts the job (at its minimum) for Serve, Serve gives
+    the accelerators back, and the next controller step grows the job back (despite the default
+    600 s resize cooldown, which bounds restarts of running jobs, not of paused ones)."""
+    spec = TrainJobSpec.model_validate({
+        **job_dict, "name": "elastic-unit", "steps": STEPS,
+        "resources": {"accelerator": "H100", "elastic": {"min_workers": 4, "max_workers": 4}},
+        "checkpoint": {"every_n_steps": 2, "uri": str(tmp_path / "ckpt")}})
+    free = {"n0": 0, "n1": 0, "s0": 0}
+    autoscaler = SharedAutoscaler(free_accelerators=lambda: (dict(free), {n: "H100" for n in free}),
+                                  request_nodes=lambda decision: None, record=lambda *event: None)
+    shell = TrainingShell(spec, LocalChannel(autoscaler), log=lambda line: None, interval_s=0.01)
+    decided: list = []
+    driver: ElasticDriver
+
+    def give_back() -> None:  # the controller's next steps, once the job sits paused
+        deadline = time.monotonic() + 10
+        while driver.state is not S.PAUSED and time.monotonic() < deadline:
+            time.sleep(0.01)
+        free.update({"n0": 2, "n1": 2})  # the job let go, Serve's lent replica is gone again
+        autoscaler.report_serve(ServeObservation("chat", "H100", 2, running_replicas=1, desired_replicas=1,
+                                                 replica_nodes=("s0",)))
+        shell.tick()  # the paused job's report
+        decided.extend(autoscaler.step())
+        shell.tick()
+        if shell.target_size == 0:  # not grown (the bug): give back by hand so the driver ends
+            autoscaler.carry_out(GrowTraining("elastic-unit", 4, ("n0", "n1"), "test: by hand"))
+            shell.tick()
+
+    def serve_gets_short(fleet, step):
+        if step == 3:
+            shell.tick()  # stepping at 4 workers, its minimum
+            autoscaler.report_serve(ServeObservation("chat", "H100", 2, running_replicas=1, desired_replicas=2,
+                                                     replica_nodes=("s0",)))
+            decided.extend(autoscaler.step())
+            shell.tick()
+            threading.Thread(target=give_back, daemon=True).start()
+
+    fleet = FakeFleet([node("n0"), node("n1"), node("s0", 0)], [fit(per_step=serve_gets_short), fit()])
+    driver = ElasticDriver(spec, fleet, job_dir=str(tmp_path / "job"), shell=shell, log=lambda line: None)
+    assert driver.run()["step"] == STEPS
+    shrink = next(d for d in decided if isinstance(d, ShrinkTraining))
+    assert shrink.preempted and "last resort" in shrink.reason
+    grown = [d for d in decided if isinstance(d, GrowTraining)]
+    assert grown and grown[0].new_size == 4, decided  # by the policy, on its first step after the pause
+    assert states(driver) == ["SCHEDULING", "RUNNING", "RESIZING", "SCHEDULING", "PAUSED", "SCHEDULING", "RUNNING",
+                              "FINISHED"]
+    assert [size for size, _, _ in fleet.runs] == [4, 4]

@@ -112,13 +112,15 @@ def test_scale_down_after_window_then_training_grows_back():
     assert state.lent == {"a": 2}
     lent_jobs = [train("a", ["n0", "n0"], max_size=8)]
     serve_nodes = ["n3", "n1"]
-    for t in (60, 300, 600, 660):
+    # the scale-up's replica runs from t=60; readings start a low window only a window after the
+    # scale-up (t=600), and the window must then pass whole
+    for t in (60, 300, 600, 900, 1199, 1200):
         r = policy.decide(state, obs(t, {"n0": 0, "n1": 0, "n2": 0, "n3": 0}, [serve(2, 1, nodes=serve_nodes)], lent_jobs))
         state = r.state
-        assert not kinds(r, ScaleServe) or t >= 600
+        assert not kinds(r, ScaleServe) or t >= 1200
     down = kinds(r, ScaleServe)
-    assert down and down[0].remove_from_nodes == ("n1",) and "load low for 540s" not in down[0].reason
-    r = policy.decide(state, obs(720, {"n0": 0, "n1": 4, "n2": 0, "n3": 0}, [serve(1, 1, nodes=["n3"])], lent_jobs,
+    assert down and down[0].remove_from_nodes == ("n1",) and "load low for 600s" in down[0].reason
+    r = policy.decide(state, obs(1320, {"n0": 0, "n1": 4, "n2": 0, "n3": 0}, [serve(1, 1, nodes=["n3"])], lent_jobs,
                                  pending={"H100": 2}))  # the queue's 2 fit beside the 2 given back
     (grow,) = kinds(r, GrowTraining)
     assert grow.new_size == 6 and grow.nodes == ("n1",) and "give back 2" in grow.reason
@@ -194,8 +196,13 @@ def test_a_replica_still_loading_is_not_scaled_away():
         r = policy.decide(state, obs(t, free, [loading], []))
         state = r.state
         assert not kinds(r, ScaleServe), (t, r.decisions)
-    # once it runs, the low load (timed since t=0) removes it, and only it
+    # once it runs (seen at t=12), a window after it was last seen loading (t=13) the low window
+    # starts; when it has passed whole, the replica goes, and only it
     running = ServeObservation("chat", "H100", 4, running_replicas=2, desired_replicas=1,
                                replica_nodes=("n3", "n1"), ttft_p95_s=0.1, ttft_slo_s=1.0)
-    (down,) = kinds(policy.decide(state, obs(12, free, [running], [])), ScaleServe)
-    assert down.remove_from_nodes == ("n1",) and down.target_replicas == 1
+    for t in (12, 13, 15):
+        r = policy.decide(state, obs(t, free, [running], []))
+        state = r.state
+        assert not kinds(r, ScaleServe), (t, r.decisions)
+    (down,) = kinds(policy.decide(state, obs(16, free, [running], [])), ScaleServe)
+    assert down.remove_from_nodes == ("n1",) and down.target_replicas == 1 and "load low for 3s" in down.reason

@@ -81,3 +81,16 @@ def test_room_watch_waits_for_the_lender_to_look_settled_for_a_while():
     # no room on the node resets both clocks
     assert not lazy.ready(3.5, {"n6": 0, "n7": 2}, pending_lent=1)
     assert not lazy.ready(4.0, {"n6": 1, "n7": 2}, pending_lent=1)
+
+
+def test_room_watch_starts_at_once_when_nothing_re_forms():
+    """Regression (quickstart notebook, fresh clone): the lender was preempted whole, so its
+    accelerators stayed free and it never looked settled; the replica waited out the 90 s
+    fallback (handover 99.4 s). A decision naming no re-forming job starts it once there is room."""
+    paused_lender = RoomWatch("n0000", 1, settle_s=90.0, hold_s=1.0, reforming=False)
+    assert not paused_lender.ready(0.0, {"n0000": 0}, pending_lent=1)  # the job still stops
+    assert paused_lender.ready(0.25, {"n0000": 3}, pending_lent=1)  # free: start now
+    # the broken variant: waiting for a paused lender to settle takes the whole fallback
+    waiting = RoomWatch("n0000", 1, settle_s=90.0, hold_s=1.0)
+    assert not any(waiting.ready(t / 4, {"n0000": 3}, pending_lent=1) for t in range(360))
+    assert waiting.ready(90.0, {"n0000": 3}, pending_lent=1)
