@@ -25,7 +25,8 @@ Design decisions:
   recalled (its lend is already paid, and the shell could only cancel it half-started); a
   grown-back job is not resized again within ``job_resize_cooldown_s``; training only grows
   when no deployment is short or at risk.
-- A scale-up is fresh until a whole window after its replicas run (``fresh_until``): no
+- A scale-up is fresh until a whole window after its replicas run (``fresh_until``; the
+  length is ``fresh_after_scale_up_s``, one ``scale_down_after_s`` unless set): no
   reading taken before then starts a low-load window, as in HPA's scale-down stabilization
   and KEDA's cooldown. Readings while a replica loads measure the deployment without it, and
   those of its first window mix in the backlog from before it (TTFT windows, queues moving
@@ -107,6 +108,8 @@ class AutoscalerPolicy:
 
     def __init__(self, config: AutoscalerConfig | None = None) -> None:
         self.config = config or AutoscalerConfig()
+        fresh = self.config.fresh_after_scale_up_s
+        self._fresh_s = self.config.scale_down_after_s if fresh is None else fresh
 
     # -- entry point -----------------------------------------------------------------------
     def decide(self, state: AutoscalerState, obs: FleetObservation) -> PolicyResult:
@@ -137,7 +140,7 @@ class AutoscalerPolicy:
                 work.whole_elastic = cfg.preempt_elastic_last_resort and serve.deployment not in scaled_down_at
                 decision = self._scale_up(work, serve, want - have, now, trigger, last_resize, lent, unmet)
                 if decision is not None:
-                    fresh_until[serve.deployment] = now + cfg.scale_down_after_s
+                    fresh_until[serve.deployment] = now + self._fresh_s
             else:
                 decision = self._scale_down(serve, want, at_risk, now, low_since, fresh_until)
                 if decision is not None:
@@ -183,9 +186,9 @@ class AutoscalerPolicy:
         cfg = self.config
         have = serve.running_replicas + serve.pending_replicas
         if serve.pending_replicas:  # a replica on its way: the load at the size it makes is not seen yet
-            fresh_until[serve.deployment] = now + cfg.scale_down_after_s
+            fresh_until[serve.deployment] = now + self._fresh_s
         low = (want < have and not at_risk and serve.ttft_p95_s <= cfg.low_ttft_ratio * serve.ttft_slo_s)
-        if not low or now < fresh_until.get(serve.deployment, -math.inf):
+        if not low or serve.pending_replicas or now < fresh_until.get(serve.deployment, -math.inf):
             low_since.pop(serve.deployment, None)
             return None
         since = low_since.setdefault(serve.deployment, now)

@@ -133,6 +133,10 @@ class AutoscalerConfig:
     kv_usage_risk: float = 0.92
     low_ttft_ratio: float = 0.5  # load counts as low only while TTFT p95 is below this share
     scale_down_after_s: float = 900.0  # hysteresis window
+    # How long a scale-up stays fresh after its replicas run (no low-load window starts before);
+    # None: one ``scale_down_after_s``. Simulated (1,024 accelerators, 900 s window): fewer
+    # resizes and preemptions, but lent accelerators go back later (mean JCT +5% at 80% load).
+    fresh_after_scale_up_s: float | None = None
     # A scale-up within this long of the same deployment's scale-down (or within one hysteresis
     # window, if longer) reverses it: the lend that follows never preempts an elastic job whole
     # (see the policy's module doc). It covers the drain of the replica scaled down (the Serve

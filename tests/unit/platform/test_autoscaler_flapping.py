@@ -147,3 +147,22 @@ def test_a_job_preempted_whole_is_grown_back_on_the_next_tick_when_room_is_free(
     stuck = TrainingObservation("nb-elastic", "q", "H100", JobClass.ELASTIC, 0, 2, 3, 1, (), resizing=True)
     _, decisions = step(policy, state, 174.0, 3, burst(1, 1, ttft=0.1), stuck)
     assert not of(decisions, GrowTraining)
+
+
+def test_the_fresh_period_is_its_own_setting():
+    """``fresh_after_scale_up_s`` sets how long a scale-up stays fresh after its replicas run
+    (one hysteresis window unless set); 0 starts the low window as soon as nothing is loading."""
+    def removed_at(config):
+        policy = AutoscalerPolicy(config)
+        state = lend(policy)
+        for t in range(32, 60):
+            state, _ = step(policy, state, float(t), 0, burst(1, 1, pending=1), job(2))
+        for t in range(60, 90):
+            state, decisions = step(policy, state, float(t), 0, burst(2, 1, ttft=0.1), job(2))
+            if of(decisions, ScaleServe):
+                return t
+        return None
+
+    assert removed_at(NOTEBOOK) == 65
+    assert removed_at(AutoscalerConfig(scale_down_after_s=3.0, fresh_after_scale_up_s=10.0)) == 72  # 59 + 10 + 3
+    assert removed_at(AutoscalerConfig(scale_down_after_s=3.0, fresh_after_scale_up_s=0.0)) == 63  # 60 + 3
