@@ -32,8 +32,9 @@ Design decisions:
   those of its first window mix in the backlog from before it (TTFT windows, queues moving
   over): neither says the replica is not needed. Seen live (1 s ticks, 3 s window): a low
   window that began while the lent replica loaded removed it 1 s after it served, burst still
-  running; the next lend then preempted the lender whole. So a lent replica serves at least
-  two windows (in production ``scale_down_after_s`` is minutes).
+  running; the next lend then preempted the lender whole. So by default a lent replica serves
+  at least two windows (in production ``scale_down_after_s`` is minutes; the simulator's price
+  of the second one is in ``AutoscalerConfig.fresh_after_scale_up_s``).
 - Flapping guard: a scale-up within ``max(scale_down_after_s, reversal_guard_s)`` of the same
   deployment's scale-down reverses it; its lend may shrink jobs but never preempts an elastic
   job whole (the last resort). The replica scaled down gives its accelerator back once
