@@ -165,7 +165,10 @@ def serve_observation(*, deployment: str, accelerator_type: str, accelerators_pe
                                           min_replicas=base, max_replicas=config.max_replicas),
         replica_nodes=tuple(base_nodes) + tuple(r.node for r in running + pending),
         min_replicas=base, max_replicas=config.max_replicas,
-        unplaced_nodes=tuple(r.node for r in pending if r.placed_at is None),
+        # Room is kept until the replica runs, not only until its bounds rise: Serve reserves the
+        # accelerator some time after that, and a vLLM replica takes minutes to start; seen live:
+        # the policy grew the lender back onto the "free" accelerator meanwhile.
+        unplaced_nodes=tuple(r.node for r in pending),
         queue_depth=float(load.get("waiting_first_token", 0)),
         ttft_p95_s=float(load["ttft_p95_s"]) if "ttft_p95_s" in load else p95(load.get("ttft_s", ())),
         ttft_slo_s=config.ttft_slo_s, kv_usage=max(kv_usage_by_replica.values(), default=0.0))

@@ -14,8 +14,12 @@ Design decisions:
   what a fleet's Prometheus and Grafana already show, so the autoscaler sees the same figures.
 - Per replica, only the pool's live replicas (``ReplicaId`` in the ids the caller passes): a
   stopped replica's gauges linger in Ray's agent for up to two export intervals.
-- in flight = running + waiting; queue depth = waiting (for a decode engine this includes
-  requests waiting for their KV from the prefill side).
+- in flight = Serve's ongoing requests at the replica (``serve_replica_processing_queries``,
+  labelled ``replica``: what Serve's own autoscaling rule counts), or the engine's running +
+  waiting when that is more. In a PD app a request is the decode replica's from the moment it
+  arrives, while its prefill runs elsewhere: the decode engine's own gauges missed that part,
+  which made the wanted replicas flap between 1 and 2 under a steady burst (seen live: the lent
+  replica was drained 8 s after it started). Queue depth = the engines' waiting.
 - TTFT p95 over the window: the histogram counts since the engine started, so the window's TTFTs
   are the bucket deltas between now and the sample taken ``window_s`` ago (``LoadWindow``); a
   replica that appeared since counts from zero, and so does one whose counts went down (its
@@ -51,6 +55,7 @@ class ReplicaSample:
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
+    ongoing: float = 0.0  # Serve's requests in the replica (its whole life there, not only the engine's part)
     ttft_buckets: tuple[tuple[float, float], ...] = ()
 
 
@@ -75,16 +80,21 @@ def _bound(le: str) -> float:
 
 
 def replica_samples(samples: Iterable[MetricSample], replica_ids: Collection[str]) -> dict[str, ReplicaSample]:
-    """Group a scrape by replica (``ReplicaId`` label), for ``replica_ids`` only (pure).
+    """Group a scrape by replica (vLLM's ``ReplicaId`` label, Serve's ``replica``), for
+    ``replica_ids`` only (pure).
 
     Series of one replica that differ in other labels (vLLM's ``engine`` index under data
     parallelism) are summed; KV usage takes their maximum.
     """
     running: dict[str, float] = defaultdict(float)
     waiting: dict[str, float] = defaultdict(float)
+    ongoing: dict[str, float] = defaultdict(float)
     kv: dict[str, float] = defaultdict(float)
     buckets: dict[str, dict[float, float]] = defaultdict(lambda: defaultdict(float))
     for s in samples:
+        if s.name.endswith("serve_replica_processing_queries") and s.labels.get("replica") in replica_ids:
+            ongoing[s.labels["replica"]] += s.value
+            continue
         replica = s.labels.get("ReplicaId", "")
         if replica not in replica_ids:
             continue
@@ -96,8 +106,8 @@ def replica_samples(samples: Iterable[MetricSample], replica_ids: Collection[str
             kv[replica] = max(kv[replica], s.value)
         elif named(s.name, "time_to_first_token_seconds_bucket") and "le" in s.labels:
             buckets[replica][_bound(s.labels["le"])] += s.value
-    seen = set(running) | set(waiting) | set(kv) | set(buckets)
-    return {r: ReplicaSample(running=running[r], waiting=waiting[r], kv_usage=kv[r],
+    seen = set(running) | set(waiting) | set(kv) | set(buckets) | set(ongoing)
+    return {r: ReplicaSample(running=running[r], waiting=waiting[r], kv_usage=kv[r], ongoing=ongoing[r],
                              ttft_buckets=tuple(sorted(buckets[r].items())))
             for r in seen}
 
@@ -151,7 +161,7 @@ def pool_load(now: Mapping[str, ReplicaSample], before: Mapping[str, ReplicaSamp
     (3, 1, 0.9, 4)
     """
     buckets = window_buckets(now, before)
-    return PoolLoad(in_flight=round(sum(s.running + s.waiting for s in now.values())),
+    return PoolLoad(in_flight=round(sum(max(s.ongoing, s.running + s.waiting) for s in now.values())),
                     waiting=round(sum(s.waiting for s in now.values())),
                     ttft_p95_s=histogram_quantile(TTFT_QUANTILE, buckets),
                     num_ttft=round(buckets[-1][1]) if buckets else 0,
@@ -205,5 +215,6 @@ class VLLMPoolLoadSource:
         from rayfleet.serving.vllm.metrics import scrape_vllm_metrics
 
         replicas = pool_replica_ids(self.app_name, self.deployment)
-        load = self.window.add(time.monotonic(), replica_samples(scrape_vllm_metrics(timeout_s=5.0), replicas))
+        samples = scrape_vllm_metrics(contains="", timeout_s=5.0)  # vLLM's and Serve's (see module doc)
+        load = self.window.add(time.monotonic(), replica_samples(samples, replicas))
         return load.as_load(), dict(load.kv_usage_by_replica)

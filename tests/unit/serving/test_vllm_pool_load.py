@@ -28,6 +28,9 @@ def _scrape(replicas: dict[str, dict]) -> str:
     lines += [f"ray_vllm_num_requests_waiting{{{_labels(r)}}} {v['waiting']}" for r, v in replicas.items()]
     lines += ["# TYPE ray_vllm_num_requests_waiting_by_reason gauge"]  # must not count as waiting
     lines += [f"ray_vllm_num_requests_waiting_by_reason{{{_labels(r, reason='capacity')}}} 99" for r in replicas]
+    lines += ["# TYPE ray_serve_replica_processing_queries gauge"]
+    lines += [f'ray_serve_replica_processing_queries{{application="vllm-pd",deployment="Decode:tiny-moe",replica="{r}"}} '
+              f'{v["ongoing"]}' for r, v in replicas.items() if "ongoing" in v]
     lines += ["# TYPE ray_vllm_kv_cache_usage_perc gauge"]
     lines += [f"ray_vllm_kv_cache_usage_perc{{{_labels(r)}}} {v['kv']}" for r, v in replicas.items()]
     lines += ["# TYPE ray_vllm_time_to_first_token_seconds histogram"]
@@ -42,8 +45,9 @@ def _scrape(replicas: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _replica(running=0, waiting=0, kv=0.0, ttft=()):
-    return {"running": running, "waiting": waiting, "kv": kv, "ttft": list(ttft)}
+def _replica(running=0, waiting=0, kv=0.0, ttft=(), ongoing=None):
+    out = {"running": running, "waiting": waiting, "kv": kv, "ttft": list(ttft)}
+    return out if ongoing is None else {**out, "ongoing": ongoing}
 
 
 def test_histogram_quantile_is_prometheus_linear_interpolation():
@@ -67,6 +71,17 @@ def test_only_the_pools_live_replicas_count():
     load = pool_load(samples, samples)
     assert (load.in_flight, load.waiting, load.num_ttft, load.ttft_p95_s) == (6, 2, 0, 0.0)
     assert load.kv_usage_by_replica == {"d1": 0.4, "d2": 0.7}
+
+
+def test_in_flight_counts_serves_ongoing_requests_of_a_pd_decode_replica():
+    """A PD request belongs to the decode replica while its prefill runs on the other pool: Serve's
+    ongoing count sees it, the decode engine's gauges do not (the broken variant: 1 in flight for 4
+    streaming clients, so the wanted replicas flapped and the lent one was drained at once)."""
+    text = _scrape({"d1": _replica(running=1, ongoing=4), "d2": _replica(running=3, waiting=2, ongoing=1)})
+    samples = replica_samples(parse_samples(text, contains=""), {"d1", "d2"})
+    assert (samples["d1"].ongoing, samples["d2"].ongoing) == (4, 1)
+    assert pool_load(samples, samples).in_flight == 4 + 5  # the larger figure per replica (exports lag apart)
+    assert samples["d1"].running + samples["d1"].waiting == 1  # the broken variant: the engine alone
 
 
 def test_ttft_p95_is_over_the_window_not_the_engines_lifetime():
