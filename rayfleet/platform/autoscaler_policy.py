@@ -39,6 +39,9 @@ Design decisions:
   deployment's scale-down reverses it; its lend may shrink jobs but never preempts an elastic
   job whole (the last resort). The replica scaled down gives its accelerator back once
   drained, and a whole preemption is the most expensive way to buy back what is coming free.
+- A scale-up no report shows yet (``scaling_to``) counts as on its way for up to
+  ``report_lag_s``: the Serve shell takes decisions on its own tick, so the next step may see
+  the old report, and deciding on it lent twice for one need (seen live under load).
 - A job preempted whole (``paused``: size 0, not re-forming) gets accelerators back as soon as
   they are free, nothing is short and its gang minimum fits at once; the resize cooldown,
   which bounds restarts of a running job, does not hold it back (it makes no progress at all).
@@ -120,28 +123,32 @@ class AutoscalerPolicy:
         fresh_until = {d: t for d, t in state.fresh_until.items() if t > now}
         reversal_s = max(cfg.scale_down_after_s, cfg.reversal_guard_s)
         scaled_down_at = {d: t for d, t in state.scaled_down_at.items() if now - t < reversal_s}
+        scaling_to = dict(state.scaling_to)
         decisions: list[Decision] = []
         unmet: dict[str, int] = defaultdict(int)
         busy = False  # some deployment is short or at risk: do not grow training this tick
         for serve in sorted(obs.serve, key=lambda s: -s.ttft_p95_s / max(s.ttft_slo_s, 1e-9)):
             at_risk, why = self._at_risk(serve)
-            have = serve.running_replicas + serve.pending_replicas
+            have, unreported = self._have(serve, scaling_to, now)
             want = max(serve.desired_replicas, serve.min_replicas)
             # At risk with no replica on its way: add one. One already loading is the help on its
             # way; adding another every tick until it runs would over-lend (ticks are shorter
             # than a model load).
-            if at_risk and want <= have and serve.pending_replicas == 0:
+            if at_risk and want <= have and serve.pending_replicas == 0 and not unreported:
                 want = have + 1
             want = min(want, serve.max_replicas)
-            busy = busy or at_risk or want > have
+            busy = busy or at_risk or want > have or unreported
             if want > have:
                 low_since.pop(serve.deployment, None)
                 trigger = why or f"Serve wants {serve.desired_replicas} replicas, has {have}"
                 # Reversing a scale-down: never by preempting an elastic job whole (module doc).
                 work.whole_elastic = cfg.preempt_elastic_last_resort and serve.deployment not in scaled_down_at
-                decision = self._scale_up(work, serve, want - have, now, trigger, last_resize, lent, unmet)
+                decision = self._scale_up(work, serve, have, want - have, now, trigger, last_resize, lent, unmet)
                 if decision is not None:
                     fresh_until[serve.deployment] = now + self._fresh_s
+                    scaling_to[serve.deployment] = (decision.target_replicas, now)
+            elif unreported:  # the shell has not shown the last scale-up yet: nothing to judge
+                decision = None
             else:
                 decision = self._scale_down(serve, want, at_risk, now, low_since, fresh_until)
                 if decision is not None:
@@ -158,13 +165,22 @@ class AutoscalerPolicy:
         new_state = AutoscalerState(low_since=low_since, last_resize_at=last_resize,
                                     lent={k: v for k, v in lent.items() if v > 0 and k in work.jobs},
                                     last_request_at=last_request, fresh_until=fresh_until,
-                                    scaled_down_at=scaled_down_at)
+                                    scaled_down_at=scaled_down_at, scaling_to=scaling_to)
         return PolicyResult(new_state, tuple(decisions))
 
-    def _scale_up(self, work: _Work, serve: ServeObservation, count: int, now: float, trigger: str,
+    def _have(self, serve: ServeObservation, scaling_to: dict, now: float) -> tuple[int, bool]:
+        """Replicas running or on their way, counting a scale-up no report shows yet (for at most
+        ``report_lag_s``; ``scaling_to`` mutated), and whether one is unreported."""
+        have = serve.running_replicas + serve.pending_replicas
+        target, decided_at = scaling_to.get(serve.deployment, (0, -math.inf))
+        if have >= target or now - decided_at >= self.config.report_lag_s:
+            scaling_to.pop(serve.deployment, None)
+            return have, False
+        return target, True
+
+    def _scale_up(self, work: _Work, serve: ServeObservation, have: int, count: int, now: float, trigger: str,
                   last_resize: dict, lent: dict, unmet: dict) -> ScaleServe | None:
         """Free accelerators first, then lent ones; what neither covers is ``unmet`` (mutated)."""
-        have = serve.running_replicas + serve.pending_replicas
         nodes = self._place_on_free(work, serve, count)
         if len(nodes) < count and self.config.lend:
             nodes += self._lend(work, serve, count - len(nodes), now, trigger, last_resize, lent)

@@ -142,6 +142,10 @@ class AutoscalerConfig:
     # (see the policy's module doc). It covers the drain of the replica scaled down (the Serve
     # shell's ``drain_timeout_s``, 120 s), whose accelerator comes back on its own.
     reversal_guard_s: float = 120.0
+    # A scale-up counts as on its way until a report shows it, for at most this long: the Serve
+    # shell takes decisions on its own tick and reports after, so the next policy step may still
+    # see the old report (seen live at load 80: the same lend decided twice, 1 s apart).
+    report_lag_s: float = 30.0
     job_resize_cooldown_s: float = 600.0  # a resized job is not grown again sooner
     request_nodes_cooldown_s: float = 600.0
     restart_cost_s: float = 20.0  # modeled stop/restart of a resized job (for cost ranking)
@@ -169,6 +173,8 @@ class AutoscalerState:
     # on its way, then one window after its replicas run)
     fresh_until: Mapping[str, float] = field(default_factory=dict)
     scaled_down_at: Mapping[str, float] = field(default_factory=dict)  # deployment -> last scale-down
+    # deployment -> (replicas a scale-up decided, when) until a report shows them
+    scaling_to: Mapping[str, tuple[int, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -257,10 +257,14 @@ def test_a_job_preempted_whole_by_the_policy_is_grown_back_by_it_on_the_next_ste
         deadline = time.monotonic() + 10
         while driver.state is not S.PAUSED and time.monotonic() < deadline:
             time.sleep(0.01)
-        free.update({"n0": 2, "n1": 2})  # the job let go, Serve's lent replica is gone again
+        free.update({"n0": 0, "n1": 2})  # the job let go; Serve's lent replica runs on n0
+        autoscaler.report_serve(ServeObservation("chat", "H100", 2, running_replicas=2, desired_replicas=2,
+                                                 replica_nodes=("s0", "n0")))
+        shell.tick()  # the paused job's report
+        decided.extend(autoscaler.step())  # 2 free, the job's minimum is 4: nothing to grow
+        free.update({"n0": 2, "n1": 2})  # the lent replica is gone again
         autoscaler.report_serve(ServeObservation("chat", "H100", 2, running_replicas=1, desired_replicas=1,
                                                  replica_nodes=("s0",)))
-        shell.tick()  # the paused job's report
         decided.extend(autoscaler.step())
         shell.tick()
         if shell.target_size == 0:  # not grown (the bug): give back by hand so the driver ends

@@ -166,3 +166,23 @@ def test_the_fresh_period_is_its_own_setting():
     assert removed_at(NOTEBOOK) == 65
     assert removed_at(AutoscalerConfig(scale_down_after_s=3.0, fresh_after_scale_up_s=10.0)) == 72  # 59 + 10 + 3
     assert removed_at(AutoscalerConfig(scale_down_after_s=3.0, fresh_after_scale_up_s=0.0)) == 63  # 60 + 3
+
+
+def test_a_scale_up_no_report_shows_yet_is_not_decided_again():
+    """Regression (tests/cluster/test_autoscaler.py at load average 80): the Serve shell takes its
+    decisions on its own tick and reports after, so the policy's next step (1 s later) still saw
+    'Serve wants 2, has 1' and lent a second accelerator for the same need (two lent replicas,
+    the job shrunk twice). A scale-up counts as on its way until a report shows it, for at most
+    ``report_lag_s`` (a shell that lost it is asked again)."""
+    policy = AutoscalerPolicy(NOTEBOOK)
+    state = lend(policy)  # t=31
+    state, decisions = step(policy, state, 32.0, 0, burst(1, 2), job(3))  # the same, stale report
+    assert not decisions, decisions  # the old code: ScaleServe +1 and ShrinkTraining 3->2 again
+    state, decisions = step(policy, state, 33.0, 0, burst(1, 2, pending=1, unplaced=True), job(2, resizing=True))
+    assert not decisions and "nb-burst" not in state.scaling_to  # the report shows it: nothing left to wait for
+    # a shell that never shows it: after report_lag_s the need is decided again
+    state = lend(policy)
+    state, decisions = step(policy, state, 31.0 + NOTEBOOK.report_lag_s - 1, 0, burst(1, 2), job(3))
+    assert not decisions
+    state, decisions = step(policy, state, 31.0 + NOTEBOOK.report_lag_s, 0, burst(1, 2), job(3))
+    assert of(decisions, ScaleServe) and of(decisions, ShrinkTraining)
