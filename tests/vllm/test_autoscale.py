@@ -144,7 +144,7 @@ def test_autoscaler_lends_an_accelerator_from_training_to_the_vllm_decode_pool_a
         # decision follows vLLM's request gauges and the burst's end lets the pool shrink.
         # A vLLM engine start takes minutes on 2 busy cores (seen: 7 min at load average 37).
         shell = sdk.autoscale_serve(ServeDeployment(spec=spec, url=url.removesuffix("/v1")), ttft_slo_s=10.0,
-                                    target_ongoing_requests=1, max_replicas=2, window_s=5.0, interval_s=1.0,
+                                    target_ongoing_requests=1, max_replicas=2, window_s=15.0, interval_s=1.0,
                                     replica_start_timeout_s=900)
         burst = Burst(url, clients=3).start()
         t0 = time.monotonic()
@@ -191,7 +191,7 @@ def test_autoscaler_lends_an_accelerator_from_training_to_the_vllm_decode_pool_a
                        what="the job stopped")
 
     results = burst.results
-    failed = [r for r in results if r["error"] or not r["text"]]
+    failed = [r for r in results if r["error"]]  # an empty answer can be right: greedy may end at once
     wrong = [r for r in results if not r["error"] and r["text"] != expected[r["prompt"]]]
     handover = [h["handover_s"] for h in history if h["handover_s"] is not None]
     print(f"\nvLLM decode pool autoscaled: {len(results)} requests, {len(failed)} failed, {len(wrong)} wrong; "
@@ -203,6 +203,7 @@ def test_autoscaler_lends_an_accelerator_from_training_to_the_vllm_decode_pool_a
 
     assert not failed, failed[:3]
     assert not wrong, (wrong[:3], expected)
+    assert sum(1 for text in expected if text) >= len(PROMPTS) // 2, expected  # the comparison means something
     assert len(history) == 1 and handover, history  # one accelerator lent, not a cascade
     h100_node = _node_name(vllm_fleet.node_of_type["H100"])
     assert lent_id and lent_node == history[0]["node"] == h100_node, (lent_id, lent_node, history)

@@ -26,7 +26,10 @@ Design decisions:
   engine restarted). The quantile is Prometheus' ``histogram_quantile`` (linear within the
   bucket; the highest finite bound when it falls in ``+Inf``). No TTFT in the window: 0.
 - Ray exports metrics every ``metrics_report_interval_ms`` (10 s by default), so these figures lag
-  by up to that: the autoscaler reacts to a burst, and notices its end, that much later.
+  by up to that: the autoscaler reacts to a burst, and notices its end, that much later. The
+  gauges are point samples: in flight and waiting are the highest over the window, so one low
+  sample between busy ones does not drain a replica (seen live at load average 90: a steady
+  3-client burst read as "load low" and the lent replica was drained).
 
 The figures are pure functions of the samples (unit-tested without Ray); only
 ``VLLMPoolLoadSource`` scrapes and lists replicas.
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Collection, Iterable, Mapping, Sequence
 
 from rayfleet.serving.vllm.metrics import MetricSample, named
@@ -172,20 +175,24 @@ class LoadWindow:
     """Scrapes over the last ``window_s`` seconds (pure: the caller passes the time).
 
     ``add(t, samples)`` returns the load against the newest scrape at least ``window_s`` old (the
-    oldest one while the window is not yet full), and forgets scrapes older than that one. The
+    oldest one while the window is not yet full), in flight and waiting at their highest over the
+    scrapes of the last ``window_s``, and forgets scrapes older than the baseline. The
     first scrape is its own baseline: what the engines counted before the shell started is not
     in its window.
     """
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
-        self._scrapes: deque[tuple[float, dict[str, ReplicaSample]]] = deque()
+        self._scrapes: deque[tuple[float, dict[str, ReplicaSample], PoolLoad]] = deque()
 
     def add(self, t: float, samples: dict[str, ReplicaSample]) -> PoolLoad:
-        self._scrapes.append((t, samples))
+        load = pool_load(samples, self._scrapes[0][1] if self._scrapes else samples)
+        self._scrapes.append((t, samples, load))
         while len(self._scrapes) > 1 and t - self._scrapes[1][0] >= self.window_s:
             self._scrapes.popleft()
-        return pool_load(samples, self._scrapes[0][1])
+        load = pool_load(samples, self._scrapes[0][1])
+        recent = [past for when, _, past in self._scrapes if t - when < self.window_s]
+        return replace(load, in_flight=max(p.in_flight for p in recent), waiting=max(p.waiting for p in recent))
 
 
 def pool_replica_ids(app_name: str, deployment: str) -> set[str]:

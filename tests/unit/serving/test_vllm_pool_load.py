@@ -114,8 +114,20 @@ def test_load_window_forgets_what_is_older_than_the_window():
     assert burst.num_ttft == 8 and burst.ttft_p95_s > 2.5 and burst.in_flight == 6
     still = window.add(12.0, scrape([4.0] * 10 + [3.0] * 8))  # baseline: the scrape at t=0
     assert still.num_ttft == 8
+    assert still.in_flight == 6  # the busy sample at t=5 is still in the window
     quiet = window.add(16.0, scrape([4.0] * 10 + [3.0] * 8))  # baseline: t=5; nothing new since
     assert (quiet.num_ttft, quiet.ttft_p95_s, quiet.in_flight) == (0, 0.0, 0)
+
+
+def test_one_low_gauge_sample_in_a_burst_does_not_read_as_low_load():
+    """The gauges are point samples exported every few seconds: in flight is the window's highest."""
+    window = LoadWindow(window_s=10.0)
+
+    def scrape(running):
+        return replica_samples(parse_samples(_scrape({"d1": _replica(ongoing=running)}), contains=""), {"d1"})
+
+    assert [window.add(t, scrape(r)).in_flight for t, r in ((0, 3), (4, 0), (8, 3), (12, 0), (16, 0), (19, 0))] == \
+        [3, 3, 3, 3, 3, 0]  # low only once no busy sample is left in the last 10 s
 
 
 def test_serve_observation_takes_a_vllm_pools_load():
