@@ -210,6 +210,10 @@ def test_autoscaler_lends_an_accelerator_from_training_to_the_vllm_decode_pool_a
     assert lent_tokens > 0
     assert len(remaining) == 1, remaining  # the pool is back to one decode replica
     assert "autoscaler_ShrinkTraining" in kinds and "autoscaler_GrowTraining" in kinds, kinds
-    assert kinds.count("autoscaler_ScaleServe") == 2, kinds  # up during the burst, down after it
+    # Up once during the burst, down after it. The policy may repeat the down decision for a tick
+    # while the shell reports the drain (seen live); the shell removes one replica, counted here.
+    scale = [e.cause for e in decisions if e.kind == "autoscaler_ScaleServe"]
+    assert sum("+1 replica" in c for c in scale) == 1 and any("-1 replica" in c for c in scale), scale
+    assert kinds.count("autoscaler_replica_removed") == 1 and kinds.count("autoscaler_ShrinkTraining") == 1, kinds
     assert "autoscaler_handover" in kinds and "autoscaler_replica_removed" in kinds, kinds
     assert "with 1 workers" in logs, logs[-4000:]  # shrunk by one DP replica, then grown back (waited above)
