@@ -204,7 +204,8 @@ def test_autoscaler_lends_an_accelerator_from_training_to_the_vllm_decode_pool_a
     assert not failed, failed[:3]
     assert not wrong, (wrong[:3], expected)
     assert sum(1 for text in expected if text) >= len(PROMPTS) // 2, expected  # the comparison means something
-    assert len(history) == 1 and handover, history  # one accelerator lent, not a cascade
+    causes = [(e.subject, e.kind, e.cause) for e in decisions]
+    assert len(history) == 1 and handover, (history, causes)  # one accelerator lent, not a cascade
     h100_node = _node_name(vllm_fleet.node_of_type["H100"])
     assert lent_id and lent_node == history[0]["node"] == h100_node, (lent_id, lent_node, history)
     assert lent_tokens > 0

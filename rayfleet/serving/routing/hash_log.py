@@ -26,8 +26,13 @@ Design decisions:
 - An emptied cache (``reset_prefix_cache`` is one event removing everything) starts a new epoch
   instead of logging a cache-sized event: consumers drop the replica's entries at once.
 - Bookings (prompt blocks the router sent to a replica, indexed before the replica reports them)
-  last until the replica's next applied publication, as before: they are dropped unless that
-  publication's set holds them.
+  are dropped by a publication whose set does not hold them, but only once they are
+  ``booking_grace_s`` old on the router's clock (callers that pass no clock: at the next
+  publication). Serve hands a router the replica's latest stats some time after the replica
+  took them (its poll, then a long-poll broadcast), so a publication taken before the routed
+  request reached the replica can arrive after the booking; dropping the booking then sent the
+  tenant's next request elsewhere (seen live: one of four requests of a tenant on the wrong
+  replica). A booking the replica never caches (the request failed) lingers for the grace only.
 - Rejected: the full set in every publication (what pools did first): 100k hashes per replica
   pickled every stats period for every router and diffed by each, O(cache) instead of O(change).
 - Publications without ``hash_epoch`` but with ``block_hashes`` (engines that publish their whole
@@ -128,15 +133,20 @@ class _Mirrored:
     seq: int = 0
     in_step: bool = False  # every event since the last full set applied: the mirror is exact
     published: set = field(default_factory=set)  # the replica's set as far as we know
-    booked: set = field(default_factory=set)  # indexed by bookings, not (yet) published
+    # Indexed by bookings, not (yet) published: hash -> when booked (router clock; None: no clock).
+    booked: dict = field(default_factory=dict)
 
 
 class HashSetMirror:
     """Router side: every replica's published set, kept in ``index`` (``PrefixIndex``) together
     with the bookings. Plain class; mutates ``index``."""
 
-    def __init__(self, index: PrefixIndex) -> None:
+    def __init__(self, index: PrefixIndex, *, booking_grace_s: float = 10.0) -> None:
+        if booking_grace_s < 0:
+            raise SpecError("booking_grace_s", booking_grace_s, "must not be negative",
+                            "use a few stats periods, e.g. 10")
         self.index = index
+        self.booking_grace_s = booking_grace_s
         self._replicas: dict[ReplicaId, _Mirrored] = {}
 
     def in_step(self, rid: ReplicaId) -> bool:
@@ -144,35 +154,36 @@ class HashSetMirror:
         m = self._replicas.get(rid)
         return m is not None and m.in_step
 
-    def observe(self, rid: ReplicaId, stats: Mapping[str, Any]) -> None:
-        """Apply one new publication of ``rid`` (see module doc for the catch-up rules)."""
+    def observe(self, rid: ReplicaId, stats: Mapping[str, Any], now_s: float | None = None) -> None:
+        """Apply one new publication of ``rid`` (see module doc for the catch-up rules and for
+        ``now_s``, the router's monotonic clock that keeps young bookings)."""
         m = self._replicas.setdefault(rid, _Mirrored())
         full = stats.get("block_hashes")
         if "hash_epoch" not in stats:  # a publisher of its whole set every time
             if full is not None:
-                self._reset(rid, m, full)
+                self._reset(rid, m, full, now_s)
                 m.epoch, m.seq = None, 0
-            self._drop_unconfirmed(rid, m)
+            self._drop_unconfirmed(rid, m, now_s)
             return
         epoch, seq, start = stats["hash_epoch"], int(stats["hash_seq"]), int(stats["hash_log_start"])
         if epoch != m.epoch:  # a reset cache, a restarted replica, or first sight
-            self._reset(rid, m, ())
+            self._reset(rid, m, (), now_s)
             m.epoch, m.seq, m.in_step = epoch, 0, True
         if m.seq < start:  # events we never saw left the log: what we knew may be stale
-            self._reset(rid, m, ())
+            self._reset(rid, m, (), now_s)
             m.seq, m.in_step = start, False
         if full is not None and not m.in_step:
-            self._reset(rid, m, full)
+            self._reset(rid, m, full, now_s)
             m.seq, m.in_step = seq, True
         else:
             self._apply_log(rid, m, stats["hash_log"])
             m.seq = max(m.seq, seq)
-        self._drop_unconfirmed(rid, m)
+        self._drop_unconfirmed(rid, m, now_s)
 
-    def book(self, rid: ReplicaId, hashes: Sequence[Any]) -> None:
-        """Index ``hashes`` on ``rid`` ahead of its publication (routed there)."""
+    def book(self, rid: ReplicaId, hashes: Sequence[Any], now_s: float | None = None) -> None:
+        """Index ``hashes`` on ``rid`` ahead of its publication (routed there at ``now_s``)."""
         m = self._replicas.setdefault(rid, _Mirrored())
-        m.booked.update(h for h in hashes if h not in m.published)
+        m.booked.update((h, now_s) for h in hashes if h not in m.published)
         self.index.add_blocks(rid, hashes)
 
     def forget(self, rid: ReplicaId) -> None:
@@ -190,14 +201,20 @@ class HashSetMirror:
                 m.published.difference_update(removed)
                 self.index.remove_blocks(rid, removed)
 
-    def _reset(self, rid: ReplicaId, m: _Mirrored, full: Iterable[Any]) -> None:
-        new = set(full)
-        old = m.published | m.booked
-        self.index.remove_blocks(rid, old - new)
-        self.index.add_blocks(rid, new - old)
-        m.published, m.booked = new, set()
+    def _young(self, booked_at: float | None, now_s: float | None) -> bool:
+        return booked_at is not None and now_s is not None and now_s - booked_at < self.booking_grace_s
 
-    def _drop_unconfirmed(self, rid: ReplicaId, m: _Mirrored) -> None:
-        if m.booked:
-            self.index.remove_blocks(rid, m.booked - m.published)
-            m.booked = set()
+    def _reset(self, rid: ReplicaId, m: _Mirrored, full: Iterable[Any], now_s: float | None) -> None:
+        new = set(full)
+        keep = {h: t for h, t in m.booked.items() if h not in new and self._young(t, now_s)}
+        old = m.published | set(m.booked)
+        self.index.remove_blocks(rid, old - new - set(keep))
+        self.index.add_blocks(rid, new - old)
+        m.published, m.booked = new, keep
+
+    def _drop_unconfirmed(self, rid: ReplicaId, m: _Mirrored, now_s: float | None) -> None:
+        if not m.booked:
+            return
+        drop = {h for h, t in m.booked.items() if h not in m.published and not self._young(t, now_s)}
+        self.index.remove_blocks(rid, drop)
+        m.booked = {h: t for h, t in m.booked.items() if h not in m.published and h not in drop}

@@ -62,7 +62,8 @@ class PoolRouterCore:
     """Ranks the replicas of one pool (``role``: prefill, decode or colocated). Plain class."""
 
     def __init__(self, *, role: str, policy: RouterPolicy = RouterPolicy(), mode: Mode = "prefix_aware",
-                 load_memory_s: float = 300.0, activity_memory_s: float = 30.0) -> None:
+                 load_memory_s: float = 300.0, activity_memory_s: float = 30.0,
+                 booking_grace_s: float = 10.0) -> None:
         if role not in ("prefill", "decode", "colocated"):
             raise SpecError("request_router_kwargs.role", role, "is not a pool role",
                             "use prefill, decode or colocated")
@@ -70,7 +71,9 @@ class PoolRouterCore:
         self.policy = policy
         self.mode = mode
         self.index = PrefixIndex()
-        self.hashes = HashSetMirror(self.index)  # published hashes (and bookings) per replica, in ``index``
+        # Published hashes (and bookings) per replica, in ``index``; a booking outlives publications
+        # taken before its request arrived for ``booking_grace_s`` (``hash_log`` module doc).
+        self.hashes = HashSetMirror(self.index, booking_grace_s=booking_grace_s)
         self.snapshots: dict[ReplicaId, ReplicaSnapshot] = {}
         self.versions: dict[ReplicaId, Any] = {}  # version of the last applied publication per replica
         self.recent_work = RecentWorkLedger(load_memory_s)
@@ -78,11 +81,12 @@ class PoolRouterCore:
         self.prompt_blocks = DecayedMean(load_memory_s)
         self.request_work = DecayedMean(load_memory_s)  # booked work per request
         self._rr = itertools.count()
-        # Prompt blocks booked on their replica but not yet indexed (``flush_bookings``).
-        self._pending_bookings: list[tuple[ReplicaId, Sequence[Any]]] = []
+        # Prompt blocks booked on their replica but not yet indexed (``flush_bookings``), with when.
+        self._pending_bookings: list[tuple[ReplicaId, Sequence[Any], float | None]] = []
 
-    def observe(self, replica: str, stats: Mapping[str, Any] | None) -> bool:
-        """Apply ``replica``'s published stats if their version is new; True if applied."""
+    def observe(self, replica: str, stats: Mapping[str, Any] | None, now_s: float | None = None) -> bool:
+        """Apply ``replica``'s published stats if their version is new; True if applied.
+        ``now_s`` (the clock ``rank`` gets) keeps bookings younger than the grace."""
         rid = ReplicaId(replica)
         if rid not in self.snapshots:  # joins the pool: its ledgers start at its peers' mean
             for ledger in (self.recent_work, self.activity):
@@ -98,7 +102,7 @@ class PoolRouterCore:
             rid, int(stats["num_total_blocks"]), int(stats["num_free_blocks"]), int(stats["num_active_blocks"]),
             int(stats.get("num_queued_blocks", 0)), int(stats.get("num_running_requests", 0)),
             int(stats.get("max_num_seqs", 0)))
-        self.hashes.observe(rid, stats)
+        self.hashes.observe(rid, stats, now_s)
         return True
 
     def _unknown(self, rid: ReplicaId) -> ReplicaSnapshot:
@@ -169,7 +173,7 @@ class PoolRouterCore:
             snap = self.snapshots[ranked[0]]
             self.snapshots[ranked[0]] = replace(snap, num_queued_blocks=snap.num_queued_blocks + num_blocks - hit)
             if len(hashes) > hit:  # the first ``hit`` are indexed there already
-                self._pending_bookings.append((ranked[0], hashes[hit:]))
+                self._pending_bookings.append((ranked[0], hashes[hit:], now_s))
             if ledgers:
                 self.recent_work.add(ranked[0], num_blocks - hit, now_s)
                 self.activity.add(ranked[0], num_blocks - hit, now_s)
@@ -181,9 +185,9 @@ class PoolRouterCore:
         """Index the prompt blocks booked by earlier decisions on their replicas (they will
         cache them within a step). Mutates the index; cheap when nothing is pending."""
         pending, self._pending_bookings = self._pending_bookings, []
-        for rid, hashes in pending:
+        for rid, hashes, booked_at in pending:
             if rid in self.snapshots:  # not a replica that left the pool meanwhile
-                self.hashes.book(rid, hashes)
+                self.hashes.book(rid, hashes, booked_at)
 
     def _book_decode(self, rid: ReplicaId, needed: int) -> None:
         d = self.snapshots[rid]

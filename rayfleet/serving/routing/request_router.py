@@ -20,6 +20,12 @@ Design decisions:
 - No ``FIFOMixin``: Serve's FIFO matching hands a chosen replica to the *oldest* pending
   request, which would send a pinned call (a KV release) to another call's replica. Without it
   Serve matches the chosen replica to exactly the request it was chosen for.
+- The best replica's tier is repeated ``best_attempts`` times before the next one. Serve probes
+  each tier's queue length with a deadline that starts at 0.1 s and doubles per tier; on a busy
+  host the first probe of the best replica can miss it, and Serve would then send the call to
+  the second tier: the prefix's replica lost a request it should have had (seen live: one of a
+  tenant's four requests on the other replica). Repeating the tier gives the probe 0.1 + 0.2 +
+  0.4 s; a replica that answers "full" costs only fast probes before the call spills over.
 - Never raises and never returns nothing: an exception inside ``choose_replicas`` leaves the
   request waiting forever in Serve's routing loop, and so does an empty ranking; both fall back
   to all candidates (Serve's least-queue choice). A pinned replica that left the pool gets the
@@ -52,9 +58,10 @@ class PrefixLoadRequestRouter(RequestRouter):
     """Serve request router for one pool deployment (see module doc)."""
 
     def initialize_state(self, *, role: str = "prefill", load_weight: float = 0.5, mode: str = "prefix_aware",
-                         hint_kwarg: str = "route", **_: Any) -> None:
+                         hint_kwarg: str = "route", best_attempts: int = 3, **_: Any) -> None:
         self.core = PoolRouterCore(role=role, policy=RouterPolicy(load_weight=load_weight), mode=mode)
         self.hint_kwarg = hint_kwarg
+        self.best_attempts = max(1, int(best_attempts))  # module doc: probes that miss a busy replica
         self.num_fallbacks = 0  # choose_replicas calls answered with every candidate (errors, lost pins)
         _router.register_pool_router(self._deployment_id.app_name, self._deployment_id.name, self)
 
@@ -80,14 +87,15 @@ class PrefixLoadRequestRouter(RequestRouter):
         try:
             by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
             self.core.retain(list(by_id))
+            now = time.monotonic()
             for uid, replica in by_id.items():
-                self.core.observe(uid, replica.routing_stats)
-            ranked = self.core.rank(list(by_id), self._hint(pending_request), now_s=time.monotonic())
+                self.core.observe(uid, replica.routing_stats, now)
+            ranked = self.core.rank(list(by_id), self._hint(pending_request), now_s=now)
             tiers = [[by_id[u] for u in tier if u in by_id] for tier in ranked]
             tiers = [t for t in tiers if t]
             asyncio.get_running_loop().call_soon(self.core.flush_bookings)  # after we answer (module doc)
             if tiers:
-                return tiers
+                return [tiers[0]] * self.best_attempts + tiers[1:]
         except Exception:  # noqa: BLE001 - an exception here would hang the request (module doc)
             log.exception("PrefixLoadRequestRouter: ranking failed; routing to any replica")
         self.num_fallbacks += 1

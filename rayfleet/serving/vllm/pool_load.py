@@ -174,25 +174,64 @@ def pool_load(now: Mapping[str, ReplicaSample], before: Mapping[str, ReplicaSamp
 class LoadWindow:
     """Scrapes over the last ``window_s`` seconds (pure: the caller passes the time).
 
-    ``add(t, samples)`` returns the load against the newest scrape at least ``window_s`` old (the
-    oldest one while the window is not yet full), in flight and waiting at their highest over the
-    scrapes of the last ``window_s``, and forgets scrapes older than the baseline. The
+    ``add(t, samples, live)`` returns the load against the newest scrape at least ``window_s`` old
+    (the oldest one while the window is not yet full), in flight and waiting at their highest over
+    the scrapes of the last ``window_s``, and forgets scrapes older than the baseline. The
     first scrape is its own baseline: what the engines counted before the shell started is not
     in its window.
+
+    A scrape can miss a replica that is alive (its node's metrics endpoint timed out on a busy
+    host, or Ray's agent had not exported it yet). ``live`` names the pool's replicas: one missing
+    from a scrape keeps its last sample for ``carry_s``, so its gauges do not read as idle. And
+    a replica's TTFT baseline is its oldest sample in the window, or failing that its last one
+    before it: counting a replica seen before from zero would put every TTFT since its engine
+    started in the window (seen live: after a burst, a TTFT p95 over the burst's slow requests
+    lent a second accelerator to an idle pool). Only a replica never seen counts from zero.
     """
 
-    def __init__(self, window_s: float) -> None:
+    def __init__(self, window_s: float, *, carry_s: float = 60.0) -> None:
         self.window_s = window_s
+        self.carry_s = carry_s
         self._scrapes: deque[tuple[float, dict[str, ReplicaSample], PoolLoad]] = deque()
+        self._last: dict[str, tuple[float, ReplicaSample]] = {}  # each replica's newest real sample
 
-    def add(self, t: float, samples: dict[str, ReplicaSample]) -> PoolLoad:
-        load = pool_load(samples, self._scrapes[0][1] if self._scrapes else samples)
+    def add(self, t: float, samples: Mapping[str, ReplicaSample], live: Collection[str] | None = None) -> PoolLoad:
+        samples = dict(samples)
+        if live is not None:
+            for replica in live:
+                seen = self._last.get(replica)
+                if replica not in samples and seen is not None and t - seen[0] <= self.carry_s:
+                    samples[replica] = seen[1]
+        first = not self._scrapes
+        baseline = samples if first else self._baseline(samples)
+        load = pool_load(samples, baseline)
         self._scrapes.append((t, samples, load))
         while len(self._scrapes) > 1 and t - self._scrapes[1][0] >= self.window_s:
             self._scrapes.popleft()
-        load = pool_load(samples, self._scrapes[0][1])
+        if not first:
+            load = pool_load(samples, self._baseline(samples))
+        for replica, sample in samples.items():
+            if self._last.get(replica, (None, None))[1] is not sample:  # a carried sample keeps its age
+                self._last[replica] = (t, sample)
+        if live is not None:
+            self._last = {r: v for r, v in self._last.items() if r in live}
         recent = [past for when, _, past in self._scrapes if t - when < self.window_s]
         return replace(load, in_flight=max(p.in_flight for p in recent), waiting=max(p.waiting for p in recent))
+
+    def _baseline(self, now: Mapping[str, ReplicaSample]) -> dict[str, ReplicaSample]:
+        """Per replica in ``now``: its sample in the oldest retained scrape holding it (the
+        newest scrape, being ``now`` itself, excluded), else its last sample before, else none."""
+        base: dict[str, ReplicaSample] = {}
+        older = list(self._scrapes)
+        if older and older[-1][1] is now:
+            older = older[:-1]
+        for _, scrape, _ in older:
+            for replica, sample in scrape.items():
+                base.setdefault(replica, sample)
+        for replica in now:
+            if replica not in base and replica in self._last:
+                base[replica] = self._last[replica][1]
+        return base
 
 
 def pool_replica_ids(app_name: str, deployment: str) -> set[str]:
@@ -223,5 +262,5 @@ class VLLMPoolLoadSource:
 
         replicas = pool_replica_ids(self.app_name, self.deployment)
         samples = scrape_vllm_metrics(contains="", timeout_s=5.0)  # vLLM's and Serve's (see module doc)
-        load = self.window.add(time.monotonic(), replica_samples(samples, replicas))
+        load = self.window.add(time.monotonic(), replica_samples(samples, replicas), live=replicas)
         return load.as_load(), dict(load.kv_usage_by_replica)

@@ -174,6 +174,51 @@ def test_routed_prompt_is_indexed_after_the_decision_and_dropped_unless_publishe
     assert core.index.match_prefix(list(prompt)) == {}
 
 
+def test_a_publication_taken_before_the_routed_request_arrived_keeps_the_booking_for_the_grace():
+    """Serve delivers a replica's stats some time after the replica took them: a whole-set
+    publication (the Serve LLM pools' text blocks) that predates the routed request must not
+    unbook it, or the tenant's next request goes elsewhere (seen live). Past the grace, a
+    publication that still lacks the blocks drops them (the request never cached them)."""
+    a_prefix = tuple(bytes([1, i]) * 8 for i in range(10))  # tenant a's prompts are longer (as live)
+    b_prefix = tuple(bytes([2, i]) * 8 for i in range(4))
+    old = {"num_running_requests": 0, "max_num_seqs": 8, **SNAP}
+
+    def route(core: PoolRouterCore, prefix: tuple, t: float, order: tuple = ("r", "s")) -> str:
+        return core.rank(list(order), RouteHint(block_hashes=prefix, num_prompt_blocks=len(prefix) + 1), now_s=t)[0][0]
+
+    for grace, kept in ((10.0, True), (0.0, False)):
+        core = PoolRouterCore(role="colocated", booking_grace_s=grace)
+        for name in ("r", "s"):
+            core.observe(name, {"version": 1, "block_hashes": (), **old}, 0.0)
+        first_a, first_b = route(core, a_prefix, 1.0), route(core, b_prefix, 2.0)
+        assert first_a != first_b  # the load term spreads the two tenants
+        core.flush_bookings()
+        # Both replicas' next publications were taken before the requests arrived (empty sets).
+        for name in ("r", "s"):
+            core.observe(name, {"version": 2, "block_hashes": (), **old}, 2.5)
+        assert core.index.match_prefix(list(a_prefix)) == ({ReplicaId(first_a): 10} if kept else {})
+        if kept:  # each tenant back to its replica, whichever candidate Serve lists first
+            again = [route(core, p, 3.0 + i, order=(first_b, first_a)) for i, p in enumerate((a_prefix, b_prefix))]
+            assert again == [first_a, first_b], again
+    # Past the grace, an unconfirmed booking goes.
+    core = PoolRouterCore(role="colocated", booking_grace_s=5.0)
+    core.observe("r", {"version": 1, "block_hashes": (), **old}, 0.0)
+    route(core, a_prefix, 1.0)
+    core.flush_bookings()
+    core.observe("r", {"version": 2, "block_hashes": (), **old}, 3.0)
+    assert core.index.match_prefix(list(a_prefix)) == {ReplicaId("r"): 10}
+    core.observe("r", {"version": 3, "block_hashes": (), **old}, 6.5)
+    assert core.index.match_prefix(list(a_prefix)) == {}
+    # A publication that holds them confirms them for good.
+    route(core, a_prefix, 7.0)
+    core.flush_bookings()
+    core.observe("r", {"version": 4, "block_hashes": a_prefix, **old}, 7.5)
+    core.observe("r", {"version": 5, "block_hashes": a_prefix, **old}, 100.0)
+    assert core.index.match_prefix(list(a_prefix)) == {ReplicaId("r"): 10}
+    with pytest.raises(SpecError, match="booking_grace_s"):
+        PoolRouterCore(role="prefill", booking_grace_s=-1)
+
+
 def test_bad_publisher_settings_are_spec_errors():
     with pytest.raises(SpecError, match="max_log_hashes"):
         HashLogPublisher(max_log_hashes=0)

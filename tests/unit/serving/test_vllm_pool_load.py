@@ -119,6 +119,37 @@ def test_load_window_forgets_what_is_older_than_the_window():
     assert (quiet.num_ttft, quiet.ttft_p95_s, quiet.in_flight) == (0, 0.0, 0)
 
 
+def test_a_scrape_that_missed_a_live_replica_neither_idles_it_nor_counts_its_whole_history():
+    """A node's metrics endpoint timed out (busy host): the replica is alive but absent from the
+    scrape. Its gauges carry over, and once it is back its TTFTs count from its own last sample,
+    not from zero: the slow TTFTs of an earlier burst are not in the window (seen live: an idle
+    pool read as TTFT p95 over its SLO and was lent a second accelerator)."""
+    window = LoadWindow(window_s=10.0)
+    burst = [9.0] * 40  # TTFTs of a burst, before the window
+
+    def scrape(ttft, running=0):
+        return replica_samples(parse_samples(_scrape({"d1": _replica(running=running, ttft=ttft)})), {"d1"})
+
+    window.add(0.0, scrape(burst, running=3), live={"d1"})
+    missed = window.add(4.0, {}, live={"d1"})  # the scrape failed for d1's node
+    assert missed.in_flight == 3  # carried (and the window's highest)
+    for t in (8.0, 12.0, 16.0):
+        window.add(t, {}, live={"d1"})
+    back = window.add(20.0, scrape(burst + [0.05] * 4), live={"d1"})
+    assert back.num_ttft == 4 and back.ttft_p95_s <= 0.1, back
+    assert back.in_flight == 3  # its carried samples (t=12, 16) are still in the window
+    # The broken variant: a baseline scrape without d1 counts its whole history.
+    assert pool_load(scrape(burst + [0.05] * 4), {}).ttft_p95_s >= 5.0
+    # A replica gone from ``live`` is forgotten; one never seen counts from zero.
+    window.add(24.0, {}, live=set())
+    fresh = window.add(40.0, scrape([0.05] * 4), live={"d1"})
+    assert fresh.num_ttft == 4
+    # Past ``carry_s`` a missing replica's gauges are no longer carried.
+    late = LoadWindow(window_s=10.0, carry_s=5.0)
+    late.add(0.0, scrape([], running=3), live={"d1"})
+    assert [late.add(t, {}, live={"d1"}).in_flight for t in (4.0, 16.0)] == [3, 0]
+
+
 def test_one_low_gauge_sample_in_a_burst_does_not_read_as_low_load():
     """The gauges are point samples exported every few seconds: in flight is the window's highest."""
     window = LoadWindow(window_s=10.0)
