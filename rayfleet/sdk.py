@@ -149,7 +149,9 @@ class Fleet:
         accelerators it lends from elastic training; returns a handle with ``history()``/``stop()``.
 
         ``config``: :class:`~rayfleet.serving.deploy.autoscale_shell.ServeShellConfig` fields — ``ttft_slo_s``,
-        ``target_ongoing_requests``, ``max_replicas``, ``role``, ``interval_s``, ``window_s``.
+        ``target_ongoing_requests``, ``max_replicas``, ``role``, ``interval_s``, ``window_s``,
+        ``drain_timeout_s`` and ``replica_start_timeout_s`` (from the decision to the lent replica
+        running; a vLLM engine start takes minutes on a busy CPU; past it the lend is given back).
         """
         from rayfleet.serving.deploy.autoscale_shell import start_serve_shell
 
