@@ -103,7 +103,7 @@ def topology_baseline(n: int) -> float:
 def calibration(refit: bool) -> list[dict]:
     runs = load_published_runs()
     before = CostParams(gemm_efficiency=0.5, gemm_rows_at_half_efficiency=128.0, attention_efficiency=0.35,
-                        ep_overlap_fraction=0.8, tp_overlap_fraction=0.0, gemm_width_at_half_efficiency=0.0,
+                        ep_overlap_fraction=0.8, ep_overlap_contention=0.0, tp_overlap_fraction=0.0, gemm_width_at_half_efficiency=0.0,
                         moe_permute_bytes=0.0)  # the constants before calibration (issue 20)
     rows = []
     for run in runs:

@@ -60,10 +60,13 @@ class CostParams:
         link_efficiency / nic_efficiency: achieved fraction of the scale-up link and NIC bandwidth.
         intra_latency_s / inter_latency_s: per-collective latency inside / across domains.
         dp_overlap_fraction: fraction of the last micro-batch's backward that hides DP reduction.
-        ep_overlap_fraction: share of a MoE layer's compute (of another micro-batch) behind which
-            its EP all-to-all hides (Megatron-Core's EP A2A overlap, DeepSeek's DualPipe; 0 =
-            none): exposed = max(0, all-to-all - this x compute), so a slow cross-node exchange
-            shows only its excess over the compute, as for the DP reduction.
+        ep_overlap_fraction: share of the compute piece (of another micro-batch) that Megatron-
+            Core's combined 1F1B schedule (or DualPipe) pairs with each EP all-to-all, behind which
+            that all-to-all hides: 1 = the schedule as built (each all-to-all shows only its excess
+            over its piece, see ``step_time_model.ep_exposed_all_to_all``); 0 = no hiding.
+        ep_overlap_contention: seconds a hidden all-to-all still adds per second hidden: the
+            communication kernels take SMs (DeepSeek-V3: 20 of 132, 0.15) and HBM bandwidth from
+            the compute they run beside, and the two streams synchronise four times a layer.
         p2p_overlap_fraction: share of a stage's micro-batch compute behind which the interleaved
             schedule hides its pipeline sends (``overlap_p2p_comm``; the plain 1F1B schedule hides none).
         cp_overlap_fraction: fraction of ring-attention K/V exchange hidden behind attention.
@@ -76,11 +79,11 @@ class CostParams:
         usable_memory_fraction: share of HBM a plan may fill (allocator, context, buffers).
     """
 
-    gemm_efficiency: float = 0.60
-    gemm_rows_at_half_efficiency: float = 96.0
+    gemm_efficiency: float = 0.55
+    gemm_rows_at_half_efficiency: float = 128.0
     gemm_width_at_half_efficiency: float = 1536.0
-    moe_permute_bytes: float = 64.0
-    attention_efficiency: float = 0.22
+    moe_permute_bytes: float = 80.0
+    attention_efficiency: float = 0.28
     param_bytes: int = 2
     grad_bytes: int = 4
     optimizer_bytes: int = 12
@@ -98,10 +101,11 @@ class CostParams:
     intra_latency_s: float = 10e-6
     inter_latency_s: float = 25e-6
     dp_overlap_fraction: float = 0.8
-    ep_overlap_fraction: float = 0.3
+    ep_overlap_fraction: float = 1.0
+    ep_overlap_contention: float = 0.45
     cp_overlap_fraction: float = 0.5
     p2p_overlap_fraction: float = 0.8
-    tp_overlap_fraction: float = 0.55
+    tp_overlap_fraction: float = 0.7
     wgrad_accumulation_bytes: int = 8
     optimizer_bytes_touched: int = 36
     usable_memory_fraction: float = 0.9

@@ -21,8 +21,10 @@ Design decisions:
   TP all-gather + reduce-scatter pairs around attention, the dense MLP and the shared experts on
   the scale-up link (exposed in full when the run has no TP overlap); EP dispatch/combine
   all-to-alls (FP8 dispatch under FP8) split into the in-domain and cross-domain parts (one copy
-  per remote domain with a deduplicating dispatcher), exposed beyond what another micro-batch's
-  compute hides where the schedule lets one hide it (:func:`ep_overlap_possible`);
+  per remote domain with a deduplicating dispatcher); where the schedule pairs micro-batches
+  (:func:`ep_overlap_possible`) each all-to-all runs beside one compute piece of the other
+  micro-batch and shows its excess over that piece plus a contention cost
+  (:func:`ep_exposed_all_to_all`);
   ETP gathers of dispatched tokens; CP ring K/V exchange; PP activation send/recv, on the NIC
   when stage peers sit on different nodes.
 - Ranks fill scale-up domains consecutively in the ``tp, cp, dp, pp`` order (as the layout
@@ -43,8 +45,8 @@ from rayfleet.placement.model_spec import ModelSpec
 from rayfleet.placement.plan import ParallelPlan
 from rayfleet.platform.catalogue import AcceleratorSpec
 
-__all__ = ["LayerTime", "StepTimeBreakdown", "ep_overlap_possible", "exposed_p2p", "layer_time", "layer_times",
-           "estimate_step_time", "wgrad_accumulation_s"]
+__all__ = ["LayerHalves", "LayerTime", "StepTimeBreakdown", "ep_exposed_all_to_all", "ep_overlap_possible",
+           "exposed_p2p", "layer_time", "layer_times", "estimate_step_time", "wgrad_accumulation_s"]
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,58 @@ def ep_overlap_possible(plan: ParallelPlan) -> bool:
     therefore pays the whole all-to-all, as does a plan that turns the overlap off
     (``plan.ep_overlap``)."""
     return plan.ep_overlap and (plan.pp == 1 or plan.vpp > 1 or plan.dualpipe) and plan.recompute != "full"
+
+
+@dataclass(frozen=True)
+class LayerHalves:
+    """One layer's compute for one micro-batch on one device (s), split where the EP all-to-alls
+    cut it: attention and MoE halves, forward and backward."""
+
+    fwd_attn: float
+    fwd_moe: float
+    bwd_attn: float
+    bwd_moe: float
+
+
+def ep_exposed_all_to_all(dispatch_s: float, other_s: float, halves: LayerHalves,
+                          params: CostParams = CostParams()) -> float:
+    """Seconds the EP all-to-alls of one layer and micro-batch add to the critical path when
+    the schedule overlaps them with another micro-batch (Megatron-Core's combined 1F1B,
+    ``schedule_layer_1f1b``; DualPipe pairs chunks the same way).
+
+    ``dispatch_s`` is the forward dispatch, ``other_s`` each of the three others (forward
+    combine, backward dispatch and combine: BF16). The merged layer runs four steps, each one
+    all-to-all on the communication stream beside one compute piece of the *other* micro-batch:
+
+      1. backward combine   || forward attention
+      2. forward dispatch   || backward MoE (experts' dgrad and wgrad)
+      3. backward dispatch  || forward MoE
+      4. forward combine    || backward attention
+
+    A step lasts the longer of the two, so an all-to-all shows its excess over the piece it is
+    paired with (``ep_overlap_fraction`` of that piece can hide it; 1 = the schedule as built);
+    the part hidden still slows the paired compute by ``ep_overlap_contention`` of its length
+    (the SMs and HBM bandwidth the communication kernels take). A cross-node exchange longer
+    than a short attention step is therefore exposed even with the overlap on; an intra-node
+    one hides almost entirely."""
+    pairs = ((other_s, halves.fwd_attn), (dispatch_s, halves.bwd_moe), (other_s, halves.fwd_moe),
+             (other_s, halves.bwd_attn))
+    exposed = 0.0
+    for comm, piece in pairs:
+        room = params.ep_overlap_fraction * piece
+        exposed += max(0.0, comm - room) + params.ep_overlap_contention * min(comm, room)
+    return exposed
+
+
+def _layer_halves(model: ModelSpec, plan: ParallelPlan, layer: int, *, fwd: float, fwd_attn: float,
+                  backward: float, recompute: float, wgrad: float) -> LayerHalves:
+    """Split a layer's compute into the attention half (projections, core, their selective
+    recompute, the dense weights' main-grad traffic) and the MoE half (router, experts,
+    permutes, the experts' main-grad traffic): the pieces the EP overlap pairs with."""
+    counts = layer_param_counts(model, plan, layer)
+    bwd_attn = 2 * fwd_attn + (recompute if plan.recompute == "selective" else 0.0) \
+        + wgrad * counts.dense / max(1, counts.total)
+    return LayerHalves(fwd_attn, fwd - fwd_attn, bwd_attn, backward - bwd_attn)
 
 
 def _cross_domain_share(model: ModelSpec, ep: int, in_domain: int) -> float:
@@ -173,8 +227,12 @@ def layer_time(model: ModelSpec, plan: ParallelPlan, layer: int, accel: Accelera
         # so backward reruns the up-projection GEMMs too
         up = model.attention_split_params() - model.num_heads * model.head_dim * h
         recompute += tokens * 2 * up / tp / (gemm_peak * dense_eff)
-    backward = 2 * fwd + recompute + wgrad_accumulation_s(model, plan, layer, accel, params)
+    wgrad = wgrad_accumulation_s(model, plan, layer, accel, params)
+    backward = 2 * fwd + recompute + wgrad
     compute = fwd + backward
+    fwd_attn = tokens * 2.0 * model.attention_params() / plan.tp / (gemm_peak * dense_eff) + fwd_core
+    halves = _layer_halves(model, plan, layer, fwd=fwd, fwd_attn=fwd_attn, backward=backward,
+                           recompute=recompute, wgrad=wgrad)
 
     link = Link.scaleup(accel, params)
     nic = Link.scaleout(accel, params)
@@ -193,10 +251,8 @@ def layer_time(model: ModelSpec, plan: ParallelPlan, layer: int, accel: Accelera
         cross = _cross_domain_share(model, plan.ep, in_domain) if plan.ep_dedup else 1.0
         dispatch = all_to_all_time(local * ag_bytes, plan.ep, in_domain, link, nic, cross)
         rest = all_to_all_time(local * rs_bytes, plan.ep, in_domain, link, nic, cross)
-        # hidden behind another micro-batch's compute, up to that compute (not a fixed share);
-        # only schedules that interleave two micro-batches' layers can do so (ep_overlap_possible)
-        overlap = params.ep_overlap_fraction if ep_overlap_possible(plan) else 0.0
-        ep_comm = max(0.0, dispatch + 3 * rest - overlap * compute)
+        ep_comm = ep_exposed_all_to_all(dispatch, rest, halves, params) if ep_overlap_possible(plan) \
+            else dispatch + 3 * rest
         if plan.etp > 1:
             gathered = local * plan.etp
             ep_comm += ring_time(gathered * ag_bytes, plan.etp, link) + 3 * ring_time(gathered * rs_bytes, plan.etp, link)

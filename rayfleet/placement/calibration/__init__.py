@@ -8,7 +8,7 @@ Design decisions:
   as their authors tuned for. A published plan that does not fit the memory model is an error
   of the model, reported as such rather than skipped.
 - :func:`fit_efficiency` fits only the efficiency constants (GEMM and attention efficiency, the
-  small-GEMM knee, the EP all-to-all overlap) on the runs marked ``fit`` by coordinate search
+  small-GEMM knee, the contention of the EP all-to-all overlap) on the runs marked ``fit`` by coordinate search
   minimising the worst relative error; the held-out runs check the result. ``CostParams()``'s
   defaults are the output of that fit (see ``benchmarks/placement.py --calibration --refit``).
 
@@ -43,10 +43,10 @@ FITTED_FIELDS: dict[str, tuple[float, ...]] = {
     "gemm_efficiency": tuple(round(0.30 + 0.01 * i, 2) for i in range(56)),
     "attention_efficiency": tuple(round(0.20 + 0.02 * i, 2) for i in range(26)),
     "gemm_rows_at_half_efficiency": (16.0, 32.0, 64.0, 96.0, 128.0, 192.0, 256.0, 384.0, 512.0),
-    "ep_overlap_fraction": tuple(round(0.0 + 0.05 * i, 2) for i in range(21)),
+    "ep_overlap_contention": tuple(round(0.05 * i, 2) for i in range(13)),
     "tp_overlap_fraction": tuple(round(0.05 * i, 2) for i in range(19)),
     "gemm_width_at_half_efficiency": (0.0, 64.0, 128.0, 192.0, 256.0, 384.0, 512.0, 768.0, 1024.0, 1536.0),
-    "moe_permute_bytes": tuple(float(b) for b in range(0, 81, 4)),
+    "moe_permute_bytes": tuple(float(b) for b in range(0, 129, 4)),
 }
 
 

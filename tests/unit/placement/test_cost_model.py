@@ -10,7 +10,7 @@ from rayfleet.placement.cost_model import evaluate_plan
 from rayfleet.placement.cost_params import CostParams, Link, all_to_all_time, hierarchical_allreduce_time, ring_time
 from rayfleet.placement.model_spec import ModelSpec, preset
 from rayfleet.placement.plan import ParallelPlan
-from rayfleet.placement.step_time_model import layer_time
+from rayfleet.placement.step_time_model import LayerHalves, ep_exposed_all_to_all, layer_time
 from rayfleet.platform.catalogue import get_accelerator
 
 H100 = get_accelerator("H100")
@@ -46,11 +46,33 @@ def test_ep_all_to_all_inside_a_node_beats_across_nodes() -> None:
     inside = layer_time(MOE, ParallelPlan(tp=1, dp=64, ep=8), 1, H100, params)
     across = layer_time(MOE, ParallelPlan(tp=1, dp=64, ep=64), 1, H100, params)
     assert inside.ep_comm < across.ep_comm
-    # overlap hides the all-to-all behind another micro-batch's compute, up to that compute
-    for share in (0.5, 1.0):
-        hidden = layer_time(MOE, ParallelPlan(tp=1, dp=64, ep=64), 1, H100, CostParams(ep_overlap_fraction=share))
-        assert hidden.ep_comm == pytest.approx(max(0.0, across.ep_comm - share * across.compute))
-    assert layer_time(MOE, ParallelPlan(tp=1, dp=64, ep=8), 1, H100, CostParams(ep_overlap_fraction=1.0)).ep_comm == 0
+    # overlapped, each all-to-all hides behind the piece of the other micro-batch it is paired
+    # with; the hidden part still costs its contention
+    free = CostParams(ep_overlap_contention=0.0)
+    hidden = layer_time(MOE, ParallelPlan(tp=1, dp=64, ep=64), 1, H100, free)
+    assert 0.0 <= hidden.ep_comm < across.ep_comm
+    assert layer_time(MOE, ParallelPlan(tp=1, dp=64, ep=64), 1, H100).ep_comm > hidden.ep_comm
+    assert layer_time(MOE, ParallelPlan(tp=1, dp=64, ep=8), 1, H100, free).ep_comm == 0
+
+
+def test_ep_overlap_pairs_each_all_to_all_with_one_compute_piece() -> None:
+    """Worked example of Megatron's combined 1F1B step (schedule_layer_1f1b): dispatch 1 s, the
+    three other all-to-alls 2 s each; the other micro-batch's attention 0.5 s forward / 1 s
+    backward, MoE 1.5 s / 3 s; contention 0.2 of what hides.
+
+      bwd combine 2 || fwd attention 0.5 -> 1.5 exposed + 0.2 x 0.5 = 1.6
+      fwd dispatch 1 || bwd MoE 3        -> 0           + 0.2 x 1.0 = 0.2
+      bwd dispatch 2 || fwd MoE 1.5      -> 0.5         + 0.2 x 1.5 = 0.8
+      fwd combine 2 || bwd attention 1   -> 1.0         + 0.2 x 1.0 = 1.2   total 3.8 s
+    """
+    halves = LayerHalves(fwd_attn=0.5, fwd_moe=1.5, bwd_attn=1.0, bwd_moe=3.0)
+    params = CostParams(ep_overlap_fraction=1.0, ep_overlap_contention=0.2)
+    assert ep_exposed_all_to_all(1.0, 2.0, halves, params) == pytest.approx(3.8)
+    # the broken variant -- all 7 s of all-to-all against the whole 6 s of compute -- hides
+    # the combines behind MoE compute they never run beside
+    aggregate = max(0.0, 7.0 - 6.0) + 0.2 * 6.0
+    assert aggregate < 3.0
+    assert ep_exposed_all_to_all(1.0, 2.0, halves, replace(params, ep_overlap_fraction=0.0)) == pytest.approx(7.0)
 
 
 def test_fp8_halves_gemm_time_and_dispatch_bytes() -> None:
