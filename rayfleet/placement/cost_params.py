@@ -27,7 +27,7 @@ class CostParams:
     """Every non-hardware constant of the cost model.
 
     The efficiency constants (GEMM and attention efficiency, the small/narrow-GEMM knees, MoE
-    permute bytes, EP and TP overlap) are fitted to published H100 runs by
+    permute bytes, the EP overlap's contention, TP overlap) are fitted to published H100 runs by
     :func:`rayfleet.placement.calibration.fit_efficiency` (table: ``calibration/published_runs.yaml``).
 
     Attributes:
