@@ -135,6 +135,15 @@ def long_prompt(seed: int, num_words: int = 120) -> str:
 
 
 PD_APP, PD_MODEL, PD_BLOCK = "vllm-pd", "tiny-moe", 32
+API_KEY = "rf-vllm-tier-key"  # the apps read it from a key file (``http.api_keys.file``), as users would
+
+
+def key_file(directory) -> str:
+    """A key file holding ``API_KEY`` (mode 0600) in ``directory``; its path for the spec."""
+    path = directory / "api.key"
+    path.write_text(f"# rayfleet API keys, one per line\n{API_KEY}\n")
+    path.chmod(0o600)
+    return str(path)
 
 
 @pytest.fixture(scope="session")
@@ -152,7 +161,7 @@ def pd_app(vllm_fleet, tiny_model_dir, tmp_path_factory):
             "prefill": {"replicas": 1, "accelerators_per_replica": 1, "accelerator_type": "H100"},
             "decode": {"replicas": 1, "accelerators_per_replica": 1, "accelerator_type": "H100"},
             "vllm": {"device": "cpu", "kv_connector": "nixl", "kv_cache_gib": 1},
-            "http": {"route_prefix": "/pd"}}
+            "http": {"route_prefix": "/pd", "api_keys": {"file": key_file(tmp_path_factory.mktemp("pd-key"))}}}
     path = tmp_path_factory.mktemp("pd") / "pd.yaml"
     path.write_text(yaml.safe_dump(spec))
     proc = subprocess.run([sys.executable, "-m", "rayfleet", "serve", str(path), "--address", vllm_fleet.address,

@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from .conftest import PD_APP, PD_MODEL, long_prompt, replica_ids, wait_until
+from .conftest import API_KEY, PD_APP, PD_MODEL, long_prompt, replica_ids, wait_until
 
 STEPS = 2000  # a ceiling: the test stops the job once it has seen the whole cycle
 GLOBAL_BATCH = 12
@@ -48,7 +48,7 @@ class Burst:
     def __init__(self, base_url: str, clients: int) -> None:
         import openai
 
-        self.client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300)
+        self.client = openai.OpenAI(base_url=base_url, api_key=API_KEY, max_retries=0, timeout=300)
         self.results: list[dict] = []
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
@@ -143,7 +143,7 @@ def test_autoscaler_lends_an_accelerator_from_training_to_the_vllm_decode_pool_a
         # Decode in flight above 1 per replica asks for a second one; the TTFT SLO is loose, so the
         # decision follows vLLM's request gauges and the burst's end lets the pool shrink.
         # A vLLM engine start takes minutes on 2 busy cores (seen: 7 min at load average 37).
-        shell = sdk.autoscale_serve(ServeDeployment(spec=spec, url=url.removesuffix("/v1")), ttft_slo_s=10.0,
+        shell = sdk.autoscale_serve(ServeDeployment(spec=spec, url=url.removesuffix("/v1"), api_key=API_KEY), ttft_slo_s=10.0,
                                     target_ongoing_requests=1, max_replicas=2, window_s=15.0, interval_s=1.0,
                                     replica_start_timeout_s=900)
         burst = Burst(url, clients=3).start()

@@ -6,13 +6,13 @@ the colocated pool's) for greedy requests."""
 
 from __future__ import annotations
 
-from .conftest import PD_APP as APP, PD_BLOCK as BLOCK, PD_MODEL as MODEL, long_prompt, replica_ids, wait_until
+from .conftest import API_KEY, PD_APP as APP, PD_BLOCK as BLOCK, PD_MODEL as MODEL, long_prompt, replica_ids, wait_until
 
 
 def _client(url: str):
     from openai import OpenAI
 
-    return OpenAI(base_url=url, api_key="unused", timeout=300, max_retries=0)
+    return OpenAI(base_url=url, api_key=API_KEY, timeout=300, max_retries=0)
 
 
 def _decode_counters(dashboard_url: str) -> dict[str, float]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import long_prompt, replica_ids, wait_until
+from .conftest import API_KEY, key_file, long_prompt, replica_ids, wait_until
 
 APP = "vllm-pool"
 MODEL = "tiny-moe"
@@ -28,9 +28,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _get(url: str, key: str | None) -> urllib.request.Request:
+    return urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+
+
 def _models_ready(url: str) -> bool:
     try:
-        with urllib.request.urlopen(url + "/v1/models", timeout=5) as resp:
+        with urllib.request.urlopen(_get(url + "/v1/models", API_KEY), timeout=5) as resp:
             return resp.status == 200 and MODEL.encode() in resp.read()
     except OSError:
         return False
@@ -46,7 +50,7 @@ def pool_app(vllm_fleet, tiny_model_dir, tmp_path_factory):
                        "max_num_batched_tokens": 512},
             "mode": "colocated", "colocated": {"replicas": 2, "accelerators_per_replica": 1, "accelerator_type": "A100"},
             "vllm": {"device": "cpu", "kv_cache_gib": 1},  # request_router: rayfleet (the default)
-            "http": {"port": port}}
+            "http": {"port": port, "api_keys": {"file": key_file(tmp_path_factory.mktemp("pool-key"))}}}
     work = tmp_path_factory.mktemp("pool")
     (work / "pool.yaml").write_text(yaml.safe_dump(spec))
     config = subprocess.run([sys.executable, "-m", "rayfleet", "serve", str(work / "pool.yaml"), "--serve-config"],
@@ -70,7 +74,26 @@ def pool_app(vllm_fleet, tiny_model_dir, tmp_path_factory):
 def _client(url: str):
     from openai import OpenAI
 
-    return OpenAI(base_url=url + "/v1", api_key="unused", timeout=300, max_retries=0)
+    return OpenAI(base_url=url + "/v1", api_key=API_KEY, timeout=300, max_retries=0)
+
+
+def test_the_vllm_app_is_behind_rayfleets_api_keys(pool_app):
+    """Serve LLM's ingress runs as ``RayfleetOpenAiIngress`` (from the config ``serve deploy``
+    took): no key or a wrong key is a 401 in OpenAI's error shape, the key file's key passes;
+    completions are guarded as well as the model list."""
+    import json
+    import urllib.error
+
+    import openai
+
+    for key in (None, "rf-wrong"):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(_get(pool_app + "/v1/models", key), timeout=30)
+        assert refused.value.code == 401
+        assert json.loads(refused.value.read())["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        _client(pool_app).with_options(api_key="rf-wrong").completions.create(model=MODEL, prompt="hi", max_tokens=1)
+    assert _models_ready(pool_app)
 
 
 def test_pool_replicas_sit_on_the_labelled_nodes_and_reserve_accelerators(pool_app, vllm_fleet):

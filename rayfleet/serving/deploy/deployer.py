@@ -109,14 +109,15 @@ def _ensure_connected(address: str | None) -> None:
     connect(address)
 
 
-def _wait_healthy(url: str, deadline: float, *, path: str = "/health") -> None:
+def _wait_healthy(url: str, deadline: float, *, path: str = "/health", api_key: str | None = None) -> None:
     import urllib.error
     import urllib.request
 
     last = ""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # a vLLM app's path is guarded
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(url + path, timeout=5) as resp:
+            with urllib.request.urlopen(urllib.request.Request(url + path, headers=headers), timeout=5) as resp:
                 if resp.status == 200:
                     return
         except (urllib.error.URLError, OSError) as exc:
@@ -144,12 +145,12 @@ def deploy(spec: ServeSpec | dict[str, Any] | str | Path, *, address: str | None
     serves. Raises ``SpecError`` for a bad spec and ``ServeDeployError`` if the app does not
     come up within ``timeout_s``."""
     spec = load_serve_spec(spec) if isinstance(spec, (str, Path)) else ServeSpec.parse(spec)
-    api_key = None
-    if spec.engine.kind != "vllm":  # API keys of the built-in app (``openai_api.auth``): a key is
-        from rayfleet.serving.openai_api.auth import ensure_client_key  # made when none is configured
+    # API keys (``openai_api.auth``; a vLLM app's ingress is ``vllm.ingress``): a key is made
+    # when none is configured.
+    from rayfleet.serving.openai_api.auth import ensure_client_key
 
-        http, api_key = ensure_client_key(spec.http, app_name=spec.name)
-        spec = spec.model_copy(update={"http": http})
+    http, api_key = ensure_client_key(spec.http, app_name=spec.name)
+    spec = spec.model_copy(update={"http": http})
     _ensure_connected(address)
     from ray import serve
 
@@ -179,5 +180,5 @@ def deploy(spec: ServeSpec | dict[str, Any] | str | Path, *, address: str | None
     host, port = _proxy_host_port(spec)
     host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     url = f"http://{host}:{port}{spec.http.route_prefix.rstrip('/')}"
-    _wait_healthy(url, deadline, path=health_path)
+    _wait_healthy(url, deadline, path=health_path, api_key=api_key)
     return ServeDeployment(spec=spec, url=url, api_key=api_key)

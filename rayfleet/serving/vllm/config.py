@@ -57,6 +57,7 @@ REQUEST_ROUTERS: dict[str, str | None] = {
     "power_of_two": None,
 }
 RAYFLEET_SERVER = "rayfleet.serving.vllm.server.RayfleetLLMServer"  # publishes what the rayfleet router reads
+RAYFLEET_INGRESS = "rayfleet.serving.vllm.ingress.RayfleetOpenAiIngress"  # Serve LLM's ingress + rayfleet's API keys
 ROUTING_STATS_PERIOD_S = 1.0  # how often Serve polls replicas' routing stats (Serve's default: 10 s)
 
 _KV_CONNECTORS = {"nixl": "NixlConnector", "shared_storage": "ExampleConnector"}
@@ -261,9 +262,22 @@ def vllm_app_args(spec: ServeSpec) -> VLLMAppArgs:
     # One ingress replica with no CPU: on a small fleet Serve LLM's default (two per model
     # replica, one CPU each) would not fit beside the engines.
     ingress = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}}
+    common = {"ingress_deployment_config": ingress, "ingress_cls_config": ingress_cls_config(spec)}
     if spec.mode == "colocated":
-        return VLLMAppArgs("build_openai_app", {"llm_configs": [llm_config_fields(spec, "colocated")],
-                                                "ingress_deployment_config": ingress})
+        return VLLMAppArgs("build_openai_app", {"llm_configs": [llm_config_fields(spec, "colocated")], **common})
     return VLLMAppArgs("build_pd_openai_app", {"prefill_config": llm_config_fields(spec, "prefill"),
-                                               "decode_config": llm_config_fields(spec, "decode"),
-                                               "ingress_deployment_config": ingress})
+                                               "decode_config": llm_config_fields(spec, "decode"), **common})
+
+
+def ingress_cls_config(spec: ServeSpec) -> dict[str, Any]:
+    """Serve LLM's ``ingress_cls_config``: its OpenAI ingress behind rayfleet's API keys
+    (``ingress.RayfleetOpenAiIngress``), given where to read the keys, never a key.
+
+    >>> spec = ServeSpec.parse({"name": "a", "engine": "vllm", "vllm": {"device": "cpu"},
+    ...                         "model": {"hf": "/models/q"}, "http": {"api_keys": {"file": "/k"}}})
+    >>> ingress_cls_config(spec)["ingress_extra_kwargs"]
+    {'rayfleet_auth': {'auth': 'api_key', 'env': ['RAYFLEET_API_KEY'], 'file': '/k'}}
+    """
+    http = spec.http
+    return {"ingress_cls": RAYFLEET_INGRESS, "ingress_extra_kwargs": {"rayfleet_auth": {
+        "auth": http.auth, "env": list(http.api_keys.env), "file": http.api_keys.file}}}

@@ -3,6 +3,8 @@ Ray or vLLM. The live apps these arguments build are tested in tests/vllm."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -60,6 +62,18 @@ def test_colocated_cpu_pool_maps_to_build_openai_app():
     assert "kv_transfer_config" not in kw and "gpu_memory_utilization" not in kw
     assert cfg["runtime_env"]["env_vars"] == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     assert built.args["ingress_deployment_config"]["ray_actor_options"] == {"num_cpus": 0}
+
+
+def test_both_builders_put_serve_llms_ingress_behind_rayfleets_api_keys_without_a_key_in_the_config(monkeypatch):
+    """The ingress class Serve LLM loads is ``vllm.ingress.RayfleetOpenAiIngress`` (checked live
+    in tests/vllm); the config names where the keys are, never a key (configs get logged)."""
+    monkeypatch.setenv("RAYFLEET_API_KEY", "rf-secret-value")
+    for spec in (_spec(), _spec(mode="disaggregated"), _spec(http={"auth": "disabled"})):
+        cls = vllm_app_args(spec).args["ingress_cls_config"]
+        assert cls["ingress_cls"] == "rayfleet.serving.vllm.ingress.RayfleetOpenAiIngress"
+        assert cls["ingress_extra_kwargs"]["rayfleet_auth"]["auth"] == spec.http.auth
+        assert "rf-secret-value" not in repr(vllm_app_args(spec).args)
+    assert (Path(__file__).resolve().parents[3] / "rayfleet/serving/vllm/ingress.py").read_text().count("class RayfleetOpenAiIngress(OpenAiIngress)") == 1
 
 
 def test_pools_autoscale_within_the_shared_autoscalers_bounds():
