@@ -2,7 +2,7 @@
 quality against Ray's topology-blind PACK / SPREAD placement, and the cost model's calibration.
 
     python benchmarks/placement.py [--quick] [--json results.json] [--repeats 3] [--skip-brute-force]
-    python benchmarks/placement.py --calibration [--refit]
+    python benchmarks/placement.py --calibration [--refit] [--breakdown]
 
 Part 1 times the plan search for the repo's example models (DeepSeek-V3, Llama-3 8B, Mixtral) on
 1,024, 10,000 and 100,000 H100s, where the planner chooses how many to take; wall and CPU seconds
@@ -21,7 +21,8 @@ step that cross racks (the spine) and blocks.
 and predicted tokens/s per GPU, the error before calibration (the pre-fit constants, the
 baseline), the published plan's rank in the planner's search at that size and its gap to the top
 prediction; ``--refit`` re-runs the fit and reports leave-one-out errors (each run predicted by a
-fit on the others).
+fit on the others); ``--breakdown`` prints each published plan beside the planner's top, step-time
+term by term, with peak memory and local experts per GPU.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rayfleet.placement import JobGoal, SearchSpace, fleet_capacity, fleet_capacity_of, parse_fleet, preset  # noqa: E402
-from rayfleet.placement.calibration import (FITTED_FIELDS, fit_efficiency, load_published_runs,  # noqa: E402
-                                            predict_run, rank_published_plan)
+from rayfleet.placement.calibration import (FITTED_FIELDS, explain_gap, fit_efficiency,  # noqa: E402
+                                            load_published_runs, predict_run, rank_published_plan)
 from rayfleet.placement.cost_params import CostParams  # noqa: E402
 from rayfleet.placement.layout import build_layout  # noqa: E402
 from rayfleet.placement.layout_quality import baseline_layout, layout_quality  # noqa: E402
@@ -185,6 +186,31 @@ def print_calibration(rows: list[dict]) -> None:
           f"{worst:.1%}); published plan in the top 3 or within 5% of the top: {ranked}/{len(rows)}")
 
 
+def gap_breakdowns() -> list[dict]:
+    """Each published plan the planner does not put first, priced term by term beside its top
+    (seconds per step, the same constants): the term that separates them is the one to question."""
+    out = []
+    for run in load_published_runs():
+        gap = explain_gap(run)
+        pub, top = gap.published, gap.top
+        if pub.plan.shape() == top.plan.shape():
+            continue
+        rows = [[name, f"{a:.2f}", f"{b:.2f}", f"{a - b:+.2f}"] for name, a, b in gap.terms()]
+        rows.append(["step", f"{pub.step_time_s:.2f}", f"{top.step_time_s:.2f}",
+                     f"{pub.step_time_s - top.step_time_s:+.2f}"])
+        rows.append(["peak GiB", f"{pub.peak_memory_gib:.1f}", f"{top.peak_memory_gib:.1f}", ""])
+        experts = [f"{run.model.num_experts // c.plan.ep}" if run.model.is_moe else "-" for c in (pub, top)]
+        rows.append(["local experts", *experts, ""])
+        print(f"\n{run.id}: published {pub.plan.describe()} ({pub.plan.recompute} recompute) vs the planner's top "
+              f"{top.plan.describe()} ({top.plan.recompute}); largest difference: {gap.largest_difference}")
+        print(_table(["term (s per step)", "published", "top", "published - top"], rows))
+        out.append({"id": run.id, "published": pub.plan.describe(), "top": top.plan.describe(),
+                    "terms": {name: [a, b] for name, a, b in gap.terms()},
+                    "peak_gib": [pub.peak_memory_gib, top.peak_memory_gib],
+                    "largest_difference": gap.largest_difference})
+    return out
+
+
 def fragmented_fleet(seed: int = 7):
     topology = build_topology(num_nodes=64, accelerator="H100", num_racks=8, racks_per_block=4)
     rng = random.Random(seed)
@@ -235,6 +261,8 @@ def main() -> int:
     parser.add_argument("--skip-brute-force", action="store_true")
     parser.add_argument("--calibration", action="store_true", help="print the calibration table and stop")
     parser.add_argument("--refit", action="store_true", help="with --calibration: refit and leave-one-out errors")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="with --calibration: each published plan beside the planner's top, term by term")
     args = parser.parse_args()
 
     machine = {"python": platform.python_version(), "cpu_count": os.cpu_count(), "machine": platform.machine(),
@@ -251,9 +279,10 @@ def main() -> int:
               f"{own['reported_tok_s_gpu']:,.0f} reported (with DualPipe; "
               f"{own['plain_1f1b_tok_s_gpu'] or 0:,.0f} as plain 1F1B); rank {own['rank'] or '-'} "
               f"(top 10), {own['gap_to_top']:+.1%} to the top {own['top_plan']}")
+        gaps = gap_breakdowns() if args.breakdown else None
         if args.json:
             Path(args.json).write_text(json.dumps({"machine": machine, "calibration": rows,
-                                                   "deepseek_own_plan": own}, indent=2))
+                                                   "deepseek_own_plan": own, "gap_breakdowns": gaps}, indent=2))
             print(f"wrote {args.json}")
         return 0
     sizes = (1024, 10_000) if args.quick else (1024, 10_000, 100_000)

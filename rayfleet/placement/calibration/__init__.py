@@ -34,8 +34,9 @@ from rayfleet.placement.planner import search_plans
 from rayfleet.placement.search_space import JobGoal, SearchSpace
 from rayfleet.platform.catalogue import get_accelerator
 
-__all__ = ["PublishedRun", "RunPrediction", "PlanRanking", "load_published_runs", "predict_run", "rank_published_plan",
-           "fit_efficiency", "PUBLISHED_RUNS_PATH", "FITTED_FIELDS", "RECIPE_SPACE"]
+__all__ = ["PublishedRun", "RunPrediction", "PlanRanking", "GapBreakdown", "load_published_runs", "predict_run",
+           "rank_published_plan", "explain_gap", "fit_efficiency", "PUBLISHED_RUNS_PATH", "FITTED_FIELDS",
+           "RECIPE_SPACE", "STEP_TERMS"]
 
 PUBLISHED_RUNS_PATH = Path(__file__).with_name("published_runs.yaml")
 # The constants the fit may move, with the grid it searches (everything else is physics or bytes).
@@ -212,6 +213,39 @@ def rank_published_plan(run: PublishedRun, params: CostParams = CostParams(), *,
     top = result.ranked[0] if result.ranked else None
     return PlanRanking(rank, published.step_time_s, top.step_time_s if top else published.step_time_s,
                        top.plan if top else published.plan)
+
+
+# The step-time terms of :class:`StepTimeBreakdown`, in the order the benchmark prints them.
+STEP_TERMS: tuple[str, ...] = ("compute", "tp_comm", "ep_comm", "cp_comm", "pp_p2p", "pp_bubble", "dp_comm",
+                               "optimizer")
+
+
+@dataclass(frozen=True)
+class GapBreakdown:
+    """The published plan and the planner's top at the published size, priced term by term:
+    where a published plan ranks low, the term that separates the two is the one to question."""
+
+    run_id: str
+    published: PlanCost
+    top: PlanCost
+
+    def terms(self) -> tuple[tuple[str, float, float], ...]:
+        """(term, published seconds per step, top's seconds per step) for each of :data:`STEP_TERMS`."""
+        return tuple((t, getattr(self.published.step, t), getattr(self.top.step, t)) for t in STEP_TERMS)
+
+    @property
+    def largest_difference(self) -> str:
+        """The term whose published-minus-top difference is largest in size."""
+        return max(self.terms(), key=lambda t: abs(t[1] - t[2]))[0]
+
+
+def explain_gap(run: PublishedRun, params: CostParams = CostParams(), *,
+                space: SearchSpace = RECIPE_SPACE) -> GapBreakdown:
+    """Price the published plan and the planner's top (searched as :func:`rank_published_plan`
+    does, under the run's runtime options) with the same constants, for a term-by-term comparison."""
+    ranking = rank_published_plan(run, params, space=space)
+    top = evaluate_plan(run.model, ranking.top_plan, get_accelerator(run.hardware), params=params)
+    return GapBreakdown(run.id, predict_run(run, params).cost, top)
 
 
 def _score(runs: Sequence[PublishedRun], params: CostParams) -> tuple[float, float]:
