@@ -21,8 +21,10 @@ RUNS = load_published_runs()
 #   EP overlap) over the published EP32 with a per-copy all-to-all across 4 servers (its
 #   combines are longer than the attention steps they are paired with: ~6 s exposed). Measured
 #   H100 runs of the same model (Megatron-MoE-ModelZoo, BF16, another code branch) put intra-
-#   node EP8 pipelines slower than cross-node EP32; no all-to-all term explains that (see
-#   docs/planner-calibration.md).
+#   node EP8 pipelines slower than cross-node EP32; no all-to-all term explains that. Term by
+#   term (`--calibration --breakdown`) the whole gap is the all-to-all, each side of which agrees
+#   with outside measurements; per-local-expert costs and EP-narrow plans' memory are the open
+#   suspects (docs/planner-calibration.md, the latest round).
 # DeepSeek-V3 closed when the EP overlap paired each all-to-all with the compute piece Megatron's
 # combined 1F1B step runs it beside (test_cost_model.py); Qwen3-30B when the FP32 main-grad
 # accumulation of local experts was priced (test_wgrad_accumulation.py).
