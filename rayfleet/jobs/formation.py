@@ -179,9 +179,9 @@ class RayFormations:
             on_step: Callable[[dict], None] | None) -> FormationOutcome:
         import ray
 
-        from rayfleet.jobs.launcher import fit_once
+        from rayfleet.jobs.launcher import driver_node_actor_options, fit_once
 
-        actor = ray.remote(num_cpus=0)(ElasticSignal).remote() if watch else None
+        actor = ray.remote(ElasticSignal).options(**driver_node_actor_options()).remote() if watch else None
         stop_signal = _SignalRef(actor) if actor is not None else None
         shell = self.shell
         watcher = _Watcher(self.spec, launch, stop_signal, self.log,

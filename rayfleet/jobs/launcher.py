@@ -38,11 +38,24 @@ from rayfleet.platform.catalogue import get_accelerator
 from rayfleet.platform.topology import AcceleratorSlot, FleetTopology
 
 __all__ = ["TrainLaunch", "prepare_launch", "scaling_options", "reservation_bundles", "accelerator_reservation",
-           "observe_fleet", "fit_once", "default_storage_path"]
+           "observe_fleet", "fit_once", "default_storage_path", "driver_node_actor_options"]
 
 RESERVATION_PREFIX = "rayfleet:train:"
 RESERVATION_TIMEOUT_S = 120.0
 MIXED_WORKER_CPU = 0.01  # what a worker of a mixed-kind launch asks for (see scaling_options)
+
+
+def driver_node_actor_options() -> dict[str, Any]:
+    """Ray actor options that pin a job's control actor (its elastic signal, its metrics queue) to
+    the driver's node, as Ray Train pins its controller. A ``num_cpus=0`` actor left to Ray can land
+    on any node, cordoned ones included; when that node is lost (CI once saw a loaded raylet
+    declared dead) the job loses its signal or its metrics while its workers live on, and never
+    grows back. On the driver's node the actor shares the driver's fate: no new way to fail."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node_id = ray.get_runtime_context().get_node_id()
+    return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)}
 
 
 @dataclass(frozen=True)
@@ -249,7 +262,7 @@ def fit_once(spec: TrainJobSpec, launch: TrainLaunch, *, run_dir: str, max_failu
     from rayfleet.jobs.worker_entry import train_loop_per_worker
 
     log(f"rayfleet train: {launch.describe()}")
-    metrics_queue = Queue(actor_options={"num_cpus": 0})
+    metrics_queue = Queue(actor_options=driver_node_actor_options())
     config = {"spec": spec.to_dict(), "plan": asdict(launch.plan), "slots": launch.slots,
               "run_dir": run_dir, "metrics_queue": metrics_queue, "stop_signal": stop_signal}
     trainer = TorchTrainer(

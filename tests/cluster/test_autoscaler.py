@@ -19,10 +19,11 @@ from __future__ import annotations
 import collections
 import os
 import socket
-import threading
 import time
 
 import pytest
+
+from streaming_burst import Burst
 
 from .conftest import wait_until
 
@@ -64,42 +65,19 @@ def _expected_hashes(dataset: str, spec: dict, last: int) -> dict[int, int]:
             for step in range(1, last + 1)}
 
 
-class Burst:
-    """``clients`` threads streaming completions until stopped; every request is recorded."""
+def _assert_control_actors_on_the_driver_node(dashboard_url: str) -> None:
+    """The job's elastic signal and metrics queue live where Ray Train's controller does (the
+    driver's node), never on a worker node whose loss would orphan them from a running job."""
+    from ray.util.state import list_actors
 
-    def __init__(self, base_url: str, clients: int, api_key: str | None = None) -> None:
-        import openai
+    def nodes(class_name: str) -> set:
+        return {a.node_id for a in list_actors(address=dashboard_url, limit=1000,
+                                               filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")])}
 
-        self.client = openai.OpenAI(base_url=base_url, api_key=api_key or "unused", max_retries=0, timeout=120)
-        self.results: list[dict] = []
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
-
-    def start(self) -> "Burst":
-        for t in self.threads:
-            t.start()
-        return self
-
-    def join(self) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=180)
-
-    def _run(self, index: int) -> None:
-        n = 0
-        while not self.stop.is_set():
-            sent, first, error, text = time.monotonic(), None, None, ""
-            try:
-                for chunk in self.client.completions.create(model="tiny", prompt=f"def f{index}_{n}(x):\n", max_tokens=16,
-                                                            temperature=0, stream=True):
-                    if chunk.choices and chunk.choices[0].text:
-                        first = first or time.monotonic()
-                        text += chunk.choices[0].text
-            except Exception as exc:  # noqa: BLE001 - counted as a failed request
-                error = repr(exc)
-            self.results.append({"ttft_s": None if first is None else first - sent, "error": error,
-                                 "end": time.monotonic(), "chars": len(text)})
-            n += 1
+    controller = nodes("TrainController")
+    assert len(controller) == 1, controller
+    assert nodes("ElasticSignal") == controller and nodes("_QueueActor") == controller, \
+        (nodes("ElasticSignal"), nodes("_QueueActor"), controller)
 
 
 def test_burst_lends_an_accelerator_from_training_to_serve_and_back(local_fleet, dataset, tmp_path):
@@ -139,8 +117,10 @@ def test_burst_lends_an_accelerator_from_training_to_serve_and_back(local_fleet,
         wait_until(lambda: len(steps()) >= 2 or run.status() in ("FAILED", "STOPPED"), timeout_s=300,
                    interval_s=0.5, what="the job's first steps at 3 workers")
         assert "on 3 workers" in run.logs(), run.logs()[-3000:]
+        _assert_control_actors_on_the_driver_node(local_fleet.dashboard_url)
 
-        burst = Burst(served.openai_base_url, clients=6, api_key=served.api_key).start()
+        burst = Burst(served.openai_base_url, clients=6, api_key=served.api_key, model="tiny", max_tokens=16,
+                      prompt=lambda i, n: f"def f{i}_{n}(x):\n").start()
         try:
             try:
                 # A deadline, not the goal: on 2 loaded cores the replica's process start competes

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 import time
 
 import pytest
+
+from streaming_burst import Burst
 
 from .conftest import API_KEY, PD_APP, PD_MODEL, long_prompt, replica_ids, wait_until
 
@@ -42,43 +43,10 @@ def dataset(tmp_path_factory):
     return out
 
 
-class Burst:
-    """``clients`` threads streaming greedy completions of ``PROMPTS`` until stopped."""
-
-    def __init__(self, base_url: str, clients: int) -> None:
-        import openai
-
-        self.client = openai.OpenAI(base_url=base_url, api_key=API_KEY, max_retries=0, timeout=300)
-        self.results: list[dict] = []
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
-
-    def start(self) -> "Burst":
-        for t in self.threads:
-            t.start()
-        return self
-
-    def join(self) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=300)
-
-    def _run(self, index: int) -> None:
-        n = index
-        while not self.stop.is_set():
-            prompt = n % len(PROMPTS)
-            sent, first, error, text = time.monotonic(), None, None, ""
-            try:
-                for chunk in self.client.completions.create(model=PD_MODEL, prompt=PROMPTS[prompt], max_tokens=MAX_TOKENS,
-                                                            temperature=0, stream=True):
-                    if chunk.choices and chunk.choices[0].text:
-                        first = first or time.monotonic()
-                        text += chunk.choices[0].text
-            except Exception as exc:  # noqa: BLE001 - counted as a failed request
-                error = repr(exc)
-            self.results.append({"prompt": prompt, "text": text, "error": error, "end": time.monotonic(),
-                                 "ttft_s": None if first is None else first - sent})
-            n += 1
+def _burst(url: str, clients: int) -> Burst:
+    """Greedy streamed completions of ``PROMPTS``, client ``i`` starting at prompt ``i``."""
+    return Burst(url, clients=clients, model=PD_MODEL, max_tokens=MAX_TOKENS, api_key=API_KEY, timeout_s=300,
+                 prompt=lambda i, n: PROMPTS[(i + n) % len(PROMPTS)])
 
 
 def _node_name(node_id: str) -> str:
@@ -120,9 +88,9 @@ def test_autoscaler_lends_an_accelerator_from_training_to_the_vllm_decode_pool_a
     # The names the bounds are keyed by are Serve LLM's, and deploy wrote the spec's bounds.
     assert set(serve.status().applications[PD_APP].deployments) >= {decode, llm_deployment_name(spec, "prefill")}
     assert get_pool_bounds(PD_APP, decode) == (1, 1)
-    client = Burst(url, 0).client
-    expected = [client.completions.create(model=PD_MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
-                for p in PROMPTS]  # one decode engine's answers
+    client = _burst(url, 0).client
+    expected = {p: client.completions.create(model=PD_MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
+                for p in PROMPTS}  # one decode engine's answers
     base_decode = replica_ids(vllm_fleet.dashboard_url, PD_APP, "Decode")
     assert len(base_decode) == 1, base_decode
 
@@ -146,7 +114,7 @@ def test_autoscaler_lends_an_accelerator_from_training_to_the_vllm_decode_pool_a
         shell = sdk.autoscale_serve(ServeDeployment(spec=spec, url=url.removesuffix("/v1"), api_key=API_KEY), ttft_slo_s=10.0,
                                     target_ongoing_requests=1, max_replicas=2, window_s=15.0, interval_s=1.0,
                                     replica_start_timeout_s=900)
-        burst = Burst(url, clients=3).start()
+        burst = _burst(url, 3).start()
         t0 = time.monotonic()
         try:
             wait_until(lambda: any(h["running_at"] for h in shell.history()) or run.status() in ("FAILED", "STOPPED"),
@@ -203,7 +171,7 @@ def test_autoscaler_lends_an_accelerator_from_training_to_the_vllm_decode_pool_a
 
     assert not failed, failed[:3]
     assert not wrong, (wrong[:3], expected)
-    assert sum(1 for text in expected if text) >= len(PROMPTS) // 2, expected  # the comparison means something
+    assert sum(1 for text in expected.values() if text) >= len(PROMPTS) // 2, expected  # the comparison means something
     causes = [(e.subject, e.kind, e.cause) for e in decisions]
     assert len(history) == 1 and handover, (history, causes)  # one accelerator lent, not a cascade
     h100_node = _node_name(vllm_fleet.node_of_type["H100"])

@@ -1,0 +1,56 @@
+"""A burst of streamed OpenAI completions for the autoscaler tests (tests/cluster, tests/vllm).
+
+``clients`` threads each stream completions, one after the other, until ``join()``; every request
+is recorded (prompt, text, first-token time, error), so a test can count failures, check answers
+and measure TTFT against the SLO while the autoscaler lends an accelerator. Importable as
+``streaming_burst`` because pyproject's pytest settings put ``tests/`` on the path.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+
+class Burst:
+    """``clients`` threads streaming completions of ``prompt(client, n)`` until stopped."""
+
+    def __init__(self, base_url: str, *, clients: int, model: str, prompt: Callable[[int, int], str],
+                 max_tokens: int, api_key: str | None = None, timeout_s: float = 120.0,
+                 temperature: float = 0.0) -> None:
+        import openai
+
+        self.client = openai.OpenAI(base_url=base_url, api_key=api_key or "unused", max_retries=0, timeout=timeout_s)
+        self.model, self.prompt, self.max_tokens, self.temperature = model, prompt, max_tokens, temperature
+        self.timeout_s = timeout_s
+        self.results: list[dict] = []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+
+    def start(self) -> "Burst":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def join(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=self.timeout_s + 60)
+
+    def _run(self, index: int) -> None:
+        n = 0
+        while not self.stop.is_set():
+            prompt = self.prompt(index, n)
+            sent, first, error, text = time.monotonic(), None, None, ""
+            try:
+                for chunk in self.client.completions.create(model=self.model, prompt=prompt, max_tokens=self.max_tokens,
+                                                            temperature=self.temperature, stream=True):
+                    if chunk.choices and chunk.choices[0].text:
+                        first = first or time.monotonic()
+                        text += chunk.choices[0].text
+            except Exception as exc:  # noqa: BLE001 - counted as a failed request
+                error = repr(exc)
+            self.results.append({"prompt": prompt, "text": text, "chars": len(text), "error": error,
+                                 "end": time.monotonic(), "ttft_s": None if first is None else first - sent})
+            n += 1
