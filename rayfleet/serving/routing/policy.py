@@ -5,7 +5,8 @@ Design decisions:
 
       cost(r) = blocks_to_prefill(r) + load_weight * load_blocks(r)
       blocks_to_prefill(r) = num_request_blocks - cached_prefix_blocks(r)
-      load_blocks(r) = KV blocks its running requests read per step + prompt blocks queued for prefill
+      load_blocks(r) = decode_weight * KV blocks its running requests read per step
+                       + prompt blocks queued for prefill
 
   With equal load the replica holding the longest prefix wins. A prompt shared by many
   requests first goes where it is cached, which raises that replica's load until an uncached
@@ -60,6 +61,14 @@ Design decisions:
   goals (0.95 of the bound, max/mean 1.1) hold on some shapes only: with 3-15 conversations per
   replica one conversation is ~15% of a replica's work, and each price we tried (fixed, or
   raised with the pool's imbalance) traded one goal for the other.
+- Two opt-in prices for engines that batch a new prefill with running decodes (vLLM's pool
+  router sets both, ``serving.vllm.routing``): ``decode_weight`` prices a running block below
+  a queued one in the load term (the new request waits for the prefill ahead, not for the
+  decodes it shares steps with), and ``marginal_overload_at_home`` charges a replica caching at
+  least half of the prompt (the conversation's home) the overload its turn *adds*, not the
+  excess it already has: on a multi-turn workload with a hot tenant, the whole-excess price sent
+  turns away from their cached context while new conversations, which cost only a system
+  prompt to move, were enough to keep the balance.
 - Ties (equal cost and equal cached prefix, e.g. a new prefix on idle replicas) go to the
   replica whose cache holds the fewest blocks, then by name. A plain by-name tie-break sent
   every new prefix to the first replica whenever the pool was idle, so with more distinct
@@ -142,7 +151,8 @@ class RouterPolicy:
     """``load_weight``: how many blocks of prefill one block of current load is worth;
     ``overload_weight``: the price of going over the pool's mean recent work; ``spread_weight``:
     the price of projected work above or below the pool's mean, per mean-sized request;
-    ``activity_weight``: how much a replica's current activity adds to its projected work
+    ``activity_weight``: how much a replica's current activity adds to its projected work;
+    ``decode_weight``: a running block's share of the load term next to a queued prompt block
     (module doc)."""
 
     load_weight: float = 0.5
@@ -153,9 +163,19 @@ class RouterPolicy:
     # 64 replicas (1.14-1.20 -> 1.04-1.12) for ~0.01 of the hit bound (README).
     spread_weight: float = 0.0
     activity_weight: float = 3.0
+    # The price of one running (decoding) block relative to one queued prompt block, inside the
+    # load term: 1 for an engine whose new request waits for the running ones (the built-in
+    # engine's default, unchanged); an engine that batches a new prefill with running decodes
+    # at the next step (vLLM: continuous batching, chunked prefill) makes it wait only for the
+    # prefill queued ahead, and a running request costs each shared step about one token of a
+    # block_size-token block: its pool router passes 1 / block_size (``vllm.routing``).
+    decode_weight: float = 1.0
+    # Off by default (the built-in engine's router keeps the whole-excess price, which the
+    # 64-replica replays rely on); the vLLM pool router turns it on (module doc).
+    marginal_overload_at_home: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("load_weight", "overload_weight", "spread_weight", "activity_weight"):
+        for name in ("load_weight", "overload_weight", "spread_weight", "activity_weight", "decode_weight"):
             value = getattr(self, name)
             if not value >= 0:  # also refuses NaN
                 raise SpecError(name, value, "must be a non-negative number",
@@ -219,12 +239,17 @@ class RouterPolicy:
             hit = cached.get(snap.replica_id, 0)
             to_prefill = num_blocks - hit
             load = snap.num_active_blocks + snap.num_queued_blocks
+            weighted_load = snap.num_queued_blocks + self.decode_weight * snap.num_active_blocks
             fits = snap.num_free_blocks >= to_prefill and (
                 not snap.max_num_seqs or snap.num_running_requests < snap.max_num_seqs)
-            cost = to_prefill + weight * load
+            cost = to_prefill + weight * weighted_load
             if balancing:
                 cost += spread * (projected_blocks + to_prefill - mean_projected)
                 over = (recent_blocks + to_prefill - mean_after) / mean_after
+                if self.marginal_overload_at_home and 2 * hit >= num_blocks:
+                    # The conversation's home pays for the overload this turn adds, not for the
+                    # excess it already has (module doc).
+                    over -= max(0.0, (recent_blocks - mean_after) / mean_after)
                 if over > 0:
                     cost += over_weight * over
             rows.append((not fits, cost, -hit, index.num_blocks_on(snap.replica_id), snap.replica_id, load))

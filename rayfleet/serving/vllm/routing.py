@@ -5,10 +5,28 @@ subclass derives the hint from the request itself (``text_blocks``: chained hash
 prompt's text blocks, the same ones ``server.RayfleetLLMServer`` publishes) and leaves every
 decision to the shared ``PoolRouterCore`` (prefix overlap weighed against load, with the
 router's own booking between two stats publications).
+
+Two prices differ from the built-in engine's router, because vLLM batches a new prefill with
+the running decodes at its next step (continuous batching, chunked prefill), and because what
+its pools serve is conversations whose later turns are cached on one replica:
+
+- ``decode_weight = 1 / block_size``: a new request waits for the prefill queued ahead of it
+  (the server publishes the blocks of requests without a first chunk as queued) and shares each
+  step with the running decodes, which cost about one token of a block_size-token block each.
+  Priced as queued work (the default 1), one decoding request on a replica outweighed a
+  conversation's private context of a few blocks and moved the turn to the other replica, which
+  then prefilled the whole conversation again (in a replay of the multi-turn benchmark workload,
+  7 of 96 requests went off their longest cached prefix, 5 of them later turns).
+- ``marginal_overload_at_home``: a replica caching at least half of the prompt (the
+  conversation's home) pays the overload term for the work this turn adds, not for the excess
+  it already has. Priced on the whole excess, a replica holding a hot tenant (over the mean by
+  about a sixth) sent a turn with 4 blocks cached there to a replica that had none. The
+  long-run balance is still kept by new conversations, which go where the pool is under its mean.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ray.serve.request_router import PendingRequest
@@ -23,9 +41,14 @@ __all__ = ["VLLMPrefixLoadRequestRouter"]
 class VLLMPrefixLoadRequestRouter(PrefixLoadRequestRouter):
     """See module doc. ``block_chars``: characters per text block (block_size x 4)."""
 
-    def initialize_state(self, *, block_chars: int = 64, **kwargs: Any) -> None:
+    def initialize_state(self, *, block_chars: int = 64, decode_weight: float | None = None,
+                         marginal_overload_at_home: bool = True, **kwargs: Any) -> None:
         super().initialize_state(**kwargs)
         self.block_chars = block_chars
+        if decode_weight is None:  # one token of a block_size-token block (module doc)
+            decode_weight = DEFAULT_CHARS_PER_TOKEN / block_chars
+        self.core.policy = replace(self.core.policy, decode_weight=decode_weight,
+                                   marginal_overload_at_home=marginal_overload_at_home)
 
     def _hint(self, pending_request: PendingRequest | None) -> RouteHint | None:
         hint = super()._hint(pending_request)

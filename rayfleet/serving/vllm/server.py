@@ -5,7 +5,7 @@ rayfleet``) runs this class (``LLMConfig.server_cls``). It changes nothing in ho
 served; it only keeps what the router reads through Serve's ``record_routing_stats`` poll
 (schema ``routing.router.ROUTING_STATS_KEYS``): the text blocks of the prompts it served
 (``text_blocks.ServedBlocks``, capped at the engine's KV capacity) and its load (requests in
-flight, the blocks they occupy). Serve LLM's own stats (its KV-events endpoint) are kept beside.
+flight, the blocks they occupy: queued until their first chunk, active after). Serve LLM's own stats (its KV-events endpoint) are kept beside.
 
 Prefill/decode apps keep Serve LLM's PD server classes (its builder fixes them), hence
 ``config`` allows this router for colocated pools only.
@@ -29,7 +29,8 @@ class RayfleetLLMServer(LLMServer):
 
     _rf_served: ServedBlocks | None = None
     _rf_running = 0
-    _rf_active_blocks = 0
+    _rf_active_blocks = 0  # blocks of requests that have streamed their first chunk (decoding)
+    _rf_queued_blocks = 0  # blocks of requests that have not yet (their prefill is ahead)
     _rf_version = 0
 
     def _rf_init(self) -> ServedBlocks:
@@ -62,15 +63,27 @@ class RayfleetLLMServer(LLMServer):
         return self._rf_counted(stream, len(hashes) + 1)
 
     async def _rf_counted(self, stream: AsyncGenerator[Any, None], blocks: int) -> AsyncGenerator[Any, None]:
+        # Until its first chunk a request's prompt is prefill work queued ahead of a new request;
+        # after it, a decode that a new prefill shares steps with (the router prices the two
+        # apart: ``RouterPolicy.decode_weight``).
         self._rf_running += 1
-        self._rf_active_blocks += blocks
+        self._rf_queued_blocks += blocks
         self._rf_version += 1
+        decoding = False
         try:
             async for item in stream:
+                if not decoding:
+                    decoding = True
+                    self._rf_queued_blocks -= blocks
+                    self._rf_active_blocks += blocks
+                    self._rf_version += 1
                 yield item
         finally:
             self._rf_running -= 1
-            self._rf_active_blocks -= blocks
+            if decoding:
+                self._rf_active_blocks -= blocks
+            else:
+                self._rf_queued_blocks -= blocks
             self._rf_version += 1
 
     async def record_routing_stats(self) -> dict[str, Any]:
@@ -78,8 +91,10 @@ class RayfleetLLMServer(LLMServer):
         served = self._rf_init()
         capacity = self._rf_capacity
         active = min(self._rf_active_blocks, capacity)
+        queued = min(self._rf_queued_blocks, capacity - active)
         stats.update({"version": (self._rf_version, len(served)), "num_total_blocks": capacity,
-                      "num_free_blocks": capacity - active, "num_active_blocks": active, "num_queued_blocks": 0,
+                      "num_free_blocks": capacity - active - queued, "num_active_blocks": active,
+                      "num_queued_blocks": queued,
                       "num_running_requests": self._rf_running, "max_num_seqs": self._rf_max_num_seqs,
                       "block_hashes": served.hashes()})
         return stats
