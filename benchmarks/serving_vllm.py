@@ -2,7 +2,8 @@
 router against Serve LLM's PrefixCacheAffinityRouter on the same vLLM pool.
 
     python benchmarks/serving.py --engine vllm [--quick]     # the same as:
-    python benchmarks/serving_vllm.py [--quick] [--json OUT]
+    python benchmarks/serving_vllm.py [--quick] [--workload tenants|multiturn|both] [--json OUT]
+    python benchmarks/serving_vllm.py --replay    # seconds, no Ray: the router's decisions, replayed
 
 Starts its own local Ray cluster (``ray.init(address="local")``, never an existing one) and
 deploys, one after the other with ``rayfleet.serving.deploy.deployer.deploy`` (what ``rayfleet
@@ -188,6 +189,47 @@ def _apps(model_dir: Path, port: int) -> list[tuple[str, str, dict]]:
                                                             "request_router": "prefix_cache_affinity"}})]
 
 
+def replay_decisions(items: list[dict], *, policy, block_chars: int = 128, service_s: float = 1.0,
+                     first_chunk_s: float = 0.1) -> dict:
+    """Replay ``items`` through rayfleet's vLLM pool router core (``PoolRouterCore``, pure, no Ray)
+    on 2 replicas that publish before every arrival: a request is queued for its first
+    ``first_chunk_s`` and decoding until ``service_s`` (this machine's order of magnitude), text
+    blocks as the live router computes them, no eviction (1 GiB of KV holds every prompt here).
+    Returns the text-block hit rate, requests per replica, and ``off_prefix``: requests sent to a
+    replica caching fewer blocks of them than another did (``turn`` > 0: a conversation moved)."""
+    from rayfleet.serving.routing.pool_router import PoolRouterCore, RouteHint
+    from rayfleet.serving.vllm.text_blocks import ServedBlocks, text_block_hashes
+
+    core, names = PoolRouterCore(role="colocated", policy=policy), ("r0", "r1")
+    served = {r: ServedBlocks(1 << 20) for r in names}
+    inflight: dict[str, list[tuple[float, int]]] = {r: [] for r in names}
+    hits = total = 0
+    off_prefix, counts = [], dict.fromkeys(names, 0)
+    for n, item in enumerate(items):
+        now = item["at"]
+        for r in names:
+            inflight[r] = [(t, b) for t, b in inflight[r] if now - t < service_s]
+            queued = sum(b for t, b in inflight[r] if now - t < first_chunk_s)
+            active = sum(b for _, b in inflight[r]) - queued
+            core.observe(r, {"version": n, "num_total_blocks": 1 << 20, "num_free_blocks": (1 << 20) - queued - active,
+                             "num_active_blocks": active, "num_queued_blocks": queued,
+                             "num_running_requests": len(inflight[r]), "max_num_seqs": 16,
+                             "block_hashes": served[r].hashes()}, now)
+        hashes = text_block_hashes(item["prompt"], block_chars=block_chars)
+        chosen = core.rank(list(names), RouteHint(block_hashes=hashes, num_prompt_blocks=len(hashes) + 1),
+                           now_s=now)[0][0]
+        core.flush_bookings()
+        cached = {r: next((i for i, h in enumerate(hashes) if h not in served[r].hashes()), len(hashes))
+                  for r in names}
+        if cached[chosen] < max(cached.values()):
+            off_prefix.append({"request": n, "turn": item.get("turn", 0), "cached": cached, "chosen": chosen})
+        hits, total = hits + cached[chosen], total + len(hashes) + 1
+        counts[chosen] += 1
+        served[chosen].add(hashes)
+        inflight[chosen].append((now, len(hashes) + 1))
+    return {"hit_rate": hits / total, "requests_per_replica": counts, "off_prefix": off_prefix}
+
+
 WORKLOADS = ("tenants", "multiturn")
 
 
@@ -232,6 +274,21 @@ def _measure(served, engine: str, spec: dict, name: str, work: dict, extra: dict
     return row
 
 
+def _print_replay(workloads: dict[str, dict]) -> None:
+    from rayfleet.serving.routing.policy import RouterPolicy
+
+    prices = {"built-in engine's prices": RouterPolicy(),
+              "vLLM pool's prices": RouterPolicy(decode_weight=1 / 32,  # engine.block_size 32 (_apps)
+                                                  marginal_overload_at_home=True)}
+    for name, work in workloads.items():
+        for label, policy in prices.items():
+            r = replay_decisions(work["items"], policy=policy)
+            moved = [o for o in r["off_prefix"] if o["turn"] > 0]
+            print(f"{name}, {label}: text-block hit rate {r['hit_rate']:.3f}, requests per replica "
+                  f"{r['requests_per_replica']}, off the longest cached prefix {len(r['off_prefix'])} "
+                  f"({len(moved)} later turns): {[(o['request'], o['cached'], o['chosen']) for o in moved]}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -243,7 +300,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slo-itl", type=float, default=0.2, help="SLO: mean inter-token latency, s")
     parser.add_argument("--load-trace", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
+    parser.add_argument("--replay", action="store_true",
+                        help="no apps: replay the workloads' routing decisions (pure) with the built-in engine's "
+                             "prices and the vLLM pool's, and stop")
     args, _ = parser.parse_known_args(argv)
+    if args.replay:
+        return _print_replay(_workloads(args, trace_file(LOAD_TRACE, args.load_trace)))
     load_before = os.getloadavg()[0]
 
     import ray
