@@ -7,10 +7,11 @@ killed nodes) must put it back as they found it.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import pytest
+
+from live_helpers import stdlib_json_tokens, wait_until  # noqa: F401 - wait_until: the tier's modules import it from here
 
 NUM_NODES = 4
 
@@ -24,14 +25,10 @@ class FleetHandle:
     dashboard_url: str
 
 
-def wait_until(predicate, *, timeout_s: float = 30.0, interval_s: float = 0.25, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory):
+    """The token dataset every training job of this tier reads (made once per session)."""
+    return stdlib_json_tokens(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

@@ -17,13 +17,12 @@ per step), with finite, falling loss.
 from __future__ import annotations
 
 import collections
-import os
 import socket
 import time
 
 import pytest
 
-from streaming_burst import Burst
+from live_helpers import Burst
 
 from .conftest import wait_until
 
@@ -36,15 +35,6 @@ pytestmark = pytest.mark.cluster
 STEPS = 2000
 GLOBAL_BATCH = 12  # divisible by 4, 3 and 2 workers
 TTFT_SLO_S = 2.0
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    from rayfleet.storage.tokens import prepare_token_dataset
-
-    out = str(tmp_path_factory.mktemp("tokens") / "stdlib-json")
-    prepare_token_dataset([os.path.join(os.path.dirname(os.__file__), "json")], out, shard_tokens=1 << 15, seq_len=128)
-    return out
 
 
 def _free_port() -> int:

@@ -14,23 +14,12 @@
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
 from .conftest import wait_until
 
 pytestmark = pytest.mark.cluster
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    from rayfleet.storage.tokens import prepare_token_dataset
-
-    src = os.path.join(os.path.dirname(os.__file__), "json")
-    out = str(tmp_path_factory.mktemp("tokens") / "stdlib-json")
-    prepare_token_dataset([src], out, shard_tokens=1 << 15, seq_len=128)
-    return out
 
 
 def _spec(dataset: str, **overrides) -> dict:

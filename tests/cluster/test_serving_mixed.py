@@ -15,8 +15,9 @@ import socket
 import pytest
 import requests
 
+from live_helpers import Burst
+
 from .conftest import wait_until
-from .test_autoscaler import Burst, dataset  # noqa: F401 - a module fixture, used here too
 
 pytestmark = pytest.mark.cluster
 
@@ -147,7 +148,8 @@ def test_the_shared_autoscaler_lends_a_p800_from_training_to_the_decode_pool(loc
         wait_until(lambda: len(steps()) >= 2 or run.status() in ("FAILED", "STOPPED"), timeout_s=300,
                    interval_s=0.5, what="the P800 job's first steps at 3 workers")
         assert "on 3 workers" in run.logs(), run.logs()[-3000:]
-        burst = Burst(mixed_app.openai_base_url, clients=6, api_key=mixed_app.api_key).start()
+        burst = Burst(mixed_app.openai_base_url, clients=6, api_key=mixed_app.api_key, model="tiny", max_tokens=16,
+                      prompt=lambda i, n: f"def f{i}_{n}(x):\n").start()
         try:
             wait_until(lambda: any(h["running_at"] for h in shell.history()) or run.status() in ("FAILED", "STOPPED"),
                        timeout_s=300, interval_s=0.5, what="a lent P800 decode replica running")

@@ -19,16 +19,6 @@ pytestmark = pytest.mark.cluster
 STEPS = 4
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    from rayfleet.storage.tokens import prepare_token_dataset
-
-    src = os.path.join(os.path.dirname(os.__file__), "json")
-    out = str(tmp_path_factory.mktemp("tokens") / "stdlib-json")
-    prepare_token_dataset([src], out, shard_tokens=1 << 15, seq_len=128)
-    return out
-
-
 def _spec(dataset: str, **overrides) -> dict:
     spec = {"name": "tiny-cluster", "model": {"preset": "tiny", "seed": 0},
             "data": {"uri": dataset, "seq_len": 64}, "plan": {"dp": 2, "ep": 2},

@@ -18,11 +18,12 @@ import importlib.util
 import platform
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from live_helpers import stdlib_json_tokens, wait_until  # noqa: F401 - wait_until: the tier's modules import it from here
 import yaml
 
 # The order the tests run in: the offline engine needs no fleet; the pool app is deleted before
@@ -66,14 +67,10 @@ class VLLMFleet:
     results: dict  # greedy outputs shared between tests (the pool's become the PD test's oracle)
 
 
-def wait_until(predicate, *, timeout_s: float, interval_s: float = 0.5, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory):
+    """The token dataset every training job of this tier reads (made once per session)."""
+    return stdlib_json_tokens(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

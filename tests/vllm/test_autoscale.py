@@ -18,13 +18,10 @@ are events with their reasons, the job shrank to 1 worker and grew back to 2.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 
-import pytest
-
-from streaming_burst import Burst
+from live_helpers import Burst
 
 from .conftest import API_KEY, PD_APP, PD_MODEL, long_prompt, replica_ids, wait_until
 
@@ -32,15 +29,6 @@ STEPS = 2000  # a ceiling: the test stops the job once it has seen the whole cyc
 GLOBAL_BATCH = 12
 PROMPTS = [long_prompt(100 + i, 48) for i in range(6)]  # two KV blocks each: NIXL moves something
 MAX_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    from rayfleet.storage.tokens import prepare_token_dataset
-
-    out = str(tmp_path_factory.mktemp("tokens") / "stdlib-json")
-    prepare_token_dataset([os.path.join(os.path.dirname(os.__file__), "json")], out, shard_tokens=1 << 15, seq_len=128)
-    return out
 
 
 def _burst(url: str, clients: int) -> Burst:

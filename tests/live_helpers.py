@@ -1,16 +1,39 @@
-"""A burst of streamed OpenAI completions for the autoscaler tests (tests/cluster, tests/vllm).
+"""What the live tiers (tests/cluster, tests/vllm) share: ``wait_until``, the token dataset their
+training jobs read, and ``Burst``, the streamed OpenAI load of the autoscaler tests.
 
-``clients`` threads each stream completions, one after the other, until ``join()``; every request
+``Burst``: ``clients`` threads each stream completions, one after the other, until ``join()``; every request
 is recorded (prompt, text, first-token time, error), so a test can count failures, check answers
 and measure TTFT against the SLO while the autoscaler lends an accelerator. Importable as
-``streaming_burst`` because pyproject's pytest settings put ``tests/`` on the path.
+``live_helpers`` because pyproject's pytest settings put ``tests/`` on the path.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Callable
+
+
+def wait_until(predicate, *, timeout_s: float = 30.0, interval_s: float = 0.25, what: str = "condition"):
+    """``predicate()``'s first truthy value, polled every ``interval_s``; AssertionError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def stdlib_json_tokens(tmp_path_factory) -> str:
+    """Token shards of Python's own ``json`` package (on every machine, no download): the live
+    tiers' training data."""
+    from rayfleet.storage.tokens import prepare_token_dataset
+
+    out = str(tmp_path_factory.mktemp("tokens") / "stdlib-json")
+    prepare_token_dataset([os.path.join(os.path.dirname(os.__file__), "json")], out, shard_tokens=1 << 15, seq_len=128)
+    return out
 
 
 class Burst:
