@@ -293,6 +293,104 @@ def replay_decisions(items: list[dict], *, policy, block_chars: int = 128, servi
     return {"hit_rate": hits / total, "requests_per_replica": counts, "off_prefix": off_prefix}
 
 
+class _TokenBlockLRU:
+    """One replica's vLLM prefix cache, modelled: chained full blocks of token ids, least recently
+    used out past ``capacity`` (the engine's blocks less its null block). It ignores that running
+    requests pin their blocks (the real cache evicts only free ones), so it is a prediction."""
+
+    def __init__(self, capacity: int, block: int) -> None:
+        from collections import OrderedDict
+
+        self.capacity, self.block, self.evicted = capacity, block, 0
+        self.blocks: OrderedDict[tuple, None] = OrderedDict()
+
+    def keys(self, ids: list[int]) -> list[tuple]:
+        return [tuple(ids[:k * self.block]) for k in range(1, len(ids) // self.block + 1)]
+
+    def hit_tokens(self, ids: list[int]) -> int:
+        """Tokens vLLM would find cached: whole blocks, short of the last token."""
+        keys = self.keys(ids[:len(ids) - 1])
+        return next((i for i, k in enumerate(keys) if k not in self.blocks), len(keys)) * self.block
+
+    def use(self, keys: list[tuple]) -> None:
+        for k in keys:
+            self.blocks[k] = None
+            self.blocks.move_to_end(k)
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+            self.evicted += 1
+
+
+def _pca_choice(text: str, trees: dict[str, list[str]], inflight: dict[str, int]) -> str:
+    """Ray 2.60's ``PrefixCacheAffinityRouter`` as configured by Serve LLM (imbalanced_threshold
+    inf: never balances; match_rate_threshold 0.1; no tree eviction), modelled on whole prompt
+    strings: the replicas holding the longest character prefix, or under a 10% match those whose
+    tree holds the fewest characters; then the shorter queue (ties by name)."""
+    lcp = {r: max((len(os.path.commonprefix([text, t])) for t in ts), default=0) for r, ts in trees.items()}
+    best = max(lcp.values())
+    if best / max(1, len(text)) < 0.1:
+        size = {r: _tree_chars(ts) for r, ts in trees.items()}
+        candidates = [r for r in trees if size[r] == min(size.values())]
+    else:
+        candidates = [r for r in trees if lcp[r] == best]
+    return min(candidates, key=lambda r: (inflight[r], r))
+
+
+def _tree_chars(texts: list[str]) -> int:
+    """Characters of a prefix tree holding ``texts`` (each one's part beyond its longest shared prefix)."""
+    return sum(len(t) - max((len(os.path.commonprefix([t, u])) for u in texts[:i]), default=0)
+               for i, t in enumerate(texts))
+
+
+def replay_pressure(items: list[dict], token_ids: list[list[int]], *, router: str, kv_blocks: int,
+                    policy=None, block: int = 32, service_s: float = 1.0, first_chunk_s: float = 0.1) -> dict:
+    """Replay ``items`` through ``router`` (``rayfleet``: ``PoolRouterCore`` fed as
+    ``replay_decisions`` feeds it, its served blocks capped at ``kv_blocks`` as the live server caps
+    them; ``pca``: ``_pca_choice``) on 2 replicas whose prefix caches are ``_TokenBlockLRU`` of
+    ``kv_blocks - 1`` blocks (a request's prompt and output blocks enter at its arrival). Returns
+    the token hit rate as vLLM counts it, requests (and the hot tenant's) per replica, and evictions."""
+    from rayfleet.serving.routing.pool_router import PoolRouterCore, RouteHint
+    from rayfleet.serving.vllm.text_blocks import ServedBlocks, text_block_hashes
+
+    names = ("r0", "r1")
+    caches = {r: _TokenBlockLRU(kv_blocks - 1, block) for r in names}
+    core = PoolRouterCore(role="colocated", policy=policy) if router == "rayfleet" else None
+    served = {r: ServedBlocks(kv_blocks) for r in names}
+    trees: dict[str, list[str]] = {r: [] for r in names}
+    inflight: dict[str, list[tuple[float, int]]] = {r: [] for r in names}
+    hot = max({i["tenant"] for i in items}, key=lambda t: (sum(i["tenant"] == t for i in items), -t))
+    hits = total = 0
+    counts, hot_counts = dict.fromkeys(names, 0), dict.fromkeys(names, 0)
+    for n, (item, ids) in enumerate(zip(items, token_ids)):
+        now = item["at"]
+        for r in names:
+            inflight[r] = [(t, b) for t, b in inflight[r] if now - t < service_s]
+        hashes = text_block_hashes(item["prompt"], block_chars=block * 4)
+        if core is None:
+            chosen = _pca_choice(item["prompt"], trees, {r: len(v) for r, v in inflight.items()})
+            trees[chosen].append(item["prompt"])
+        else:
+            for r in names:
+                queued = min(kv_blocks, sum(b for t, b in inflight[r] if now - t < first_chunk_s))
+                active = min(kv_blocks - queued, sum(b for _, b in inflight[r]) - queued)
+                core.observe(r, {"version": n, "num_total_blocks": kv_blocks,
+                                 "num_free_blocks": kv_blocks - queued - active, "num_active_blocks": active,
+                                 "num_queued_blocks": queued, "num_running_requests": len(inflight[r]),
+                                 "max_num_seqs": 16, "block_hashes": served[r].hashes()}, now)
+            chosen = core.rank(list(names), RouteHint(block_hashes=hashes, num_prompt_blocks=len(hashes) + 1),
+                               now_s=now)[0][0]
+            core.flush_bookings()
+            served[chosen].add(hashes)
+        hits, total = hits + caches[chosen].hit_tokens(ids), total + len(ids)
+        # its output is never reused (the next turn's answer text is synthesized), but it fills the cache
+        caches[chosen].use(caches[chosen].keys(ids + [-1 - n] * item["max_tokens"]))
+        counts[chosen] += 1
+        hot_counts[chosen] += item["tenant"] == hot
+        inflight[chosen].append((now, len(hashes) + 1))
+    return {"hit_rate": hits / total, "requests_per_replica": counts, "hot_tenant_per_replica": hot_counts,
+            "evicted_blocks": {r: c.evicted for r, c in caches.items()}}
+
+
 WORKLOADS = ("tenants", "multiturn")
 
 
@@ -341,12 +439,14 @@ def _measure(served, engine: str, spec: dict, name: str, work: dict, extra: dict
     return row
 
 
-def _print_replay(workloads: dict[str, dict]) -> None:
+def _print_replay(workloads: dict[str, dict], regime: str) -> None:
     from rayfleet.serving.routing.policy import RouterPolicy
 
     prices = {"built-in engine's prices": RouterPolicy(),
               "vLLM pool's prices": RouterPolicy(decode_weight=1 / 32,  # engine.block_size 32 (_apps)
                                                   marginal_overload_at_home=True)}
+    if regime == "pressure":
+        return _print_pressure_replay(workloads["multiturn"], prices["vLLM pool's prices"])
     for name, work in workloads.items():
         for label, policy in prices.items():
             r = replay_decisions(work["items"], policy=policy)
@@ -354,6 +454,25 @@ def _print_replay(workloads: dict[str, dict]) -> None:
             print(f"{name}, {label}: text-block hit rate {r['hit_rate']:.3f}, requests per replica "
                   f"{r['requests_per_replica']}, off the longest cached prefix {len(r['off_prefix'])} "
                   f"({len(moved)} later turns): {[(o['request'], o['cached'], o['chosen']) for o in moved]}")
+
+
+def _print_pressure_replay(work: dict, policy) -> None:
+    from transformers import AutoTokenizer
+
+    from rayfleet.serving.vllm.tiny_model import write_tiny_qwen3_moe
+
+    model_dir = write_tiny_qwen3_moe(Path(tempfile.mkdtemp(prefix="rayfleet-bench-")) / "tiny-moe", dtype="float32")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = [tokenizer(w["prompt"]).input_ids for w in work["items"]]
+    sizing = pressure_kv_blocks(work["items"], ids, block_size=ENGINE["block_size"],
+                                max_model_len=ENGINE["max_model_len"])
+    print(f"pressure regime: {json.dumps(sizing)}")
+    for kv in (sizing["kv_blocks"], 1 << 20):
+        for router in ("rayfleet", "pca"):
+            r = replay_pressure(work["items"], ids, router=router, kv_blocks=kv, policy=policy)
+            print(f"multiturn, {kv if kv < 1 << 20 else 'unbounded'} KV blocks per replica, {router}: token hit rate "
+                  f"{r['hit_rate']:.3f}, requests per replica {r['requests_per_replica']} (hot tenant "
+                  f"{r['hot_tenant_per_replica']}), evicted blocks {r['evicted_blocks']}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -378,7 +497,7 @@ def main(argv: list[str] | None = None) -> None:
                              "prices and the vLLM pool's, and stop")
     args, _ = parser.parse_known_args(argv)
     if args.replay:
-        return _print_replay(_workloads(args, trace_file(LOAD_TRACE, args.load_trace)))
+        return _print_replay(_workloads(args, trace_file(LOAD_TRACE, args.load_trace)), args.regime)
     load_before = os.getloadavg()[0]
 
     import ray
