@@ -538,7 +538,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{spec['name']}: {json.dumps({k: v for k, v in row.items() if k != 'app'})}", flush=True)
             served.shutdown()
         if sizing is not None:
-            sizing["engine_log"] = _kv_log_lines()
+            try:
+                sizing["engine_log"] = _kv_log_lines()
+            except Exception as exc:  # noqa: BLE001 - the check must not lose the run's table
+                sizing["engine_log"] = [f"could not read the Ray session's logs: {exc!r}"]
             print(f"pressure regime: vLLM's KV lines in the Ray session's logs: {sizing['engine_log']}", flush=True)
     finally:
         from ray import serve
