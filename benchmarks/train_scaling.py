@@ -51,6 +51,7 @@ import torch  # noqa: E402
 from rayfleet.jobs.local_processes import run_local_many  # noqa: E402
 from rayfleet.jobs.spec import TrainJobSpec  # noqa: E402
 from rayfleet.jobs.train_state import TrainHooks  # noqa: E402
+from rayfleet.jobs.worker_entry import THREADS_ENV  # noqa: E402
 from rayfleet.placement.plan import ParallelPlan  # noqa: E402
 from rayfleet.storage.tokens import prepare_token_dataset  # noqa: E402
 
@@ -145,7 +146,7 @@ def _gpu_fp8_vs_bf16(dataset: str, steps: int) -> list[dict]:
 
 # -- the platform against a bare torch.distributed loop (issue 19) ----------------------------------
 def _bare_worker(rank: int, world_size: int, port: int, spec_dict: dict, plan: ParallelPlan, steps: int,
-                 out_path: str) -> None:
+                 out_path: str, threads: int) -> None:
     """The same model, plan, data and optimizer as the rayfleet job, in a hand-written loop:
     no Ray, no metrics, no hooks. Writes rank 0's (step end ``time.time()``, step CPU seconds)."""
     import torch.distributed as dist
@@ -156,7 +157,7 @@ def _bare_worker(rank: int, world_size: int, port: int, spec_dict: dict, plan: P
     from rayfleet.jobs.optim import build_optimizer
     from rayfleet.models import MoELayer, build_model, materialize
 
-    torch.set_num_threads(_threads_per_rank(world_size))
+    torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     spec = TrainJobSpec.model_validate(spec_dict)
     ctx = par.build_parallel_context(plan, device=torch.device("cpu"))
@@ -193,20 +194,21 @@ def _bare_worker(rank: int, world_size: int, port: int, spec_dict: dict, plan: P
     dist.destroy_process_group()
 
 
-def _threads_per_rank(world_size: int) -> int:
-    """Intra-op threads a rayfleet worker takes on this one-node fleet (``worker_entry``: cores //
-    ranks on the node), so that every run of the comparison computes with the same threads."""
-    return max(1, (os.cpu_count() or 1) // world_size)
+def _threads_per_rank(world_size: int, spare_cores: int = 0) -> int:
+    """Intra-op threads per rank for every run of the comparison (the rayfleet job gets the same
+    through ``RAYFLEET_CPU_THREADS_PER_WORKER``): the host's cores less ``spare_cores`` (left to
+    the platform's own processes), shared equally among the ranks."""
+    return max(1, ((os.cpu_count() or 1) - spare_cores) // world_size)
 
 
-def _bare_run(spec: TrainJobSpec, plan: ParallelPlan, *, tmp: str, tag: str) -> list[list[float]]:
+def _bare_run(spec: TrainJobSpec, plan: ParallelPlan, *, tmp: str, tag: str, threads: int) -> list[list[float]]:
     import torch.multiprocessing as mp
 
     from rayfleet.jobs.local_processes import free_port
 
     out = os.path.join(tmp, f"bare-{tag}.json")
     mp.start_processes(_bare_worker, args=(plan.world_size, free_port(), spec.model_dump(mode="json"), plan,
-                                           spec.steps, out), nprocs=plan.world_size, join=True,
+                                           spec.steps, out, threads), nprocs=plan.world_size, join=True,
                        start_method="spawn")
     return json.loads(Path(out).read_text())
 
@@ -245,7 +247,8 @@ def _between_steps_s(rows: list[dict], warmup: int) -> float:
 LOOP_NO_RAY = "rayfleet loop, no Ray"
 
 
-def platform_vs_bare(*, steps: int, warmup: int, quick: bool, tmp: str, dataset: str, workers: int = 2) -> dict:
+def platform_vs_bare(*, steps: int, warmup: int, quick: bool, tmp: str, dataset: str, workers: int = 2,
+                     spare_cores: int = 0) -> dict:
     """Tokens/s of the same job (a) through rayfleet + Ray Train and (b) as a bare loop, one run.
 
     Bare and platform runs alternate (bare first and last) and the medians of each kind are
@@ -254,9 +257,11 @@ def platform_vs_bare(*, steps: int, warmup: int, quick: bool, tmp: str, dataset:
     ``ray.train.report`` every step, the paced behaviour issue 19 removed. ``LOOP_NO_RAY`` is
     rayfleet's own step loop (``train_worker``: metrics, hooks, health timing) on spawned gloo
     processes without Ray: it splits the overhead into the loop's and Ray's process environment's.
-    ``workers`` ranks (1 or 2) share the same global batch; with 2 every core of a 2-core host runs
-    a rank, with 1 a core is left to the platform's own processes (Ray Train's controller, the
-    job driver, raylet), as on an accelerator server with cores to spare.
+    ``workers`` ranks (1 or 2) share the same global batch and every run computes with the same
+    intra-op threads per rank (``_threads_per_rank``). With ``spare_cores`` 0 the ranks take every
+    core of the host; with 1 a core is left to the platform's own processes (raylet, GCS, Ray
+    Train's controller, the job driver, the fleet's agents), as an accelerator server has cores
+    to spare beside its ranks.
     """
     from rayfleet.jobs.local_processes import run_local
     from rayfleet.jobs.planning import resolve_plan
@@ -270,6 +275,7 @@ def platform_vs_bare(*, steps: int, warmup: int, quick: bool, tmp: str, dataset:
         "resources": {"accelerator": "H100", "num_workers": workers}})
     tokens = spec.global_batch_size * SEQ
     plan = resolve_plan(spec, world_size=workers, accelerator="H100")  # what the job itself will run
+    threads = _threads_per_rank(workers, spare_cores)
     home = tempfile.mkdtemp(prefix="rayfleet-bench-home-", dir=tmp)
     local = LocalFleet.up(build_topology(num_nodes=1, accelerator="H100", accelerators_per_node=2), home=home)
     order = ["bare", LOOP_NO_RAY, "rayfleet", "bare"] if quick else \
@@ -279,13 +285,15 @@ def platform_vs_bare(*, steps: int, warmup: int, quick: bool, tmp: str, dataset:
     try:
         for i, name in enumerate(order):
             if name == "bare":
-                ends = _bare_run(spec, plan, tmp=tmp, tag=str(i))
+                ends = _bare_run(spec, plan, tmp=tmp, tag=str(i), threads=threads)
                 runs[name].append([{"time_unix_s": t, "compute_time_s": cpu} for t, cpu in ends])
             elif name == LOOP_NO_RAY:
-                runs[name].append(list(run_local(spec, plan, threads_per_rank=_threads_per_rank(workers),
+                runs[name].append(list(run_local(spec, plan, threads_per_rank=threads,
                                                  in_process=False).metrics[0]))
             else:
-                env = {"RAYFLEET_TRAIN_REPORT_INTERVAL_S": "0"} if "every step" in name else {}
+                env = {THREADS_ENV: str(threads)}
+                if "every step" in name:
+                    env["RAYFLEET_TRAIN_REPORT_INTERVAL_S"] = "0"
                 runs[name].append(_platform_run(local, spec, env=env, timeout_s=900))
             print(f"  measured {name}: {_step_s([r['time_unix_s'] for r in runs[name][-1]], warmup) * 1e3:.1f} "
                   f"ms/step", flush=True)
@@ -305,13 +313,16 @@ def platform_vs_bare(*, steps: int, warmup: int, quick: bool, tmp: str, dataset:
                     "between_steps_ms": statistics.median(between) if between else None,
                     "step_cpu_ms": cpu})
     return {"plan": plan.describe(), "model": "tiny", "precision": "fp32", "tokens_per_step": tokens,
-            "steps": steps, "warmup": warmup, "order": order, "rows": out,
+            "steps": steps, "warmup": warmup, "order": order, "rows": out, "threads_per_rank": threads,
+            "spare_cores": spare_cores, "cores": os.cpu_count(),
             "load_avg_1m_at_end": round(os.getloadavg()[0], 2)}
 
 
 def print_platform(result: dict) -> None:
     rows = result["rows"]
     print(f"\nplatform vs bare loop: {result['plan']}, tiny MoE fp32, {result['tokens_per_step']} tokens/step, "
+          f"{result.get('threads_per_rank', '?')} thread(s) per rank, {result.get('spare_cores', 0)} of "
+          f"{result.get('cores', '?')} cores left to the platform, "
           f"median step-end to step-end after step {result['warmup']} of {result['steps']}, runs in the order "
           f"{' / '.join(result['order'])}")
     header = (f"{'run':<34}{'s/step':>8}{'tok/s':>9}{'ratio':>7}{'overhead ms/step':>18}{'between steps ms':>18}"
@@ -340,22 +351,24 @@ def main() -> None:
     parser.add_argument("--part", choices=("all", "scaling", "platform"), default="all")
     parser.add_argument("--platform-steps", type=int, default=60)
     parser.add_argument("--platform-workers", default=None,
-                        help="comma-separated rank counts for the platform comparison (default: 2,1; quick: 2)")
+                        help="comma-separated RANKS[:SPARE_CORES] for the platform comparison: SPARE_CORES of the "
+                             "host are left to the platform's processes (default: 2,1:1; quick: 2)")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.warmup, args.platform_steps = min(args.steps, 5), min(args.warmup, 2), 30
     platform_result, platform_more = None, {}
     if args.part in ("all", "platform"):
-        counts = [int(c) for c in (args.platform_workers or ("2" if args.quick else "2,1")).split(",")]
+        counts = [tuple(int(x) for x in (c + ":0").split(":")[:2])
+                  for c in (args.platform_workers or ("2" if args.quick else "2,1:1")).split(",")]
         with tempfile.TemporaryDirectory(prefix="rayfleet-bench-") as tmp:
             dataset = _dataset(tmp)
-            for count in counts:
+            for count, spare in counts:
                 result = platform_vs_bare(steps=args.platform_steps, warmup=5, quick=args.quick, tmp=tmp,
-                                          dataset=dataset, workers=count)
-                if count == counts[0]:
+                                          dataset=dataset, workers=count, spare_cores=spare)
+                if (count, spare) == counts[0]:
                     platform_result = result
                 else:
-                    platform_more[f"platform_vs_bare_{count}_workers"] = result
+                    platform_more[f"platform_vs_bare_{count}_workers_{spare}_spare"] = result
         if args.part == "platform":
             for result in [platform_result, *platform_more.values()]:
                 print_platform(result)

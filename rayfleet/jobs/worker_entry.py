@@ -13,7 +13,8 @@ Design decisions:
 - Health: ``health_monitor.HealthMonitor`` judges slow ranks on compute time and restarts the
   group on a hung collective (``RAYFLEET_HANG_TIMEOUT_S``, default 120 s).
 - On CPU each worker gets an equal share of the host's cores (workers of a local fleet share
-  one machine); on a GPU node the device is the one Ray made visible.
+  one machine) unless ``RAYFLEET_CPU_THREADS_PER_WORKER`` says how many; on a GPU node the device
+  is the one Ray made visible.
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["train_loop_per_worker"]
+from rayfleet.errors import SpecError
+
+__all__ = ["THREADS_ENV", "cpu_threads_per_worker", "train_loop_per_worker"]
+
+THREADS_ENV = "RAYFLEET_CPU_THREADS_PER_WORKER"
 
 
 def _device():
@@ -104,12 +109,29 @@ def _join_worker_group(config: dict[str, Any]) -> tuple[list[tuple[str, int]], A
 
     device = _device()
     if device.type == "cpu":
-        per_node = max(1, ray.train.get_context().get_local_world_size())
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
+        torch.set_num_threads(cpu_threads_per_worker(ray.train.get_context().get_local_world_size()))
     node = ray.get_runtime_context().get_node_labels().get(L.NODE, "")
     slots = [tuple(s) for s in config["slots"]]
     assignment = rerank_process_group(slots, node=node, backend="nccl" if device.type == "cuda" else "gloo")
     return slots, assignment
+
+
+def cpu_threads_per_worker(workers_on_node: int, env: dict[str, str] | None = None) -> int:
+    """Intra-op threads of a CPU worker: ``RAYFLEET_CPU_THREADS_PER_WORKER`` if set (leave cores
+    to the platform's own processes, or to other jobs on the host), else an equal share of the
+    host's cores among the job's workers on it."""
+    env = os.environ if env is None else env
+    raw = env.get(THREADS_ENV)
+    if raw is None:
+        return max(1, (os.cpu_count() or 1) // max(1, workers_on_node))
+    try:
+        threads = int(raw)
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        raise SpecError(THREADS_ENV, raw, "must be a whole number of threads >= 1",
+                        "set it to e.g. 1, or unset it for an equal share of the host's cores")
+    return threads
 
 
 def _metric_sinks(config: dict[str, Any], *, job: str, writer: Any) -> list:
