@@ -49,10 +49,15 @@ Design decisions:
   *mean* request, not per this prompt, a move costs a request its cached blocks while the
   balance it buys does not depend on its length: new and short conversations (few cached
   blocks) move to the least-loaded replica, long contexts stay (a 1% spread of projected work
-  is worth 0.03 mean requests of prefill). The replica caching at least half of the prompt
-  most likely ran its conversation's last turn: its activity counts less the router's mean
-  booked work per request, else a conversation's own turns pushed it off its cache (share of
-  the bound fell ~1 point at 64 replicas). Every term is a ratio of work learned from the
+  is worth 0.03 mean requests of prefill). A conversation's own turns are not competing
+  activity, else they push it off its cache: a replica's activity counts less what this
+  prompt's last own request (the longest earlier prompt it extends) booked there
+  (``own_activity``: the router's per-prompt ledger, ``recent_work.PrefixWorkLedger``), and at
+  least less the mean booked work per request on the replica caching half of the prompt (it
+  most likely ran the last turn). The mean alone was
+  the stand-in before the per-prompt ledger: live, a 24-block prompt repeated on a 2-replica
+  pool whose mean request booked ~5 blocks left its cache, the rest of its own first turn
+  counted as competing (``test_pool_routing``). Every term is a ratio of work learned from the
   pool, so the same weights hold at 8 or 64 replicas, at any rate and prompt length.
   Replayed (``benchmarks/serving.py --trace``, caches of twice a replica's share) on Mooncake's
   trace and five generated conversation traces, it keeps 0.98-0.99 of the infinite-cache hit
@@ -187,7 +192,8 @@ class RouterPolicy:
                        recent_work: Mapping[ReplicaId, float] | None = None,
                        activity: Mapping[ReplicaId, float] | None = None,
                        mean_request_blocks: float | None = None,
-                       mean_request_work: float | None = None) -> RouteDecision:
+                       mean_request_work: float | None = None,
+                       own_activity: Mapping[ReplicaId, float] | None = None) -> RouteDecision:
         """Rank prefill replicas for a prompt whose full blocks hash to ``block_hashes``.
 
         ``num_prompt_blocks`` counts the partial last block too (default: ``len(block_hashes)``);
@@ -198,8 +204,11 @@ class RouterPolicy:
         decision); ``activity`` is the router's short-memory ledger per replica and
         ``mean_request_blocks`` the pool's recent mean prompt size (both from the router; without
         them the spread term sees no activity and sizes itself by this prompt);
-        ``mean_request_work`` the mean work the router books per request (the share of a
-        replica's activity that is this prompt's own conversation). Pure (reads the index).
+        ``own_activity`` the activity this prompt's last own request booked per replica
+        (``recent_work.PrefixWorkLedger``: its conversation's last turn, a repeat), which is not
+        competing activity; ``mean_request_work`` (the mean work the router books per request)
+        is the least counted as own on a replica caching at least half of the prompt (the only
+        guess when the caller keeps no per-prompt ledger). Pure (reads the index).
         Never raises.
         """
         num_blocks = len(block_hashes) if num_prompt_blocks is None else num_prompt_blocks
@@ -223,11 +232,14 @@ class RouterPolicy:
             mean_after = (total_recent + num_blocks) / len(healthy)
             active = ([activity.get(s.replica_id, 0.0) for s in healthy] if activity is not None
                       else [0.0] * len(healthy))
-            # A replica caching most of this prompt probably ran its conversation's last turn:
-            # that turn is not competing activity (counted, it pushed conversations off their cache).
-            own = mean_request_work or 0.0
-            projected = [r + self.activity_weight * (max(0.0, a - own) if 2 * cached.get(s.replica_id, 0) >= num_blocks
-                                                     else a) for r, a, s in zip(recent, active, healthy)]
+            # This prompt's own earlier turns are not competing activity (counted, they pushed
+            # conversations off their cache). Without the router's per-prompt ledger, a replica
+            # caching most of the prompt probably ran its last turn, of about the mean booked work.
+            mean_own = mean_request_work or 0.0
+            own = [mean_own if 2 * cached.get(s.replica_id, 0) >= num_blocks else 0.0 for s in healthy]
+            if own_activity is not None:
+                own = [max(o, own_activity.get(s.replica_id, 0.0)) for o, s in zip(own, healthy)]
+            projected = [r + self.activity_weight * max(0.0, a - o) for r, a, o in zip(recent, active, own)]
             mean_projected = (sum(projected) + num_blocks) / len(healthy)
             spread = self.spread_weight * unit / mean_projected
         else:

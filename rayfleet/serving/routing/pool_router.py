@@ -28,7 +28,7 @@ from rayfleet.errors import SpecError
 from rayfleet.serving.routing.hash_log import HashSetMirror
 from rayfleet.serving.routing.policy import ReplicaSnapshot, RouterPolicy
 from rayfleet.serving.routing.prefix_index import PrefixIndex, ReplicaId
-from rayfleet.serving.routing.recent_work import DecayedMean, RecentWorkLedger
+from rayfleet.serving.routing.recent_work import DecayedMean, PrefixWorkLedger, RecentWorkLedger
 
 __all__ = ["Mode", "RouteHint", "PoolRouterCore", "ROUTING_STATS_KEYS"]
 
@@ -78,6 +78,7 @@ class PoolRouterCore:
         self.versions: dict[ReplicaId, Any] = {}  # version of the last applied publication per replica
         self.recent_work = RecentWorkLedger(load_memory_s)
         self.activity = RecentWorkLedger(activity_memory_s)  # the same bookings, short memory
+        self.own_activity = PrefixWorkLedger(activity_memory_s)  # ... and per prompt (its own turns)
         self.prompt_blocks = DecayedMean(load_memory_s)
         self.request_work = DecayedMean(load_memory_s)  # booked work per request
         self._rr = itertools.count()
@@ -166,7 +167,9 @@ class PoolRouterCore:
                                               num_prompt_blocks=num_blocks, max_ranked=1, recent_work=recent,
                                               activity=active, mean_request_blocks=(
                                                   self.prompt_blocks.value(now_s) if ledgers else None),
-                                              mean_request_work=self.request_work.value(now_s) if ledgers else None)
+                                              mean_request_work=self.request_work.value(now_s) if ledgers else None,
+                                              own_activity=self.own_activity.own(hashes, matched, now_s)
+                                              if ledgers else None)
         ranked = list(decision.order)
         if ranked:
             hit = matched.get(ranked[0], 0)
@@ -177,6 +180,7 @@ class PoolRouterCore:
             if ledgers:
                 self.recent_work.add(ranked[0], num_blocks - hit, now_s)
                 self.activity.add(ranked[0], num_blocks - hit, now_s)
+                self.own_activity.add(ranked[0], hashes, num_blocks - hit, now_s)
                 self.prompt_blocks.add(num_blocks, now_s)
                 self.request_work.add(num_blocks - hit, now_s)
         return ranked

@@ -48,7 +48,7 @@ from rayfleet.serving.routing.prefix_index import PrefixIndex, ReplicaId
 from rayfleet.serving.deploy.replica_client import ReplicaClient
 from rayfleet.serving.routing.policy import ReplicaSnapshot, RouterPolicy
 from rayfleet.serving.routing.pool_router import ROUTING_STATS_KEYS, Mode, PoolRouterCore, RouteHint
-from rayfleet.serving.routing.recent_work import DecayedMean, RecentWorkLedger
+from rayfleet.serving.routing.recent_work import DecayedMean, PrefixWorkLedger, RecentWorkLedger
 
 __all__ = ["RoutePlan", "RouterCore", "Router", "RouteHint", "PoolRouterCore", "ROUTING_STATS_KEYS",
            "register_pool_router", "pool_router"]
@@ -78,6 +78,7 @@ class RouterCore:
         self.long_prefill = long_prefill
         self.recent_work = RecentWorkLedger(load_memory_s)
         self.activity = RecentWorkLedger(activity_memory_s)  # the same bookings, short memory
+        self.own_activity = PrefixWorkLedger(activity_memory_s)  # ... and per prompt (its own turns)
         self.prompt_blocks = DecayedMean(load_memory_s)
         self.request_work = DecayedMean(load_memory_s)  # booked work per request
         self.roles = {role: [ReplicaId(n) for n in names] for role, names in roles.items()}
@@ -175,6 +176,8 @@ class RouterCore:
                                                   mean_request_blocks=self.prompt_blocks.value(now_s)
                                                   if now_s is not None else None,
                                                   mean_request_work=self.request_work.value(now_s)
+                                                  if now_s is not None else None,
+                                                  own_activity=self.own_activity.own(hashes, matched, now_s)
                                                   if now_s is not None else None)
             first = decision.order
             reason = decision.reason
@@ -189,6 +192,7 @@ class RouterCore:
                 work = num_prompt_blocks - hit + -(-max_tokens // self.block_size)
                 self.recent_work.add(chosen.replica_id, work, now_s)
                 self.activity.add(chosen.replica_id, work, now_s)
+                self.own_activity.add(chosen.replica_id, hashes, work, now_s)
                 self.prompt_blocks.add(num_prompt_blocks, now_s)
                 self.request_work.add(work, now_s)
         decode: tuple[str, ...] = ()

@@ -34,7 +34,7 @@ from rayfleet.errors import SpecError
 from rayfleet.serving.engine.block_hash import BlockHash, hash_block, root_block_hash
 from rayfleet.serving.routing.policy import ReplicaSnapshot, RouterPolicy
 from rayfleet.serving.routing.prefix_index import PrefixIndex, ReplicaId
-from rayfleet.serving.routing.recent_work import DecayedMean, RecentWorkLedger
+from rayfleet.serving.routing.recent_work import DecayedMean, PrefixWorkLedger, RecentWorkLedger
 
 __all__ = ["TraceRequest", "ReplayResult", "read_mooncake_trace", "chain_block_hashes", "replay_routing",
            "infinite_cache_bound", "multi_turn_trace"]
@@ -144,7 +144,7 @@ class _ReplicaModel:
 def replay_routing(requests: Sequence[TraceRequest], *, policy: RouterPolicy | None, num_replicas: int,
                    cache_blocks: int, utilization: float = 0.8, decode_token_cost: float = 8.0,
                    load_memory_s: float = LOAD_MEMORY_S, activity_memory_s: float = ACTIVITY_MEMORY_S,
-                   label: str = "",
+                   label: str = "", own_ledger: bool = True,
                    timer: Callable[[], float] | None = None) -> ReplayResult:
     """Route every request in arrival order; ``policy=None`` is round robin (the baseline).
 
@@ -165,6 +165,7 @@ def replay_routing(requests: Sequence[TraceRequest], *, policy: RouterPolicy | N
     hits = total = 0
     times: list[float] = []
     ledger, activity = RecentWorkLedger(load_memory_s), RecentWorkLedger(activity_memory_s)
+    own_activity = PrefixWorkLedger(activity_memory_s)
     prompt_blocks, request_work = DecayedMean(load_memory_s), DecayedMean(load_memory_s)
     for n, (req, chain) in enumerate(zip(requests, chains)):
         now = req.arrival_s
@@ -175,10 +176,12 @@ def replay_routing(requests: Sequence[TraceRequest], *, policy: RouterPolicy | N
                                      num_queued_blocks=int(max(0.0, r.busy_until - now) * rate / TRACE_BLOCK_TOKENS))
                      for r in replicas]
             start = timer() if timer else 0.0
+            matched = index.match_prefix(chain)
             decision = policy.choose_prefill(
-                snaps, chain, index, max_ranked=1, recent_work={r.name: ledger.value(r.name, now) for r in replicas},
+                snaps, chain, index, max_ranked=1, matched=matched, recent_work={r.name: ledger.value(r.name, now) for r in replicas},
                 activity={r.name: activity.value(r.name, now) for r in replicas},
-                mean_request_blocks=prompt_blocks.value(now), mean_request_work=request_work.value(now))
+                mean_request_blocks=prompt_blocks.value(now), mean_request_work=request_work.value(now),
+                own_activity=own_activity.own(chain, matched, now) if own_ledger else None)
             index.add_blocks(decision.replica_id, chain)  # the router books the prompt at once
             if timer:
                 times.append(timer() - start)
@@ -191,6 +194,7 @@ def replay_routing(requests: Sequence[TraceRequest], *, policy: RouterPolicy | N
         chosen.assigned_work += work
         ledger.add(chosen.name, work / TRACE_BLOCK_TOKENS, now)
         activity.add(chosen.name, work / TRACE_BLOCK_TOKENS, now)
+        own_activity.add(chosen.name, chain, work / TRACE_BLOCK_TOKENS, now)
         prompt_blocks.add(len(chain), now)
         request_work.add(work / TRACE_BLOCK_TOKENS, now)
         chosen.busy_until = max(chosen.busy_until, now) + work / rate

@@ -175,3 +175,60 @@ def test_a_replica_that_joins_starts_at_its_peers_recent_work_and_a_repeat_stays
 
     assert stays_on_its_cache_after_a_restart(True) == [True] * 3
     assert stays_on_its_cache_after_a_restart(False) != [True] * 3  # the broken variant is caught
+
+
+def test_a_repeated_long_prompt_stays_on_its_cache_when_the_router_sees_its_own_bookings():
+    """The live failure (tests/cluster/test_serving.py, disaggregated app, spread term on): a
+    24-block prompt, then the same prompt three times. Between publications (Serve's controller
+    relays them every ~0.5 s or later) the router's snapshot of the chosen replica still holds the
+    blocks it booked there, so the pool looks busy and the ledgers count; the home's activity
+    ledger holds the prompt's own first turn (24 blocks), and the old stand-in for a
+    conversation's own turn, the pool's mean booked work per request (~5 blocks here, and lower
+    with every repeat, each booking 1 block), left ~19 of them counted as competing activity,
+    priced per mean request (which grows with each 25-block repeat): the third repeat left its
+    cache. The per-prompt ledger subtracts what this prompt itself booked there."""
+    from rayfleet.serving.routing.recent_work import PrefixWorkLedger
+
+    block = 8
+
+    def h(tokens) -> tuple:
+        return tuple(hash_full_blocks(tokens, block_size=block, root=root_block_hash(model_id="tiny")))
+
+    def run(own_ledger: bool) -> list[bool]:
+        core = PoolRouterCore(role="prefill", policy=RouterPolicy(spread_weight=3.0))
+        if not own_ledger:  # the broken variant: no per-prompt bookings, the mean stands in
+            core.own_activity.own = lambda *a, **k: {}
+        for r in ("a", "b"):
+            core.observe(r, stats(1))
+        t = 0.0
+        for i, blocks in enumerate((12, 4, 1, 12, 4, 1, 4, 12, 4, 4, 2)):  # the earlier tests' prompts
+            tokens = [1000 + i] * (blocks * block - 3)
+            core.rank(["a", "b"], RouteHint(block_hashes=h(tokens), num_prompt_blocks=blocks), now_s=t)
+            core.flush_bookings()
+            t += 2.0
+        prompt = list(range(1, 194))  # 24 full blocks and a partial one
+        long_hint = RouteHint(block_hashes=h(prompt), num_prompt_blocks=25)
+        home = core.rank(["a", "b"], long_hint, now_s=t)[0][0]
+        core.flush_bookings()
+        t += 1.5  # the test's sleep; no publication has reached the router yet
+        stays = []
+        for _ in range(5):
+            stays.append(core.rank(["a", "b"], long_hint, now_s=t)[0][0] == home)
+            core.flush_bookings()
+            t += 0.1
+        return stays
+
+    assert run(True) == [True] * 5
+    assert run(False) != [True] * 5  # the broken variant is caught (measured: the third repeat left)
+    ledger = PrefixWorkLedger(30.0)
+    turn1 = h(list(range(1, 41)))  # 5 blocks
+    ledger.add("a", turn1, 5.0, now=0.0)
+    ledger.add("b", h([7] * 16 + list(range(100, 124))), 9.0, now=0.0)  # another conversation
+    turn2 = h(list(range(1, 81)))  # extends turn 1
+    own = ledger.own(turn2, {"a": 5, "b": 2}, now=30.0)
+    assert own == {"a": pytest.approx(5.0 * math.exp(-1.0))}  # decayed; b's prompt is not a prefix of it
+    assert ledger.own(turn2, {"a": 4}, now=0.0) == {}  # a caches less than turn 1: not its booking
+    small = PrefixWorkLedger(30.0, max_entries=1)
+    small.add("a", turn1, 5.0, now=0.0)
+    small.add("a", turn2, 5.0, now=0.0)  # evicts turn 1 (least recently booked)
+    assert small.own(turn2, {"a": 10}, now=0.0) == {"a": 5.0}
