@@ -58,8 +58,12 @@ class PrefixLoadRequestRouter(RequestRouter):
     """Serve request router for one pool deployment (see module doc)."""
 
     def initialize_state(self, *, role: str = "prefill", load_weight: float = 0.5, mode: str = "prefix_aware",
-                         hint_kwarg: str = "route", best_attempts: int = 3, **_: Any) -> None:
-        self.core = PoolRouterCore(role=role, policy=RouterPolicy(load_weight=load_weight), mode=mode)
+                         hint_kwarg: str = "route", best_attempts: int = 3, spread_weight: float | None = None,
+                         **_: Any) -> None:
+        # ``spread_weight``: the policy's opt-in spread term (``RouterPolicy``; None: its default).
+        policy = RouterPolicy(load_weight=load_weight) if spread_weight is None else RouterPolicy(
+            load_weight=load_weight, spread_weight=spread_weight)
+        self.core = PoolRouterCore(role=role, policy=policy, mode=mode)
         self.hint_kwarg = hint_kwarg
         self.best_attempts = max(1, int(best_attempts))  # module doc: probes that miss a busy replica
         self.num_fallbacks = 0  # choose_replicas calls answered with every candidate (errors, lost pins)
