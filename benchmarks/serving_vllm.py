@@ -4,6 +4,7 @@ router against Serve LLM's PrefixCacheAffinityRouter on the same vLLM pool.
     python benchmarks/serving.py --engine vllm [--quick]     # the same as:
     python benchmarks/serving_vllm.py [--quick] [--workload tenants|multiturn|both] [--json OUT]
     python benchmarks/serving_vllm.py --replay    # seconds, no Ray: the router's decisions, replayed
+    python benchmarks/serving_vllm.py --regime pressure [--quick] [--with-builtin] [--replay]  # small KV (below)
 
 Starts its own local Ray cluster (``ray.init(address="local")``, never an existing one) and
 deploys, one after the other with ``rayfleet.serving.deploy.deployer.deploy`` (what ``rayfleet
