@@ -54,15 +54,16 @@ Design decisions:
   prompt's last own request (the longest earlier prompt it extends) booked there
   (``own_activity``: the router's per-prompt ledger, ``recent_work.PrefixWorkLedger``), and at
   least less the mean booked work per request on the replica caching half of the prompt (it
-  most likely ran the last turn). The mean alone was
-  the stand-in before the per-prompt ledger: live, a 24-block prompt repeated on a 2-replica
+  most likely ran the last turn). The mean alone was the stand-in before the per-prompt
+  ledger: live, a 24-block prompt repeated on a 2-replica
   pool whose mean request booked ~5 blocks left its cache, the rest of its own first turn
   counted as competing (``test_pool_routing``). Every term is a ratio of work learned from the
   pool, so the same weights hold at 8 or 64 replicas, at any rate and prompt length.
   Replayed (``benchmarks/serving.py --trace``, caches of twice a replica's share) on Mooncake's
   trace and five generated conversation traces, it keeps 0.98-0.99 of the infinite-cache hit
-  bound with max/mean 1.01-1.05 at 8 and 16 replicas, and 0.943-0.968 with 1.04-1.16 at 64,
-  where the overload term alone had 0.949-0.984 with 1.08-1.20 (README). At 64 replicas both
+  bound with max/mean 1.01-1.10 at 8 and 16 replicas, and 0.946-0.967 with 1.05-1.16 at 64,
+  where the overload term alone had 0.949-0.984 with 1.08-1.20 (README; before the per-prompt
+  ledger 1.01-1.06 at 8 and 16, and 0.943-0.967 with 1.04-1.16 at 64). At 64 replicas both
   goals (0.95 of the bound, max/mean 1.1) hold on some shapes only: with 3-15 conversations per
   replica one conversation is ~15% of a replica's work, and each price we tried (fixed, or
   raised with the pool's imbalance) traded one goal for the other.
@@ -162,10 +163,11 @@ class RouterPolicy:
 
     load_weight: float = 0.5
     overload_weight: float = 4.0
-    # Off by default: on a live disaggregated app it sent a repeated prompt away from the prefill
-    # replica caching it (tests/cluster/test_serving.py, after the replica-kill tests), which the
-    # Ray-free tests did not catch. Opt in with 3.0: in trace replays it lowers load max/mean at
-    # 64 replicas (1.14-1.20 -> 1.04-1.12) for ~0.01 of the hit bound (README).
+    # Off by default. It once sent a repeated prompt away from the prefill replica caching it on a
+    # live disaggregated app (tests/cluster/test_serving.py); the per-prompt activity ledger fixed
+    # that (the module passes with 3.0), but also moved the replays (max/mean at 64 replicas up to
+    # 1.11 on two conversation traces, 1.10 at 16 on one; README), so opting in stays a choice:
+    # 3.0 lowers load max/mean at 64 replicas (1.08-1.20 -> 1.05-1.16) for ~0.01 of the hit bound.
     spread_weight: float = 0.0
     activity_weight: float = 3.0
     # The price of one running (decoding) block relative to one queued prompt block, inside the
