@@ -63,7 +63,7 @@ test-integration: setup vllm  # benchmarks/serving_vllm.py's quick run is one of
 # Every script in benchmarks/ (common.py is their shared helper): full runs (tens of minutes on
 # 2 cores) or quick ones (what the tests run). Each prints its table and writes its JSON (and
 # plots) under benchmarks/results/.
-BENCHMARKS := $(filter-out benchmarks/common.py,$(sort $(wildcard benchmarks/*.py)))
+BENCHMARKS := $(filter-out benchmarks/common.py benchmarks/_%.py,$(sort $(wildcard benchmarks/*.py)))
 
 bench: setup
 	set -e; for b in $(BENCHMARKS); do echo "== $$b"; $(PY) $$b; done

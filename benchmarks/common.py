@@ -35,9 +35,10 @@ def trace_file(name: str, override: str | Path | None = None) -> Path:
 # -- the catalogue the tests use: every script here has --quick, and its quick run is tested -----
 
 def benchmark_scripts(root: Path | None = None) -> list[Path]:
-    """Every benchmark script in ``benchmarks/`` (this helper module excluded)."""
+    """Every benchmark script in ``benchmarks/`` (this helper module and ``_``-prefixed helper
+    modules excluded)."""
     here = root or Path(__file__).resolve().parent
-    return sorted(p for p in here.glob("*.py") if p.name != Path(__file__).name)
+    return sorted(p for p in here.glob("*.py") if p.name != Path(__file__).name and not p.name.startswith("_"))
 
 
 def declared_options(script: Path) -> set[str]:

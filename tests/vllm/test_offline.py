@@ -43,9 +43,10 @@ def _builtin_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) 
     return [list(r.output_token_ids) for r in results]
 
 
-def test_offline_engine_greedy_matches_transformers_and_the_builtin_engine(tiny_model_dir):
-    prompts = ["the fleet serves", long_prompt(1, 100)]
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("offline_greedy.py")), str(tiny_model_dir),
+def _vllm_greedy(model_dir: Path, prompts: list[str]) -> dict:
+    """vLLM's offline engine on ``model_dir`` in its own process (``offline_greedy.py``): prompt
+    ids, greedy tokens (twice, the second pass from the prefix cache) and cached tokens."""
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("offline_greedy.py")), str(model_dir),
                            json.dumps(prompts), str(MAX_TOKENS), "float32"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -53,6 +54,12 @@ def test_offline_engine_greedy_matches_transformers_and_the_builtin_engine(tiny_
     assert line, proc.stdout[-3000:]
     result = json.loads(line.split(" ", 1)[1])
     assert all(len(t) == MAX_TOKENS for t in result["tokens"])
+    return result
+
+
+def test_offline_engine_greedy_matches_transformers_and_the_builtin_engine(tiny_model_dir):
+    prompts = ["the fleet serves", long_prompt(1, 100)]
+    result = _vllm_greedy(tiny_model_dir, prompts)
     assert result["tokens_again"] == result["tokens"]
     # The second pass of the 60-word prompt reused its full blocks from the prefix cache.
     assert result["cached_tokens_again"][1] >= 32 * (len(result["prompt_ids"][1]) // 32 - 1) > 0
@@ -99,14 +106,7 @@ def test_a_model_trained_by_rayfleet_and_exported_gives_the_same_greedy_tokens_i
     assert not torch.equal(HFCheckpoint(str(exported)).get(name), start)
 
     prompts = ["the fleet serves", long_prompt(2, 100)]
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("offline_greedy.py")), str(exported),
-                           json.dumps(prompts), str(MAX_TOKENS), "float32"],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("OFFLINE_RESULT ")), None)
-    assert line, proc.stdout[-3000:]
-    result = json.loads(line.split(" ", 1)[1])
-    assert all(len(t) == MAX_TOKENS for t in result["tokens"])
+    result = _vllm_greedy(exported, prompts)
     trained = _builtin_greedy(exported, result["prompt_ids"], MAX_TOKENS)
     assert trained == result["tokens"]
     # and the tokens compared are the fine-tune's: the starting weights answer otherwise
