@@ -124,7 +124,7 @@ class _Watcher:
             self._thread.join(timeout=10)
 
     def _free_if_regrown(self) -> int:
-        from rayfleet.jobs.launcher import observe_fleet
+        from rayfleet.jobs.train_launcher import observe_fleet
 
         topology, held, cordoned = observe_fleet()  # held: by live counts, this formation's own too
         accelerator = self.spec.resources.accelerator
@@ -166,12 +166,12 @@ class RayFormations:
         self.spec, self.max_failures, self.log, self.shell = spec, max_failures, log, shell
 
     def observe(self) -> tuple:
-        from rayfleet.jobs.launcher import observe_fleet
+        from rayfleet.jobs.train_launcher import observe_fleet
 
         return observe_fleet()
 
     def prepare(self, spec: Any, topology: Any, *, held: set, cordoned: set) -> Any:
-        from rayfleet.jobs.launcher import prepare_launch
+        from rayfleet.jobs.train_launcher import prepare_launch
 
         return prepare_launch(spec, topology, held=held, cordoned=cordoned)
 
@@ -179,7 +179,7 @@ class RayFormations:
             on_step: Callable[[dict], None] | None) -> FormationOutcome:
         import ray
 
-        from rayfleet.jobs.launcher import driver_node_actor_options, fit_once
+        from rayfleet.jobs.train_launcher import driver_node_actor_options, fit_once
 
         actor = ray.remote(ElasticSignal).options(**driver_node_actor_options()).remote() if watch else None
         stop_signal = _SignalRef(actor) if actor is not None else None
@@ -232,7 +232,7 @@ def run_training(spec: Any, *, storage_path: str | None = None, max_failures: in
     node of its layout is lost (smaller plan, checkpoint resharded), when capacity returns
     (larger plan) and when the shared autoscaler resizes it, until it finishes.
     """
-    from rayfleet.jobs.launcher import default_storage_path
+    from rayfleet.jobs.train_launcher import default_storage_path
     from rayfleet.jobs.training_shell import TrainingShell
 
     if max_failures is None:  # restarts only make sense when there is a snapshot to resume from

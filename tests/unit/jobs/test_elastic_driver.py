@@ -19,7 +19,7 @@ from rayfleet.errors import RayfleetError, SpecError
 from rayfleet.jobs.elastic_driver import ElasticDriver, FormationOutcome
 from rayfleet.jobs.elastic_policy import DriverState as S, EndKind, FormationEnd
 from rayfleet.jobs.formation import ElasticSignal
-from rayfleet.jobs.launcher import prepare_launch
+from rayfleet.jobs.train_launcher import prepare_launch
 from rayfleet.jobs.spec import TrainJobSpec
 from rayfleet.jobs.training_shell import TrainingShell
 from rayfleet.platform.autoscaler_service import SharedAutoscaler

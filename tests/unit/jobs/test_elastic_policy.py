@@ -9,7 +9,7 @@ from rayfleet.jobs.elastic_policy import (
     DriverState, EndKind, FormationEnd, after_formation, choose_world_size, replica_slots, size_formation,
     watch_formation,
 )
-from rayfleet.jobs.launcher import prepare_launch
+from rayfleet.jobs.train_launcher import prepare_launch
 from rayfleet.jobs.spec import TrainJobSpec
 from rayfleet.platform.topology import AcceleratorSlot, FleetTopology, NodeTopology
 

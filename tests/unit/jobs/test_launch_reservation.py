@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rayfleet.errors import SpecError
-from rayfleet.jobs.launcher import RESERVATION_PREFIX, prepare_launch, reservation_bundles, scaling_options
+from rayfleet.jobs.train_launcher import RESERVATION_PREFIX, prepare_launch, reservation_bundles, scaling_options
 from rayfleet.jobs.spec import TrainJobSpec
 from rayfleet.platform import labels as L
 from rayfleet.platform.topology import FleetTopology, NodeTopology
