@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from common import cpu_name  # benchmarks/common.py (this script's directory is on sys.path)
-from rayfleet.jobs.flash_checkpoint import CheckpointState, FlashCheckpointer
+from rayfleet.jobs.checkpoint.flash import CheckpointState, FlashCheckpointer
 from rayfleet.platform.snapshot import SnapshotStore
 
 RESULTS = Path(__file__).resolve().parent / "results"

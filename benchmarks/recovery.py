@@ -308,7 +308,7 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--health-check-interval-s", type=float, default=None,
                         help="RAY_TRAIN_HEALTH_CHECK_INTERVAL_S for the fleet (default: rayfleet's 0.5 s, "
-                             "jobs.formation.TRAIN_CONTROLLER_POLL_S; Ray Train's own is 2 s)")
+                             "jobs.elastic.formation.TRAIN_CONTROLLER_POLL_S; Ray Train's own is 2 s)")
     parser.add_argument("--snapshot-s-per-gib", type=float, default=None,
                         help="skip the flash-snapshot measurement and use this warm s/GiB")
     parser.add_argument("--quick", action="store_true", help="60 steps, one kill (what the tests run)")

@@ -124,14 +124,14 @@ class Fleet:
 
     def autoscaler_step(self) -> list:
         """Run one step of the shared autoscaler now; returns its decisions (frozen
-        ``rayfleet.platform.autoscaler_types`` objects: ``ScaleServe``, ``ShrinkTraining``, ...;
+        ``rayfleet.platform.autoscaler.types`` objects: ``ScaleServe``, ``ShrinkTraining``, ...;
         also recorded as events)."""
         return ray.get(self.controller.autoscaler_step.remote())
 
     def start_autoscaler(self, interval_s: float = 10.0, **config) -> None:
         """Run the shared autoscaler in the controller every ``interval_s`` seconds.
 
-        ``config``: :class:`~rayfleet.platform.autoscaler_policy.AutoscalerConfig` fields, e.g.
+        ``config``: :class:`~rayfleet.platform.autoscaler.policy.AutoscalerConfig` fields, e.g.
         ``scale_down_after_s=5, job_resize_cooldown_s=10`` (seconds of hysteresis).
         """
         ray.get(self.controller.start_autoscaler.remote(interval_s, config or None))

@@ -51,10 +51,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from rayfleet.jobs.data import DistributedTokenLoader, StepBatch, TokenSamples
-from rayfleet.jobs.health_monitor import FaultInjection, burn_cpu
-from rayfleet.jobs.metrics import expert_load_stats, mfu, model_flops_per_token
+from rayfleet.jobs.health.monitor import FaultInjection, burn_cpu
+from rayfleet.jobs.train_metrics import expert_load_stats, mfu, model_flops_per_token
 from rayfleet.jobs.optim import build_optimizer, lr_at, set_lr
-from rayfleet.jobs.spec import TrainJobSpec, is_fp8_precision
+from rayfleet.jobs.spec import is_fp8_precision
+from rayfleet.jobs.train_job import LoopConfig
 from rayfleet.jobs.train_state import TrainHooks, TrainState, TrainSummary, capture_rng, restore_rng
 from rayfleet.models import MoELayer, build_model, materialize
 from rayfleet.models.fp8 import convert_to_fp8
@@ -150,35 +151,35 @@ def _local_logits(logits: torch.Tensor) -> torch.Tensor:
 class _Run:
     """One worker's training run: the objects a step touches and their state."""
 
-    def __init__(self, spec: TrainJobSpec, plan: ParallelPlan, ctx: Any, *, loss_averaging: LossAveraging,
+    def __init__(self, loop: LoopConfig, plan: ParallelPlan, ctx: Any, *, loss_averaging: LossAveraging,
                  par: ModuleType, grad_probe: str | None = None) -> None:
-        self.spec, self.plan, self.ctx, self.par = spec, plan, ctx, par
+        self.loop, self.plan, self.ctx, self.par = loop, plan, ctx, par
         self.grad_probe = grad_probe
         self.device = torch.device(ctx.device)
         self.loss_averaging = loss_averaging
-        self.config = spec.model.to_config()
+        self.config = loop.model
         model = build_model(self.config, device="meta")
-        materialize(model, device=self.device, seed=spec.model.seed)
-        if spec.model.hf is not None:  # start from an HF checkpoint (before FP8 and parallelization)
+        materialize(model, device=self.device, seed=loop.seed)
+        if loop.hf is not None:  # start from an HF checkpoint (before FP8 and parallelization)
             from rayfleet.jobs.hf_init import load_hf_into
 
-            load_hf_into(model, spec.model.hf)
-        if is_fp8_precision(spec.precision):
-            convert_to_fp8(model, spec.precision)
+            load_hf_into(model, loop.hf)
+        if is_fp8_precision(loop.precision):
+            convert_to_fp8(model, loop.precision)
         self.model = par.parallelize_model(model, ctx)
         self.moe_layers = _moe_layers(self.model)
         self.moe_index = {id(m): i for i, m in enumerate(self.moe_layers)}
         self.expert_load = torch.zeros(len(self.moe_layers), self.config.num_experts, dtype=torch.int64)
         for layer in self.moe_layers:
             layer.register_forward_hook(self._count_load)
-        opt = spec.optimizer
+        opt = loop.optimizer
         self.optimizer = build_optimizer(self.model, lr=opt.lr, betas=opt.betas, eps=opt.eps,
                                          weight_decay=opt.weight_decay)
-        samples = TokenSamples(spec.data.uri, spec.data.seq_len)
+        samples = TokenSamples(loop.data.uri, loop.data.seq_len)
         self.loader = DistributedTokenLoader(
-            samples, global_batch_size=spec.global_batch_size, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
+            samples, global_batch_size=loop.global_batch_size, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
             micro_batch_size=plan.micro_batch_size, replica_microbatches=plan.replica_microbatches,
-            shuffle=spec.data.shuffle, seed=spec.data.seed)
+            shuffle=loop.data.shuffle, seed=loop.data.seed)
         counts = plan.replica_microbatches
         self.uneven = counts is not None and len(set(counts)) > 1
         self.grad_divide = float(getattr(ctx, "grad_divide_factor", None) or ctx.dp_size)
@@ -186,7 +187,7 @@ class _Run:
         self.step = 0
         self.flops_per_token = model_flops_per_token(self.config)
         types = plan.replica_accelerators
-        self.rank_accelerators = [types[plan.coords(r).dp] if types else spec.resources.accelerator
+        self.rank_accelerators = [types[plan.coords(r).dp] if types else loop.accelerator
                                   for r in range(ctx.world_size)]
 
     # -- state ------------------------------------------------------------------------------
@@ -235,7 +236,7 @@ class _Run:
                                          reduction="sum")
         self.loss_sums.append(float(token_loss_sum.detach()))
         scale = loss_scale(self.loss_averaging, local_tokens=local_tokens, grad_divide=self.grad_divide,
-                           global_tokens=self.spec.global_batch_size * self.spec.data.seq_len)
+                           global_tokens=self.loop.global_batch_size * self.loop.data.seq_len)
         return token_loss_sum * scale
 
     def forward_backward(self, batch: StepBatch) -> tuple[float, int, torch.Tensor]:
@@ -248,7 +249,7 @@ class _Run:
             pipeline = getattr(self.par, "pipeline_forward_backward", None)
             if pipeline is None:
                 raise RuntimeError("plan.pp > 1 needs rayfleet.jobs.parallel.pipeline_forward_backward")
-            with _autocast(self.device, self.spec.precision):
+            with _autocast(self.device, self.loop.precision):
                 pipeline(self.model, self.ctx, inputs=[mb[:, :-1] for mb in micro],
                          targets=[mb[:, 1:] for mb in micro],
                          loss_fn=lambda logits, targets: self._loss(logits, targets, local_tokens=local_tokens))
@@ -257,23 +258,23 @@ class _Run:
             self.model.set_reshard_after_forward(False)
         for i, mb in enumerate(micro):
             self._set_accumulating(i < len(micro) - 1)
-            with _autocast(self.device, self.spec.precision):
+            with _autocast(self.device, self.loop.precision):
                 logits = self.model(mb[:, :-1])
             self._loss(logits, mb[:, 1:], local_tokens=local_tokens).backward()
         return sum(self.loss_sums), local_tokens, self.expert_load.clone()
 
     def train_step(self) -> tuple[StepBatch, dict[str, float | list[float]], float, float]:
         """Run one optimizer step; returns (batch, partial metrics, loss sum, tokens)."""
-        lr = lr_at(self.step, lr=self.spec.optimizer.lr, total_steps=self.spec.steps,
-                   warmup_steps=self.spec.schedule.warmup_steps, min_lr_ratio=self.spec.schedule.min_lr_ratio,
-                   kind=self.spec.schedule.kind)
+        sched = self.loop.schedule
+        lr = lr_at(self.step, lr=self.loop.optimizer.lr, total_steps=self.loop.steps,
+                   warmup_steps=sched.warmup_steps, min_lr_ratio=sched.min_lr_ratio, kind=sched.kind)
         set_lr(self.optimizer, lr)
         batch = self.loader.next_batch()
         self.ctx.a2a.reset()
         loss_sum, tokens, load = self.forward_backward(batch)
         self.par.finalize_gradients(self.model, self.ctx)
         probe = self.par.full_grad(self.model, self.grad_probe, self.ctx) if self.grad_probe else None
-        max_norm = self.spec.grad_clip if self.spec.grad_clip is not None else float("inf")
+        max_norm = self.loop.grad_clip if self.loop.grad_clip is not None else float("inf")
         grad_norm = float(self.par.clip_grad_norm_(self.model, max_norm, self.ctx))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -289,19 +290,19 @@ class _Run:
         return batch, partial, loss_sum, tokens
 
 
-def train_worker(spec: TrainJobSpec, plan: ParallelPlan, *, report: Callable[[dict], None],
+def train_worker(loop: LoopConfig, plan: ParallelPlan, *, report: Callable[[dict], None],
                  should_stop: Callable[[], bool] | None = None, resume: TrainState | None = None,
                  hooks: TrainHooks | Sequence[TrainHooks] | None = None, device: torch.device | str | None = None,
                  loss_averaging: LossAveraging = "global_tokens", misroute_experts: bool = False,
                  grad_probe: str | None = None) -> TrainSummary:
-    """Train ``spec`` with ``plan`` on this rank; ``torch.distributed`` must be initialized.
+    """Train ``loop`` (the job's loop slice) with ``plan`` on this rank; ``torch.distributed`` must be initialized.
 
     ``report(metrics)`` is called on every rank after every step (keys: ``metrics.METRIC_KEYS``).
     ``should_stop()`` is polled every step on every rank; when any rank says stop, all stop after
     the same step. ``resume`` continues from a saved :class:`TrainState`. ``hooks``: one, or several
     called in order. ``device`` defaults to
     the current CUDA device when CUDA is available, else CPU. At the end rank 0 writes the
-    full model to ``spec.output.uri`` (all ranks take part in gathering it); a stopped run
+    full model to ``loop.output_uri`` (all ranks take part in gathering it); a stopped run
     saves no final model (its state is the checkpoint hooks' business). ``misroute_experts`` is
     the deliberately broken EP dispatch the parity tests must catch (never set it otherwise).
     ``grad_probe`` names a parameter whose whole gradient (before clipping) is added to every
@@ -315,10 +316,9 @@ def train_worker(spec: TrainJobSpec, plan: ParallelPlan, *, report: Callable[[di
     from rayfleet.jobs import parallel as par
 
     hooks = _HookChain([h for h in hooks if h is not None]) if isinstance(hooks, (list, tuple)) else hooks or TrainHooks()
-    ctx = par.build_parallel_context(plan, device=torch.device(device), a2a_overlap=spec.comm.a2a_overlap,
-                                     fp8_dispatch=spec.comm.fp8_dispatch and is_fp8_precision(spec.precision),
-                                     misroute_experts=misroute_experts)
-    run = _Run(spec, plan, ctx, loss_averaging=loss_averaging, par=par, grad_probe=grad_probe)
+    ctx = par.build_parallel_context(plan, device=torch.device(device), a2a_overlap=loop.a2a_overlap,
+                                     fp8_dispatch=loop.fp8_dispatch, misroute_experts=misroute_experts)
+    run = _Run(loop, plan, ctx, loss_averaging=loss_averaging, par=par, grad_probe=grad_probe)
     if resume is not None:
         run.load(resume)
     hooks.on_start(rank=ctx.rank, world_size=ctx.world_size, plan=plan, step=run.step, state_fn=run.state,
@@ -331,7 +331,7 @@ def train_worker(spec: TrainJobSpec, plan: ParallelPlan, *, report: Callable[[di
     faults = FaultInjection.from_env()
     cpu_clock = time.thread_time if torch.get_num_threads() == 1 else time.process_time
     own_compute = 0.0  # the previous step's compute without injected slowness (debug faults only)
-    while run.step < spec.steps:
+    while run.step < loop.steps:
         if faults.hang_rank == ctx.rank and faults.hang_step == run.step and first_step == 0:
             print(f"rayfleet debug: rank {ctx.rank} hangs before step {run.step} (RAYFLEET_DEBUG_HANG_RANK)", flush=True)
             threading.Event().wait()  # forever: the other ranks block in this step's first collective
@@ -361,7 +361,7 @@ def train_worker(spec: TrainJobSpec, plan: ParallelPlan, *, report: Callable[[di
             "step_time_s_per_rank": times, "compute_time_s": compute_time,
             "compute_time_s_per_rank": table[:, 3].tolist(),
             "mfu": mfu(tokens_per_s, flops_per_token=run.flops_per_token, accelerators=run.rank_accelerators,
-                       precision=spec.precision),
+                       precision=loop.precision),
             "expert_load_max": partial["expert_load_max"], "expert_load_mean": partial["expert_load_mean"],
             "a2a_hidden_fraction": _a2a_hidden_fraction(ctx), "sample_ids_hash": sample_ids_hash(batch.sample_ids),
             "time_unix_s": time.time(),
@@ -374,11 +374,11 @@ def train_worker(spec: TrainJobSpec, plan: ParallelPlan, *, report: Callable[[di
         report(metrics)
         hooks.after_step(batch.step, metrics=metrics, sample_ids=batch.sample_ids, state_fn=run.state,
                          load_fn=run.load)
-        if float(table[:, 4].max()) > 0 and run.step < spec.steps:
+        if float(table[:, 4].max()) > 0 and run.step < loop.steps:
             stopped = True
             break
     wall = time.perf_counter() - started
-    output_uri = _save_output(run) if spec.output is not None and not stopped else None
+    output_uri = _save_output(run) if loop.output_uri is not None and not stopped else None
     summary = TrainSummary(steps_completed=run.step, losses=tuple(losses), first_step=first_step,
                            tokens=total_tokens, wall_s=wall, stopped=stopped, output_uri=output_uri,
                            sample_ids_hashes=tuple(hashes))
@@ -406,11 +406,11 @@ def _save_output(run: _Run) -> str | None:
     missing = keys - set(weights)
     if missing:
         raise RuntimeError(f"full_state_dict lacks {sorted(missing)[:3]}... of the model")
-    spec = run.spec
-    assert spec.output is not None
+    loop = run.loop
+    assert loop.output_uri is not None
     from rayfleet.jobs.hf_init import hf_origin
 
-    origin, files = hf_origin(spec.model.hf)  # lets `rayfleet model export` write the HF model back
-    return save_servable(spec.output.uri, config=run.config, state_dict=weights, metadata={
-        "job": spec.name, "steps": run.step, "precision": spec.precision, "plan": run.plan.describe(),
-        "dataset": spec.data.uri, "seq_len": spec.data.seq_len, **origin}, extra_files=files)
+    origin, files = hf_origin(loop.hf)  # lets `rayfleet model export` write the HF model back
+    return save_servable(loop.output_uri, config=run.config, state_dict=weights, metadata={
+        "job": loop.name, "steps": run.step, "precision": loop.precision, "plan": run.plan.describe(),
+        "dataset": loop.data.uri, "seq_len": loop.data.seq_len, **origin}, extra_files=files)

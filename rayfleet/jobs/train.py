@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         spec = load_spec(args.job, overrides=args.set, spec_b64=args.spec_b64)
-        from rayfleet.jobs.formation import run_training
+        from rayfleet.jobs.elastic.formation import run_training
         from rayfleet.platform.connection import connect
 
         connect()

@@ -135,7 +135,7 @@ def observe_fleet() -> tuple[FleetTopology, set[AcceleratorSlot], set[str]]:
     """The live topology, slots held by other work, and cordoned nodes (driver connected to Ray)."""
     import ray
 
-    from rayfleet.jobs.elastic_policy import slots_in_use
+    from rayfleet.jobs.elastic.policy import slots_in_use
     from rayfleet.platform.ray_compat import available_resources_per_node
 
     nodes = ray.nodes()

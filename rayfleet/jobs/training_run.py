@@ -161,7 +161,7 @@ class TrainingRun:
         """Loss and tokens/s against step (a matplotlib ``Figure``: a notebook shows it); also
         saved as PNG at ``path`` when given. Rank 0 writes the same plot as ``metrics.png``
         beside the run's Parquet metrics when the run ends."""
-        from rayfleet.jobs.metrics import plot_metrics
+        from rayfleet.jobs.train_metrics import plot_metrics
 
         return plot_metrics(self.metrics().rows, path)
 

@@ -10,7 +10,7 @@ Design decisions:
   ``ray.train.report``, but only every ``RAYFLEET_TRAIN_REPORT_INTERVAL_S`` of step time
   (default 30 s, never under 2 x Ray Train's poll interval; ``metrics.ReportPacer``): a per-step
   report blocks until the controller's next poll and paced short steps to it (issue 19).
-- Health: ``health_monitor.HealthMonitor`` judges slow ranks on compute time and restarts the
+- Health: ``health.monitor.HealthMonitor`` judges slow ranks on compute time and restarts the
   group on a hung collective (``RAYFLEET_HANG_TIMEOUT_S``, default 120 s).
 - On CPU each worker gets an equal share of the host's cores (workers of a local fleet share
   one machine) unless ``RAYFLEET_CPU_THREADS_PER_WORKER`` says how many; on a GPU node the device
@@ -42,10 +42,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
     import torch.distributed as dist
 
-    from rayfleet.jobs.health_monitor import HealthMonitor
-    from rayfleet.jobs.health_policy import SlowRankPolicy
+    from rayfleet.jobs.health.monitor import HealthMonitor
+    from rayfleet.jobs.health.policy import SlowRankPolicy
     from rayfleet.jobs.loop import PolledFlag, train_worker
-    from rayfleet.jobs.metrics import MetricsWriter, ReportPacer, StepStream, write_run_plot
+    from rayfleet.jobs.train_metrics import MetricsWriter, ReportPacer, StepStream, write_run_plot
     from rayfleet.jobs.spec import TrainJobSpec
     from rayfleet.placement.plan import ParallelPlan
 
@@ -136,7 +136,7 @@ def cpu_threads_per_worker(workers_on_node: int, env: dict[str, str] | None = No
 
 def _metric_sinks(config: dict[str, Any], *, job: str, writer: Any) -> list:
     """Where rank 0's step rows go: the driver's queue (else the log), Parquet, Ray metrics."""
-    from rayfleet.jobs.metrics import export_ray_metrics
+    from rayfleet.jobs.train_metrics import export_ray_metrics
     from rayfleet.jobs.training_run import format_metrics_line
 
     queue = config.get("metrics_queue")
@@ -155,8 +155,8 @@ def _checkpoint_hook(spec: Any, config: dict[str, Any], *, slots: list, rank: in
     """
     if spec.checkpoint is None:
         return None
-    from rayfleet.jobs.flash_checkpoint_hook import FlashCheckpointHook
-    from rayfleet.jobs.health_policy import LossAnomalyPolicy
+    from rayfleet.jobs.checkpoint.hook import FlashCheckpointHook
+    from rayfleet.jobs.health.policy import LossAnomalyPolicy
 
     ck = spec.checkpoint
     run_name = os.path.basename(config["run_dir"].rstrip("/"))

@@ -13,7 +13,7 @@ Design decisions:
   concurrently (``max_concurrency``), so every state change takes ``self._lock``.
 - Queues (``queue/<name>`` in the store) are validated as a whole tree on every change
   (:mod:`rayfleet.platform.queues`). The shared autoscaler
-  (:class:`~rayfleet.platform.autoscaler_service.SharedAutoscaler`) lives here: Serve and
+  (:class:`~rayfleet.platform.autoscaler.service.SharedAutoscaler`) lives here: Serve and
   training shells *report* small observation dataclasses (``report_serve`` /
   ``report_training``) and *take* their typed decisions from an inbox (``take_decisions``), so
   the controller never imports their internals; node requests go straight to Ray's autoscaler
@@ -38,8 +38,8 @@ from rayfleet.platform.inventory import (
 )
 from rayfleet.platform.state_store import Event, StateStore
 from rayfleet.platform.topology import NodeTopology
-from rayfleet.platform.autoscaler_service import SharedAutoscaler
-from rayfleet.platform.autoscaler_types import (
+from rayfleet.platform.autoscaler.service import SharedAutoscaler
+from rayfleet.platform.autoscaler.types import (
     Decision, InboxEntry, RequestNodes, ServeObservation, TrainingObservation,
 )
 from rayfleet.platform.queues import QueueTree, parse_queue_spec
@@ -275,7 +275,7 @@ class FleetController:
     def list_queues(self) -> list[dict]:
         return [q.to_json() for q in sorted(self._queue_tree().queues.values(), key=lambda q: q.name)]
 
-    # -- shared autoscaler (see autoscaler_service; these are its actor-facing methods) ----------
+    # -- shared autoscaler (see autoscaler.service; these are its actor-facing methods) ----------
     def report_serve(self, observation: ServeObservation | None, deployment: str | None = None) -> None:
         """Serve's shell reports a deployment's load (replaces its previous report); ``None`` forgets it."""
         self.autoscaler.report_serve(observation, deployment)
@@ -324,7 +324,7 @@ class FleetController:
     def start_autoscaler(self, interval_s: float = 10.0, config: dict | None = None) -> None:
         """Run ``autoscaler_step`` every ``interval_s`` seconds in a background thread.
 
-        ``config``: :class:`~rayfleet.platform.autoscaler_types.AutoscalerConfig` fields (e.g.
+        ``config``: :class:`~rayfleet.platform.autoscaler.types.AutoscalerConfig` fields (e.g.
         ``scale_down_after_s``); given, it replaces the policy and starts from a fresh state.
         A running loop is restarted with the new interval/config.
         """

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from rayfleet.platform.autoscaler_policy import AutoscalerConfig, AutoscalerPolicy
+from rayfleet.platform.autoscaler.policy import AutoscalerConfig, AutoscalerPolicy
 from rayfleet.platform.sim.engine import SimConfig, Simulation
-from rayfleet.platform.sim.metrics import SimResult
+from rayfleet.platform.sim.sim_metrics import SimResult
 
 __all__ = ["POLICIES", "build_simulation", "run_policy"]
 

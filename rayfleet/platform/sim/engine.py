@@ -25,13 +25,13 @@ import random
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from rayfleet.platform.autoscaler_policy import (
+from rayfleet.platform.autoscaler.policy import (
     AutoscalerState, FleetObservation, GrowTraining, RequestNodes, ScaleServe, ServeObservation, ShrinkTraining,
 )
 from rayfleet.platform.queues import JobClass, Queue, QueueTree, Workload, admit, queue_usage
 from rayfleet.platform.sim.costs import CostModel
 from rayfleet.platform.sim.fleet import SimFleet, SimJob
-from rayfleet.platform.sim.metrics import MetricsRecorder, SimResult
+from rayfleet.platform.sim.sim_metrics import MetricsRecorder, SimResult
 from rayfleet.platform.sim.workload import DemandModel, default_trace_dir, load_philly_arrivals, load_request_costs
 
 __all__ = ["SimConfig", "Simulation"]

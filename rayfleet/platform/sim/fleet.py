@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rayfleet.platform.autoscaler_policy import TrainingObservation
+from rayfleet.platform.autoscaler.policy import TrainingObservation
 from rayfleet.platform.queues import JobClass, Workload
 from rayfleet.platform.sim.workload import TrainingArrival
 

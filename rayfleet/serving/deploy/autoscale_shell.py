@@ -1,6 +1,6 @@
 """The shared autoscaler's Serve shell: report a served model's load, carry out ``ScaleServe``.
 
-The fleet controller's policy (:mod:`rayfleet.platform.autoscaler_policy`) decides; this shell
+The fleet controller's policy (:mod:`rayfleet.platform.autoscaler.policy`) decides; this shell
 only gathers and acts, so it stays thin:
 - Every ``interval_s`` it builds a ``ServeObservation`` from what the app itself measures — the
   ingress's requests in flight and waiting for a first token (queue depth) and its recent TTFTs
@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from rayfleet.errors import SpecError
-from rayfleet.platform.autoscaler_shell import AutoscalerShellBase, RayChannel
-from rayfleet.platform.autoscaler_types import Decision, ScaleServe, ServeObservation
+from rayfleet.platform.autoscaler.shell import AutoscalerShellBase, RayChannel
+from rayfleet.platform.autoscaler.types import Decision, ScaleServe, ServeObservation
 from rayfleet.serving.deploy.deployer import pool_deployment_name
 from rayfleet.serving.spec import ServeSpec
 

@@ -16,15 +16,15 @@ from typing import Callable
 import pytest
 
 from rayfleet.errors import RayfleetError, SpecError
-from rayfleet.jobs.elastic_driver import ElasticDriver, FormationOutcome
-from rayfleet.jobs.elastic_policy import DriverState as S, EndKind, FormationEnd
-from rayfleet.jobs.formation import ElasticSignal
+from rayfleet.jobs.elastic.driver import ElasticDriver, FormationOutcome
+from rayfleet.jobs.elastic.policy import DriverState as S, EndKind, FormationEnd
+from rayfleet.jobs.elastic.formation import ElasticSignal
 from rayfleet.jobs.train_launcher import prepare_launch
 from rayfleet.jobs.spec import TrainJobSpec
-from rayfleet.jobs.training_shell import TrainingShell
-from rayfleet.platform.autoscaler_service import SharedAutoscaler
-from rayfleet.platform.autoscaler_shell import LocalChannel
-from rayfleet.platform.autoscaler_types import GrowTraining, ServeObservation, ShrinkTraining
+from rayfleet.jobs.elastic.training_shell import TrainingShell
+from rayfleet.platform.autoscaler.service import SharedAutoscaler
+from rayfleet.platform.autoscaler.shell import LocalChannel
+from rayfleet.platform.autoscaler.types import GrowTraining, ServeObservation, ShrinkTraining
 from rayfleet.platform.topology import FleetTopology, NodeTopology
 
 STEPS = 12

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rayfleet.errors import SpecError
-from rayfleet.jobs.elastic_policy import (
+from rayfleet.jobs.elastic.policy import (
     DriverState, EndKind, FormationEnd, after_formation, choose_world_size, replica_slots, size_formation,
     watch_formation,
 )
@@ -120,7 +120,7 @@ def test_after_formation(step, end, resized, failed, expected) -> None:
 
 
 def test_slots_in_use_follow_live_free_counts():
-    from rayfleet.jobs.elastic_policy import free_accelerators, slots_in_use
+    from rayfleet.jobs.elastic.policy import free_accelerators, slots_in_use
     from rayfleet.platform.topology import FleetTopology, NodeTopology
 
     topo = FleetTopology(tuple(NodeTopology(name=f"n{i}", accelerator_type="H100", num_accelerators=2, rack="r0",

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from rayfleet.errors import SpecError
-from rayfleet.jobs.flash_checkpoint import CheckpointState, FlashCheckpointer
+from rayfleet.jobs.checkpoint.flash import CheckpointState, FlashCheckpointer
 from rayfleet.platform.snapshot import SnapshotStore
 from rayfleet.storage.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
 
@@ -227,7 +227,7 @@ def test_worker_killed_during_background_persist_leaves_last_committed_checkpoin
     uri = str(tmp_path / "ckpt")
     script = textwrap.dedent(f"""
         import torch
-        from rayfleet.jobs.flash_checkpoint import CheckpointState, FlashCheckpointer
+        from rayfleet.jobs.checkpoint.flash import CheckpointState, FlashCheckpointer
         from rayfleet.platform.snapshot import SnapshotStore
         ckpt = FlashCheckpointer(snapshot_every=1, persist_every=1, checkpoint_uri={uri!r}, keep=5,
                                  store=SnapshotStore({shm_root!r}, job="kill", rank=0))
@@ -263,7 +263,7 @@ def test_worker_killed_during_background_persist_leaves_last_committed_checkpoin
 
 
 def test_rollback_restores_at_most_the_given_step_and_discards_the_abandoned_timeline(shm_root, tmp_path):
-    from rayfleet.jobs.health_policy import LossAnomalyPolicy
+    from rayfleet.jobs.health.policy import LossAnomalyPolicy
 
     uri = str(tmp_path / "ckpt")
     ckpt = FlashCheckpointer(snapshot_every=1, persist_every=2, keep=10, checkpoint_uri=uri,
@@ -340,7 +340,7 @@ class _MiniRun:
 
 
 def test_hook_follows_the_loop_contract_and_resumes_exactly(shm_root, tmp_path):
-    from rayfleet.jobs.flash_checkpoint_hook import FlashCheckpointHook
+    from rayfleet.jobs.checkpoint.hook import FlashCheckpointHook
     from rayfleet.jobs.train_state import TrainHooks
 
     reference = _MiniRun(seed=0).run(TrainHooks(), steps=6)
@@ -365,8 +365,8 @@ def test_hook_follows_the_loop_contract_and_resumes_exactly(shm_root, tmp_path):
 
 
 def test_hook_rolls_back_a_loss_spike_and_flags_a_slow_rank(shm_root, tmp_path):
-    from rayfleet.jobs.flash_checkpoint_hook import FlashCheckpointHook
-    from rayfleet.jobs.health_policy import LossAnomalyPolicy, RollbackDecision, SlowRankDecision, SlowRankPolicy
+    from rayfleet.jobs.checkpoint.hook import FlashCheckpointHook
+    from rayfleet.jobs.health.policy import LossAnomalyPolicy, RollbackDecision, SlowRankDecision, SlowRankPolicy
     from rayfleet.jobs.train_state import TrainHooks
 
     reference_run = _MiniRun(seed=0)

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("rayfleet.jobs.parallel", reason="the train loop needs rayfleet.jobs.parallel (issue 5)")
 
-from rayfleet.jobs.flash_checkpoint_hook import FlashCheckpointHook  # noqa: E402
+from rayfleet.jobs.checkpoint.hook import FlashCheckpointHook  # noqa: E402
 from rayfleet.jobs.local_processes import run_local  # noqa: E402
 from rayfleet.jobs.spec import TrainJobSpec  # noqa: E402
 from rayfleet.jobs.train_state import TrainHooks  # noqa: E402

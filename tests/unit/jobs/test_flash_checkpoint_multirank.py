@@ -23,7 +23,7 @@ def _worker(mode: str, work_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from rayfleet.jobs.flash_checkpoint import CheckpointState, FlashCheckpointer
+    from rayfleet.jobs.checkpoint.flash import CheckpointState, FlashCheckpointer
     from rayfleet.jobs.local_processes import leave_after_barrier
     from rayfleet.platform.snapshot import SnapshotStore
 

@@ -16,8 +16,8 @@ import pytest
 import torch.multiprocessing as mp
 
 from rayfleet.errors import SpecError
-from rayfleet.jobs.health_monitor import HUNG_EXIT_CODE, FaultInjection, HealthMonitor
-from rayfleet.jobs.health_policy import SlowRankPolicy
+from rayfleet.jobs.health.monitor import HUNG_EXIT_CODE, FaultInjection, HealthMonitor
+from rayfleet.jobs.health.policy import SlowRankPolicy
 from rayfleet.jobs.local_processes import run_local
 from rayfleet.jobs.spec import TrainJobSpec
 from rayfleet.placement.plan import ParallelPlan

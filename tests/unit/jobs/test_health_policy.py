@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from rayfleet.jobs.health_policy import (
+from rayfleet.jobs.health.policy import (
     HungCollectiveDecision, LossAnomalyPolicy, RollbackDecision, SlowRankDecision, SlowRankPolicy,
     decide_hung_collective,
 )

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("rayfleet.jobs.parallel", reason="the train loop needs rayfleet.jobs.parallel")
 
 from rayfleet.jobs.local_processes import run_local, run_local_many  # noqa: E402
-from rayfleet.jobs.metrics import METRIC_KEYS  # noqa: E402
+from rayfleet.jobs.train_metrics import METRIC_KEYS  # noqa: E402
 from rayfleet.jobs.spec import TrainJobSpec  # noqa: E402
 from rayfleet.jobs.train_state import TrainHooks  # noqa: E402
 from rayfleet.placement.plan import ParallelPlan  # noqa: E402

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from rayfleet.jobs.loop import loss_scale, sample_ids_hash
-from rayfleet.jobs.metrics import (METRIC_KEYS, MetricsWriter, expert_load_stats, mfu, model_flops_per_token,
+from rayfleet.jobs.train_metrics import (METRIC_KEYS, MetricsWriter, expert_load_stats, mfu, model_flops_per_token,
                                    read_metrics)
 from rayfleet.jobs.optim import build_optimizer, lr_at
 from rayfleet.models import preset
@@ -101,7 +101,7 @@ def test_metrics_parquet_round_trip(tmp_path) -> None:
 
 
 def test_jobs_modules_import_without_ray() -> None:
-    code = ("import sys, rayfleet.jobs.spec, rayfleet.jobs.data, rayfleet.jobs.metrics, rayfleet.jobs.planning, "
+    code = ("import sys, rayfleet.jobs.spec, rayfleet.jobs.data, rayfleet.jobs.train_metrics, rayfleet.jobs.planning, "
             "rayfleet.jobs.optim, rayfleet.jobs.train_state, rayfleet.jobs.loop, rayfleet.jobs.local_processes; print('ray' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

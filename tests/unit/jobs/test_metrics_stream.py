@@ -8,7 +8,7 @@ import time
 import pytest
 
 from rayfleet.jobs.loop import PolledFlag
-from rayfleet.jobs.metrics import MetricsWriter, ReportPacer, StepStream, plot_metrics, read_metrics, write_run_plot
+from rayfleet.jobs.train_metrics import MetricsWriter, ReportPacer, StepStream, plot_metrics, read_metrics, write_run_plot
 
 
 def test_put_does_not_wait_for_a_slow_sink_and_close_delivers_everything() -> None:

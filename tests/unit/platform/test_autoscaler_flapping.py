@@ -15,7 +15,7 @@ holds the other three. Config as in the notebook: 1 s ticks, ``scale_down_after_
 Each test replays a part of it against the real policy and fails on the code before the fix.
 """
 
-from rayfleet.platform.autoscaler_policy import (
+from rayfleet.platform.autoscaler.policy import (
     AutoscalerConfig, AutoscalerPolicy, AutoscalerState, FleetObservation, GrowTraining, ScaleServe,
     ServeObservation, ShrinkTraining, TrainingObservation,
 )

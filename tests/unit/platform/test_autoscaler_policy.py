@@ -1,6 +1,6 @@
 """The shared autoscaler policy: lending, topology, cheapest job, hysteresis, guarantees."""
 
-from rayfleet.platform.autoscaler_policy import (
+from rayfleet.platform.autoscaler.policy import (
     AutoscalerConfig, AutoscalerPolicy, AutoscalerState, FleetObservation, GrowTraining, RequestNodes,
     ScaleServe, ServeObservation, ShrinkTraining, TrainingObservation,
 )

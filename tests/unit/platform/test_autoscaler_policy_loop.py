@@ -1,8 +1,8 @@
 """The controller-side loop around the policy, with gather/act/record passed in (no Ray)."""
 
-from rayfleet.platform.autoscaler_loop import AutoscalerLoop
-from rayfleet.platform.autoscaler_policy import AutoscalerPolicy
-from rayfleet.platform.autoscaler_types import (
+from rayfleet.platform.autoscaler.loop import AutoscalerLoop
+from rayfleet.platform.autoscaler.policy import AutoscalerPolicy
+from rayfleet.platform.autoscaler.types import (
     FleetObservation, ServeObservation, TrainingObservation, decision_detail,
 )
 from rayfleet.platform.queues import JobClass

@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 import time
 
-from rayfleet.platform.autoscaler_service import SharedAutoscaler
-from rayfleet.platform.autoscaler_shell import AutoscalerShellBase, LocalChannel
-from rayfleet.platform.autoscaler_types import GrowTraining, ScaleServe, ServeObservation
+from rayfleet.platform.autoscaler.service import SharedAutoscaler
+from rayfleet.platform.autoscaler.shell import AutoscalerShellBase, LocalChannel
+from rayfleet.platform.autoscaler.types import GrowTraining, ScaleServe, ServeObservation
 
 
 class CountingShell(AutoscalerShellBase):

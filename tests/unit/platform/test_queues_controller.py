@@ -11,7 +11,7 @@ import pickle
 import pytest
 
 from rayfleet.errors import SpecError
-from rayfleet.platform.autoscaler_types import (
+from rayfleet.platform.autoscaler.types import (
     FleetObservation, ScaleServe, ServeObservation, ShrinkTraining, TrainingObservation,
 )
 from rayfleet.platform.controller import FleetController

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rayfleet.platform.autoscaler_policy import AutoscalerPolicy
+from rayfleet.platform.autoscaler.policy import AutoscalerPolicy
 from rayfleet.platform.sim import SimConfig, build_simulation
 from rayfleet.platform.sim.workload import DemandModel
 

@@ -1,7 +1,7 @@
 """The Serve shell's pure part: what it reports to the shared autoscaler."""
 
-from rayfleet.platform.autoscaler_policy import AutoscalerPolicy, AutoscalerState, FleetObservation, GrowTraining
-from rayfleet.platform.autoscaler_policy import TrainingObservation
+from rayfleet.platform.autoscaler.policy import AutoscalerPolicy, AutoscalerState, FleetObservation, GrowTraining
+from rayfleet.platform.autoscaler.policy import TrainingObservation
 from rayfleet.platform.queues import JobClass
 from rayfleet.serving.deploy.autoscale_shell import (LentReplica, RoomWatch, ServeShellConfig, desired_replicas,
                                                     lender_settled, p95)

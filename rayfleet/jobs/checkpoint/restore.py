@@ -1,6 +1,6 @@
 """Restoring a flash checkpoint from node-local shared memory, and what a restore returns.
 
-Design decisions (see :mod:`rayfleet.jobs.flash_checkpoint` for the whole scheme):
+Design decisions (see :mod:`rayfleet.jobs.checkpoint.flash` for the whole scheme):
 - Restore is collective: ranks all-gather the steps they hold in shared memory and try the
   common ones newest first; a step is taken only when every rank verified its snapshot (CRC) and
   found the layout of its template (a MIN all-reduce of a success flag). Otherwise the caller

@@ -1,6 +1,6 @@
 """A training job's side of the shared autoscaler (a thread in the job's driver).
 
-Built on the shells' common skeleton (:class:`~rayfleet.platform.autoscaler_shell.AutoscalerShellBase`:
+Built on the shells' common skeleton (:class:`~rayfleet.platform.autoscaler.shell.AutoscalerShellBase`:
 take → apply → report). Every ``interval_s`` it reports a ``TrainingObservation`` (size, bounds,
 class, the nodes of each DP replica, the last flash snapshot) and applies the typed decisions in
 the job's inbox:
@@ -24,9 +24,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from rayfleet.jobs.elastic_policy import replica_slots
-from rayfleet.platform.autoscaler_shell import AutoscalerShellBase, RayChannel, ShellChannel
-from rayfleet.platform.autoscaler_types import Decision, GrowTraining, ShrinkTraining, TrainingObservation
+from rayfleet.jobs.elastic.policy import replica_slots
+from rayfleet.platform.autoscaler.shell import AutoscalerShellBase, RayChannel, ShellChannel
+from rayfleet.platform.autoscaler.types import Decision, GrowTraining, ShrinkTraining, TrainingObservation
 from rayfleet.platform.queues import JobClass
 
 __all__ = ["TrainingShell", "REPORT_INTERVAL_S"]

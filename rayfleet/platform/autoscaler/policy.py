@@ -51,15 +51,17 @@ Design decisions:
   policy lose to whole-job preemption on JCT in the simulator). Growth of a job above what it
   was admitted at happens only when no training job waits (``pending_training_accelerators == 0``).
 - Every decision carries a human-readable ``reason``; the controller records it as an event.
+
+Lending (which training to shrink for a Serve replica) is in :mod:`rayfleet.platform.autoscaler.lending`.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import defaultdict
 
-from rayfleet.platform.autoscaler_types import (
+from rayfleet.platform.autoscaler.lending import FleetScratch, accelerator_type_matches, lend, shrink_decisions
+from rayfleet.platform.autoscaler.types import (
     AutoscalerConfig, AutoscalerState, Decision, FleetObservation, GrowTraining, PolicyResult, RequestNodes,
     ScaleServe, ServeObservation, ShrinkTraining, TrainingObservation,
 )
@@ -73,40 +75,6 @@ __all__ = [
 ]
 
 
-_CLASS_RANK = {JobClass.ELASTIC: 0, JobClass.OPPORTUNISTIC: 1}  # 2: elastic preempted whole
-
-
-class _Work:
-    """Mutable scratch copy of the fleet for one ``decide`` call (never escapes it)."""
-
-    def __init__(self, obs: FleetObservation) -> None:
-        self.free = dict(obs.free_by_node)
-        for serve in obs.serve:
-            for node in serve.unplaced_nodes:
-                self.free[node] = max(0, self.free.get(node, 0) - serve.accelerators_per_replica)
-        self.node_type = obs.node_type
-        self.reasons: dict[str, str] = {}
-        self.jobs = {t.job_id: t for t in obs.training}
-        self.size = {t.job_id: t.size for t in obs.training}
-        self.removed: dict[str, list[int]] = defaultdict(list)
-        self.freed: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-        self.whole_elastic = True  # the lend under way may preempt an elastic job whole (last resort)
-        self._by_node: dict[str, list[tuple[str, int]]] | None = None
-
-    @property
-    def by_node(self) -> dict[str, list[tuple[str, int]]]:
-        """node -> lendable (job, replica index); built only when lending is needed."""
-        if self._by_node is None:
-            self._by_node = defaultdict(list)
-            for t in self.jobs.values():
-                if t.job_class is JobClass.GUARANTEED:
-                    continue
-                for index, nodes in enumerate(t.replica_nodes):
-                    for node in nodes:
-                        self._by_node[node].append((t.job_id, index))
-        return self._by_node
-
-
 class AutoscalerPolicy:
     """Pure policy; one instance is shared by the controller loop and the simulator."""
 
@@ -118,7 +86,7 @@ class AutoscalerPolicy:
     # -- entry point -----------------------------------------------------------------------
     def decide(self, state: AutoscalerState, obs: FleetObservation) -> PolicyResult:
         cfg, now = self.config, obs.now_s
-        work = _Work(obs)
+        work = FleetScratch(obs)
         low_since, last_resize, lent = dict(state.low_since), dict(state.last_resize_at), dict(state.lent)
         fresh_until = {d: t for d, t in state.fresh_until.items() if t > now}
         reversal_s = max(cfg.scale_down_after_s, cfg.reversal_guard_s)
@@ -155,7 +123,7 @@ class AutoscalerPolicy:
                     scaled_down_at[serve.deployment] = now
             if decision is not None:
                 decisions.append(decision)
-        decisions.extend(self._shrink_decisions(work, now))
+        decisions.extend(shrink_decisions(work))
         # While a job re-forms, free capacity includes accelerators it is about to take back:
         # growing anything onto them would make that formation wait.
         if cfg.grow_training and not busy and not any(t.resizing for t in obs.training):
@@ -178,12 +146,13 @@ class AutoscalerPolicy:
             return have, False
         return target, True
 
-    def _scale_up(self, work: _Work, serve: ServeObservation, have: int, count: int, now: float, trigger: str,
+    def _scale_up(self, work: FleetScratch, serve: ServeObservation, have: int, count: int, now: float, trigger: str,
                   last_resize: dict, lent: dict, unmet: dict) -> ScaleServe | None:
         """Free accelerators first, then lent ones; what neither covers is ``unmet`` (mutated)."""
         nodes = self._place_on_free(work, serve, count)
         if len(nodes) < count and self.config.lend:
-            nodes += self._lend(work, serve, count - len(nodes), now, trigger, last_resize, lent)
+            nodes += lend(work, serve, count - len(nodes), now, trigger, last_resize=last_resize, lent=lent,
+                          restart_cost_s=self.config.restart_cost_s)
         if len(nodes) < count:
             unmet[serve.accelerator_type] += (count - len(nodes)) * serve.accelerators_per_replica
         if not nodes:
@@ -220,7 +189,7 @@ class AutoscalerPolicy:
                           f"load low for {now - since:.0f}s >= {cfg.scale_down_after_s:.0f}s "
                           f"(Serve wants {serve.desired_replicas}, has {have}): -{drop} replica(s)")
 
-    def _request_nodes(self, work: _Work, obs: FleetObservation, unmet: dict,
+    def _request_nodes(self, work: FleetScratch, obs: FleetObservation, unmet: dict,
                        last_request: float) -> tuple[list[RequestNodes], float]:
         """Ask Ray's autoscaler for what Serve (and training waiting beside it) still lacks."""
         for kind, count in sorted(obs.pending_training_accelerators.items()):
@@ -251,11 +220,11 @@ class AutoscalerPolicy:
         return False, ""
 
     @staticmethod
-    def _place_on_free(work: _Work, serve: ServeObservation, count: int) -> list[str]:
+    def _place_on_free(work: FleetScratch, serve: ServeObservation, count: int) -> list[str]:
         per = serve.accelerators_per_replica
         nodes: list[str] = []
         # Best fit: fill the fullest node that still takes a whole replica, keep empty nodes whole.
-        fits = sorted((n for n, f in work.free.items() if f >= per and _type_ok(work, n, serve)),
+        fits = sorted((n for n, f in work.free.items() if f >= per and accelerator_type_matches(work, n, serve)),
                       key=lambda n: (work.free[n], n))
         for node in fits:
             while len(nodes) < count and work.free[node] >= per:
@@ -265,131 +234,8 @@ class AutoscalerPolicy:
                 break
         return nodes
 
-    # -- lending: shrink training --------------------------------------------------------------
-    def _job_cost(self, t: TrainingObservation, now: float, whole: bool) -> tuple:
-        age = max(0.0, now - t.last_snapshot_at_s)
-        if whole and t.job_class is JobClass.ELASTIC:  # last resort: snapshot, stop, requeue
-            return (t.priority, 2, t.size * self.config.restart_cost_s)
-        if whole:  # preempted: the work since the last snapshot is lost, then a restart
-            lost = t.size * (age + self.config.restart_cost_s)
-        else:  # flash snapshot first: only the survivors' restart is lost (plus exposure to a stale snapshot)
-            lost = (t.size - t.replica_size) * self.config.restart_cost_s + 0.01 * age * t.size
-        return (t.priority, _CLASS_RANK[t.job_class], lost)
-
-    def _node_plan(self, work: _Work, node: str, deficit: int, now: float) -> tuple[tuple, list[tuple[str, int]]] | None:
-        """Cheapest units on ``node`` freeing >= ``deficit`` there, with the plan's cost.
-
-        A unit is one DP replica of an elastic job (kept >= its minimum) or a whole
-        opportunistic job (index -1). Cost = (worst priority/class taken, total lost work).
-        """
-        units, seen = [], set()
-        for job_id, index in work.by_node.get(node, ()):
-            if index in work.removed[job_id]:
-                continue
-            t = work.jobs[job_id]
-            whole = t.job_class is JobClass.OPPORTUNISTIC or (
-                work.whole_elastic and work.size[job_id] - t.replica_size < t.min_size)
-            if whole:
-                if job_id in seen:
-                    continue
-                seen.add(job_id)
-                here = sum(t.replica_size // len(n) for i, n in enumerate(t.replica_nodes)
-                           if node in n and i not in work.removed[job_id])
-                units.append((self._job_cost(t, now, True), job_id, -1, here))
-            else:
-                units.append((self._job_cost(t, now, False), job_id, index, t.replica_size // len(t.replica_nodes[index])))
-        units.sort()
-        got, taken, sizes, worst, total = 0, [], {}, (-math.inf,), 0.0
-        for cost, job_id, index, here in units:
-            if got >= deficit:
-                break
-            t = work.jobs[job_id]
-            if index >= 0:
-                left = sizes.get(job_id, work.size[job_id])
-                if left - t.replica_size < t.min_size:
-                    continue
-                sizes[job_id] = left - t.replica_size
-            taken.append((job_id, index))
-            got += here
-            worst = max(worst, cost[:2])
-            total += cost[2]
-        if got < deficit:
-            return None
-        return (worst + (total,), taken)
-
-    def _lend(self, work: _Work, serve: ServeObservation, count: int, now: float, trigger: str,
-              last_resize: dict, lent: dict) -> list[str]:
-        per = serve.accelerators_per_replica
-        placed: list[str] = []
-        heap = []
-        for node, holders in work.by_node.items():
-            if holders and _type_ok(work, node, serve) and per > work.free.get(node, 0):
-                plan = self._node_plan(work, node, per - work.free.get(node, 0), now)
-                if plan:
-                    heap.append((plan[0], node))
-        heapq.heapify(heap)
-        while len(placed) < count and heap:
-            # Lazy re-evaluation: a plan may have gone stale when an earlier pick shrank the same job.
-            cost, node = heapq.heappop(heap)
-            deficit = per - work.free.get(node, 0)
-            plan = self._node_plan(work, node, deficit, now) if deficit > 0 else ((), [])
-            if plan is None:
-                continue
-            if plan[0] != cost and heap and plan[0] > heap[0][0]:
-                heapq.heappush(heap, (plan[0], node))
-                continue
-            taken = plan[1]
-            touched: set[str] = set()
-            for job_id, index in taken:
-                t = work.jobs[job_id]
-                indices = range(len(t.replica_nodes)) if index < 0 else [index]
-                for i in indices:
-                    if i in work.removed[job_id]:
-                        continue
-                    work.removed[job_id].append(i)
-                    for n in t.replica_nodes[i]:
-                        share = t.replica_size // len(t.replica_nodes[i])
-                        work.free[n] = work.free.get(n, 0) + share
-                        work.freed[job_id][n] += share
-                        if n != node and work.free[n] >= per and _type_ok(work, n, serve):
-                            heapq.heappush(heap, ((), n))  # a whole preemption freed room elsewhere
-                    work.size[job_id] -= t.replica_size
-                last_resize[job_id] = now
-                lent[job_id] = lent.get(job_id, 0) + (t.size if index < 0 else t.replica_size)
-                touched.update(n for r in t.replica_nodes for n in r)
-                work.reasons[job_id] = f"lend to {serve.deployment} ({trigger}) on {node}"
-            assert work.free[node] >= per
-            work.free[node] -= per
-            placed.append(node)
-            # The shrunk jobs' other nodes now offer different plans (e.g. a job at its minimum
-            # can only go whole): re-price them, and this node for a further replica.
-            for n in touched | {node}:
-                deficit = per - work.free.get(n, 0)
-                again = self._node_plan(work, n, deficit, now) if deficit > 0 else ((), [])
-                if again is not None and _type_ok(work, n, serve):
-                    heapq.heappush(heap, (again[0], n))
-        return placed
-
-    def _shrink_decisions(self, work: _Work, now: float) -> list[ShrinkTraining]:
-        out = []
-        reasons = work.reasons
-        for job_id, indices in work.removed.items():
-            if not indices:
-                continue
-            t = work.jobs[job_id]
-            freed = dict(work.freed[job_id])
-            new_size = max(0, work.size[job_id])
-            verb = (f"preempted whole ({t.job_class.value}"
-                    + (", last resort: at its minimum, snapshot first)" if t.job_class is JobClass.ELASTIC else ")")
-                    if new_size == 0 else
-                    f"shrunk {t.size}->{new_size} by {len(indices)} DP replica(s) after a flash snapshot")
-            out.append(ShrinkTraining(job_id, new_size, tuple(sorted(indices)), freed,
-                                      f"{verb}: {reasons.get(job_id, 'lend to Serve')}",
-                                      snapshot_first=t.job_class is JobClass.ELASTIC))
-        return out
-
     # -- giving back: grow training ---------------------------------------------------------------
-    def _grow(self, work: _Work, obs: FleetObservation, now: float, last_resize: dict, lent: dict) -> list[GrowTraining]:
+    def _grow(self, work: FleetScratch, obs: FleetObservation, now: float, last_resize: dict, lent: dict) -> list[GrowTraining]:
         out = []
         cfg = self.config
         # The cooldown bounds restarts of a running job; a paused one (preempted whole) makes no
@@ -446,7 +292,3 @@ class AutoscalerPolicy:
             why = (f"give back {returned} lent accelerator(s)" if returned else "idle accelerators, no job waiting")
             out.append(GrowTraining(t.job_id, size, tuple(nodes), f"grown {t.size}->{size}: {why}"))
         return out
-
-
-def _type_ok(work: _Work, node: str, serve: ServeObservation) -> bool:
-    return work.node_type.get(node, serve.accelerator_type) == serve.accelerator_type

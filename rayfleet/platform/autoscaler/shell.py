@@ -4,7 +4,7 @@ A shell is the thin side of the shared autoscaler that lives beside the work it 
 ``interval_s`` it does the same three things, in this order:
 
 1. **take** the decisions waiting for it in the controller's inbox (typed: the policy's frozen
-   decision objects with their decision time, see :class:`~rayfleet.platform.autoscaler_types.InboxEntry`);
+   decision objects with their decision time, see :class:`~rayfleet.platform.autoscaler.types.InboxEntry`);
 2. **apply** each one (``apply(decision, decided_at_s)``; subclasses ``match`` on the type);
 3. **report** its current observation (``observe()``), so the next policy step sees the result.
 
@@ -12,7 +12,7 @@ Design decisions:
 - Take before report: a decision taken this tick is reflected in the report of the same tick
   (e.g. a training job reports itself as resizing), so the policy never acts twice on one need.
 - The controller is reached through a ``ShellChannel``: ``RayChannel`` talks to the controller
-  actor; ``LocalChannel`` calls an in-process :class:`~rayfleet.platform.autoscaler_service.SharedAutoscaler`
+  actor; ``LocalChannel`` calls an in-process :class:`~rayfleet.platform.autoscaler.service.SharedAutoscaler`
   directly (unit tests, notebooks without Ray) — the same service the controller runs.
 - A failing tick is logged and the loop goes on: a hiccup of the controller must not kill the
   job or the deployment the shell belongs to.
@@ -26,7 +26,7 @@ import abc
 import threading
 from typing import Any, Callable, Protocol
 
-from rayfleet.platform.autoscaler_types import Decision, InboxEntry, ServeObservation, TrainingObservation
+from rayfleet.platform.autoscaler.types import Decision, InboxEntry, ServeObservation, TrainingObservation
 
 __all__ = ["ShellChannel", "RayChannel", "LocalChannel", "AutoscalerShellBase"]
 

@@ -16,14 +16,14 @@ States and transitions (Ray Train v2's controller is the model; every transition
         +--fleet cannot hold the minimum / flapping / fit failed--> ERRORED (raises)
 
 Design decisions:
-- Side effects live behind ``FormationRuntime`` (Ray: :mod:`rayfleet.jobs.formation`): observe
+- Side effects live behind ``FormationRuntime`` (Ray: :mod:`rayfleet.jobs.elastic.formation`): observe
   the fleet, run one formation's ``fit`` with its watcher, clean up after an aborted one, record
-  events. Decisions are the pure functions of :mod:`rayfleet.jobs.elastic_policy`. So the whole
+  events. Decisions are the pure functions of :mod:`rayfleet.jobs.elastic.policy`. So the whole
   machine is unit-tested with a fake ``fit`` and no Ray.
 - The next formation restores from the job's one checkpoint URI: DCP reshards model and
   optimizer to the new world size, and the data position is global, so no sample is skipped or
   repeated across a resize.
-- The shared autoscaler reaches the job through its shell (:mod:`rayfleet.jobs.training_shell`):
+- The shared autoscaler reaches the job through its shell (:mod:`rayfleet.jobs.elastic.training_shell`):
   it lends accelerators (planned around), moves the target size, pauses the job at target 0,
   and stops a formation to re-form. While the controller's autoscaler runs, it alone grows the
   job (the watcher's own grow-on-free-capacity is off), so two loops never disagree.
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from rayfleet.errors import RayfleetError, SpecError
-from rayfleet.jobs.elastic_policy import DriverState, FormationEnd, after_formation, size_formation
+from rayfleet.jobs.elastic.policy import DriverState, FormationEnd, after_formation, size_formation
 
 __all__ = ["ElasticDriver", "FormationRuntime", "FormationOutcome", "Transition", "MAX_FORMATIONS"]
 
@@ -68,7 +68,7 @@ class FormationRuntime(Protocol):
         """(topology, slots held by other work, cordoned node names) of the live fleet."""
 
     def prepare(self, spec: Any, topology: Any, *, held: set, cordoned: set) -> Any:
-        """Plan and lay out ``spec`` on the free fleet (``launcher.prepare_launch``)."""
+        """Plan and lay out ``spec`` on the free fleet (``train_launcher.prepare_launch``)."""
 
     def run(self, launch: Any, *, run_dir: str, watch: bool, on_start: Callable[[Any], None],
             on_step: Callable[[dict], None] | None) -> FormationOutcome:

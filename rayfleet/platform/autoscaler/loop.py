@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from rayfleet.platform.autoscaler_policy import AutoscalerPolicy
-from rayfleet.platform.autoscaler_types import (
+from rayfleet.platform.autoscaler.policy import AutoscalerPolicy
+from rayfleet.platform.autoscaler.types import (
     AutoscalerState, Decision, FleetObservation, decision_detail, decision_subject,
 )
 

@@ -1,6 +1,6 @@
 """Live health checks of a running job: slow ranks from compute time, hung collectives from heartbeats.
 
-The policies (``health_policy``) are pure; this module feeds them from a live job and carries
+The policies (``health.policy``) are pure; this module feeds them from a live job and carries
 out their decisions. It is a :class:`TrainHooks`, so the same object runs under Ray Train and
 under plain ``torch.distributed`` processes.
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rayfleet.errors import SpecError
-from rayfleet.jobs.health_policy import SlowRankPolicy, decide_hung_collective
+from rayfleet.jobs.health.policy import SlowRankPolicy, decide_hung_collective
 from rayfleet.jobs.train_state import TrainHooks
 
 __all__ = ["FaultInjection", "HealthMonitor", "burn_cpu", "HUNG_EXIT_CODE"]

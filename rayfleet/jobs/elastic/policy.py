@@ -1,7 +1,7 @@
 """The elastic training policy: how large a formation, and what to do when one ends (pure).
 
 A *formation* is one Ray Train ``fit`` of a fixed layout; an elastic job runs as a sequence of
-formations, re-planned between them (see :mod:`rayfleet.jobs.elastic_driver`). Everything here
+formations, re-planned between them (see :mod:`rayfleet.jobs.elastic.driver`). Everything here
 is a pure function of what the driver observed — no Ray, clock or I/O — so it is unit-tested in
 milliseconds:
 
@@ -69,7 +69,7 @@ def size_formation(spec: Any, observed: tuple, *, prepare: Callable[..., Any], l
     """The largest launch of ``spec`` the observed fleet holds (elastic), else its fixed size.
 
     ``observed``: ``(topology, held slots, cordoned nodes)``; ``prepare(spec, topology, held=,
-    cordoned=)`` plans one size (``launcher.prepare_launch``, pure); ``lent``: slots the
+    cordoned=)`` plans one size (``train_launcher.prepare_launch``, pure); ``lent``: slots the
     autoscaler lent away (planned around); ``max_size``: the autoscaler's target size.
 
     Raises:

@@ -1,9 +1,9 @@
 """The Ray side of the elastic driver: run one formation, watch it, abort it, clean up after it.
 
 Design decisions:
-- ``RayFormations`` is the production :class:`~rayfleet.jobs.elastic_driver.FormationRuntime`;
-  the driver's decisions stay in :mod:`rayfleet.jobs.elastic_policy` and
-  :mod:`rayfleet.jobs.elastic_driver`, the side effects are here.
+- ``RayFormations`` is the production :class:`~rayfleet.jobs.elastic.driver.FormationRuntime`;
+  the driver's decisions stay in :mod:`rayfleet.jobs.elastic.policy` and
+  :mod:`rayfleet.jobs.elastic.driver`, the side effects are here.
 - Ending a formation from outside, two ways:
   * a node of its layout dies: Ray Train would keep trying to place the pinned workers there,
     so the watcher aborts the run by SIGKILLing this job's Train controller (it runs on the
@@ -12,7 +12,7 @@ Design decisions:
   * the fleet could hold a larger formation, or the autoscaler resized the job: the formation's
     ``ElasticSignal`` (a ``num_cpus=0`` actor every rank polls after each step) is raised and all
     ranks stop after the same step (the flash hook flushes the newest state to storage).
-- The watcher is a daemon thread; its decision each second is ``elastic_policy.watch_formation``.
+- The watcher is a daemon thread; its decision each second is ``elastic.policy.watch_formation``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from rayfleet.jobs.elastic_driver import ElasticDriver, FormationOutcome
-from rayfleet.jobs.elastic_policy import EndKind, FormationEnd, free_accelerators, watch_formation
+from rayfleet.jobs.elastic.driver import ElasticDriver, FormationOutcome
+from rayfleet.jobs.elastic.policy import EndKind, FormationEnd, free_accelerators, watch_formation
 from rayfleet.platform import labels as L
 from rayfleet.platform.fleet_events import record_fleet_event
 
@@ -233,7 +233,7 @@ def run_training(spec: Any, *, storage_path: str | None = None, max_failures: in
     (larger plan) and when the shared autoscaler resizes it, until it finishes.
     """
     from rayfleet.jobs.train_launcher import default_storage_path
-    from rayfleet.jobs.training_shell import TrainingShell
+    from rayfleet.jobs.elastic.training_shell import TrainingShell
 
     if max_failures is None:  # restarts only make sense when there is a snapshot to resume from
         max_failures = spec.checkpoint.max_failures if spec.checkpoint is not None else 0

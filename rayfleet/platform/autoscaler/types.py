@@ -1,7 +1,7 @@
 """What the shared autoscaler sees and decides: observations, decisions, config and state.
 
 Every type here is a frozen dataclass with no Ray, clock or I/O behind it: the pure policy
-(:mod:`rayfleet.platform.autoscaler_policy`) maps observations to decisions, the fleet controller
+(:mod:`rayfleet.platform.autoscaler.policy`) maps observations to decisions, the fleet controller
 and the simulator feed it, and the shells (training, Serve) receive the *same decision objects*
 across the Ray boundary (they pickle) and dispatch on their type with ``match``. Only the event
 log flattens a decision into a JSON-able dict (``decision_detail``).

@@ -1,8 +1,8 @@
 """Flash checkpoints: snapshot into node-local shared memory every N steps, persist every M-th
 snapshot to storage in the background, restore from shared memory when valid else from storage.
 
-The train loop's hook is :class:`~rayfleet.jobs.flash_checkpoint_hook.FlashCheckpointHook`;
-restoring from shared memory is :mod:`rayfleet.jobs.flash_restore`. Plugging it into a train
+The train loop's hook is :class:`~rayfleet.jobs.checkpoint.hook.FlashCheckpointHook`;
+restoring from shared memory is :mod:`rayfleet.jobs.checkpoint.restore`. Plugging it into a train
 loop (one instance per rank, constructed on every rank)::
 
     ckpt = FlashCheckpointer(snapshot_every=10, persist_every=5, store=SnapshotStore(job=j, rank=r),
@@ -50,7 +50,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from rayfleet.errors import SpecError
-from rayfleet.jobs.flash_restore import CheckpointState, RestoreResult, restore_from_shm
+from rayfleet.jobs.checkpoint.restore import CheckpointState, RestoreResult, restore_from_shm
 from rayfleet.platform.snapshot import PendingSnapshot, RestoredSnapshot, SnapshotStore
 from rayfleet.storage.checkpoint import (
     CheckpointInfo, discard_checkpoints_after, list_checkpoints, load_checkpoint, save_checkpoint,

@@ -21,9 +21,9 @@ import time
 from collections import defaultdict
 from typing import Callable, Mapping
 
-from rayfleet.platform.autoscaler_loop import AutoscalerLoop
-from rayfleet.platform.autoscaler_policy import AutoscalerPolicy
-from rayfleet.platform.autoscaler_types import (
+from rayfleet.platform.autoscaler.loop import AutoscalerLoop
+from rayfleet.platform.autoscaler.policy import AutoscalerPolicy
+from rayfleet.platform.autoscaler.types import (
     AutoscalerConfig, Decision, FleetObservation, InboxEntry, RequestNodes, ScaleServe, ServeObservation,
     TrainingObservation, decision_subject,
 )

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Literal, Mapping
 
-from rayfleet.jobs.flash_checkpoint import FlashCheckpointer, SnapshotEvent
-from rayfleet.jobs.flash_restore import CheckpointState, RestoreResult
-from rayfleet.jobs.health_policy import LossAnomalyPolicy, SlowRankPolicy
+from rayfleet.jobs.checkpoint.flash import FlashCheckpointer, SnapshotEvent
+from rayfleet.jobs.checkpoint.restore import CheckpointState, RestoreResult
+from rayfleet.jobs.health.policy import LossAnomalyPolicy, SlowRankPolicy
 from rayfleet.jobs.train_state import TrainHooks, TrainState
 from rayfleet.platform.snapshot import DEFAULT_SNAPSHOT_ROOT, SnapshotStore
 
