@@ -91,12 +91,16 @@ def step_training(fleet, workdir: str, *, steps: int) -> str:
     _banner(f"training: HF-format tiny Qwen3-MoE, FP8 (tensorwise), EP2 x DP2 on 2 H100 workers, {steps} steps")
     import os
 
-    from rayfleet.storage.model_cli import create_random_hf_model, export_hf_model
+    from rayfleet.models.hf import hf_folder_from_servable, random_hf_folder
+    from rayfleet.storage.model_registry import load_servable
+    from rayfleet.storage.safetensors_io import write_hf_folder
     from rayfleet.storage.tokens import prepare_token_dataset
 
     hf_dir = os.path.join(workdir, "hf-tiny-qwen3-moe")
-    created = create_random_hf_model(hf_dir, DEMO_HF_CONFIG, seed=0)
-    print(f"created {created.architecture} ({created.num_params:,} parameters) at {hf_dir}: {', '.join(created.files)}")
+    created = random_hf_folder(DEMO_HF_CONFIG, seed=0)
+    names = write_hf_folder(hf_dir, tensors=created.tensors, files=created.files)
+    print(f"created {created.spec.architecture} ({created.num_params:,} parameters) at {hf_dir}: "
+          f"{', '.join(sorted(names))}")
     data_uri = os.path.join(workdir, "tokens")
     # One stdlib package: a narrow corpus a tiny byte-level model learns visibly in ~100 steps.
     manifest = prepare_token_dataset([os.path.join(os.path.dirname(os.__file__), "json")],
@@ -120,9 +124,13 @@ def step_training(fleet, workdir: str, *, steps: int) -> str:
     tail = losses[-5:]
     print(f"loss before training {losses[0]:.3f} -> after {sum(tail) / len(tail):.3f} (mean of the last "
           f"{len(tail)} steps); final model saved to {model_uri}")
-    exported = export_hf_model(model_uri, os.path.join(workdir, "hf-export"))
-    print(f"exported as a Hugging Face folder ({exported.architecture}; FP8 run: master weights) at "
-          f"{exported.dest}: {', '.join(exported.files)}")
+    servable = load_servable(model_uri)
+    exported = hf_folder_from_servable(config=servable.config, state_dict=servable.state_dict,
+                                       metadata=servable.metadata, files=servable.files)
+    export_dir = os.path.join(workdir, "hf-export")
+    names = write_hf_folder(export_dir, tensors=exported.tensors, files=exported.files)
+    print(f"exported as a Hugging Face folder ({exported.spec.architecture}; FP8 run: master weights) at "
+          f"{export_dir}: {', '.join(sorted(names))}")
     return model_uri
 
 

@@ -9,7 +9,7 @@ Design decisions:
   as Ray will carry them. ``rayfleet node start`` looks its own address up in that map.
 - Cloud forms (AWS, GCP, KubeRay) declare labels and resources per node type. All instances of
   a type share them, so the type's ``rayfleet.io/node`` is a name *prefix* that
-  ``rayfleet node start --node-type-labels`` makes unique per machine (see node_cli).
+  ``rayfleet node start --node-type-labels`` makes unique per machine (see rayfleet.cli.node).
 - Labels are checked with the same rules as everywhere else (:mod:`rayfleet.platform.labels`,
   :meth:`NodeTopology.from_labels`), and the declared resources must be exactly what
   :meth:`NodeTopology.to_resources` and the catalogue say, so a config cannot drift from what

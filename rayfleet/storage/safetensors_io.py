@@ -28,8 +28,8 @@ import torch
 
 from rayfleet.errors import SpecError
 
-__all__ = ["SafetensorsFile", "HFCheckpoint", "write_safetensors_shards", "write_files", "INDEX_NAME",
-           "SINGLE_NAME", "SIDE_FILES", "read_side_files"]
+__all__ = ["SafetensorsFile", "HFCheckpoint", "write_safetensors_shards", "write_files", "write_hf_folder",
+           "is_hf_folder", "INDEX_NAME", "SINGLE_NAME", "SIDE_FILES", "read_side_files"]
 
 INDEX_NAME = "model.safetensors.index.json"
 # Files of an HF folder that describe tokenization and generation; copied through unchanged.
@@ -228,3 +228,22 @@ def write_files(uri: str, files: Mapping[str, bytes | str]) -> None:
     for name, data in files.items():
         with fs.open(_join(path, name), "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
+
+
+def is_hf_folder(uri: str) -> bool:
+    """Whether ``uri`` holds a Hugging Face folder (its ``config.json``, written last, is there)."""
+    fs, path = fsspec.core.url_to_fs(uri)
+    return fs.exists(_join(path, "config.json"))
+
+
+def write_hf_folder(uri: str, *, tensors: Mapping[str, torch.Tensor], files: Mapping[str, bytes | str],
+                    max_shard_bytes: int = 1 << 30) -> list[str]:
+    """Write an HF folder under ``uri``: ``tensors`` as safetensors shards (plus index), then the
+    small ``files``, ``config.json`` last, since its presence is what marks a usable folder
+    (``is_hf_folder``). Returns the names of the shards and files written (not the index)."""
+    names = write_safetensors_shards(uri, tensors, max_shard_bytes=max_shard_bytes)
+    others = {name: data for name, data in files.items() if name != "config.json"}
+    write_files(uri, others)
+    if "config.json" in files:
+        write_files(uri, {"config.json": files["config.json"]})
+    return [*names, *others, *(["config.json"] if "config.json" in files else [])]

@@ -40,13 +40,15 @@ from rayfleet.errors import SpecError
 __all__ = [
     "MANIFEST_NAME", "TOKEN_FORMAT", "TokenShard", "TokenManifest", "find_text_files",
     "prepare_token_dataset", "read_manifest", "read_shard_tokens", "load_tokens",
-    "default_text_sources", "TextTokenizer", "ByteCodec",
+    "default_text_sources", "TextTokenizer", "ByteCodec", "count_byte_tokens", "count_token_shards",
 ]
 
 MANIFEST_NAME = "manifest.json"
 TOKEN_FORMAT = "rayfleet-tokens/1"
 _TOKEN_TYPE = pa.list_(pa.uint16())
 _WIDE_TOKEN_TYPE = pa.list_(pa.uint32())
+_SHARD_NAME = "shard-{index:05d}.parquet"
+_SHARD_GLOB = "shard-*.parquet"
 
 
 class TextTokenizer(Protocol):
@@ -176,7 +178,7 @@ def prepare_token_dataset(sources: Sequence[str], out_uri: str, *, shard_tokens:
             chunk, stream = stream[:take], stream[take:]
             starts = range(0, take, seq_len)
             table = pa.table({"tokens": pa.array([chunk[s:s + seq_len] for s in starts], type=token_type)})
-            name = f"shard-{len(shards):05d}.parquet"
+            name = _SHARD_NAME.format(index=len(shards))
             with fs.open(posixpath.join(root, name), "wb") as f:
                 pq.write_table(table, f)
             shards.append(TokenShard(path=name, num_tokens=int(take), num_rows=len(starts)))
@@ -194,6 +196,27 @@ def prepare_token_dataset(sources: Sequence[str], out_uri: str, *, shard_tokens:
     with fs.open(posixpath.join(root, MANIFEST_NAME), "w") as f:  # last: marks completion
         f.write(manifest.to_json())
     return manifest
+
+
+def count_byte_tokens(files: Sequence[str]) -> int:
+    """Tokens the default ``ByteCodec`` makes of ``files``: one per byte plus BOS and EOS per file.
+
+    Known from file sizes before anything is encoded, so a progress bar can have a total.
+    """
+    return sum(fsspec.core.url_to_fs(f)[0].size(f) + 2 for f in files)
+
+
+def count_token_shards(uri: str) -> int:
+    """Shards present under the dataset folder ``uri`` (0 when it does not exist yet).
+
+    ``prepare_token_dataset`` has no progress hook; a caller that shows progress polls this
+    from another thread. Shards of an earlier run in the same folder count too.
+    """
+    fs, root = fsspec.core.url_to_fs(uri)
+    try:
+        return len(fs.glob(posixpath.join(root, _SHARD_GLOB)))
+    except (FileNotFoundError, OSError):
+        return 0
 
 
 def read_manifest(uri: str) -> TokenManifest:

@@ -60,7 +60,7 @@ def test_the_help_lines_listed_without_importing_match_the_areas_own():
 
 
 def test_a_lazily_listed_command_still_parses_in_full():
-    from rayfleet.cli import _command_in
+    from rayfleet.cli.entry import _command_in
 
     assert _command_in(["--help"]) is None
     argv = ["plan", "mixtral-8x7b", "--fleet", "H100:64", "--top", "3"]

@@ -8,9 +8,11 @@ the layering just the same, it only fails later). The rules (also in docs/archit
 2. ``storage`` imports nothing of rayfleet but ``errors``;
 3. ``jobs`` and ``serving`` never import each other;
 4. ``placement`` and ``platform`` import neither ``jobs`` nor ``serving``;
-5. only user-facing modules (``rayfleet/cli.py``, ``rayfleet/sdk.py``, ``rayfleet/demo.py``, an
-   area's ``cli.py`` or ``*_cli.py``) import the SDK, the CLI or the demo, and they alone may cross
-   rules 2-4 (they are glue nothing else imports; a ``models`` CLI would still not import Ray);
+5. the user-facing layer is exactly the ``rayfleet/cli/`` package, ``rayfleet/sdk.py``,
+   ``rayfleet/demo.py``, ``rayfleet/__main__.py`` and ``rayfleet/__init__.py``: only they import
+   the SDK, the CLI or the demo, and they may import any area; every module inside ``models``,
+   ``storage``, ``placement``, ``platform``, ``jobs`` and ``serving`` keeps rules 1-4 whatever its
+   name (an area's ``cli.py`` or ``*_cli.py`` gets no exemption);
 6. no import cycle between modules.
 
 A module's edge goes to the module it names (``from rayfleet.a import b`` names ``rayfleet.a.b``
@@ -28,6 +30,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "rayfleet"
+# rayfleet.<name> modules of the user-facing layer; "cli" is a package and all of it faces users
 USER_FACING_TOP = frozenset({"cli", "sdk", "demo", "__main__"})
 
 
@@ -79,10 +82,15 @@ def _area(module: str) -> str:
 
 
 def is_user_facing(module: str) -> bool:
+    """Rule 5's layer: ``rayfleet`` itself (``rayfleet.connect`` is the SDK's), ``rayfleet.sdk``,
+    ``rayfleet.demo``, ``rayfleet.__main__`` and every module of the ``rayfleet.cli`` package.
+
+    Decided by place, never by name: ``rayfleet.storage.model_cli`` is a ``storage`` module.
+    """
     parts = module.split(".")
-    if len(parts) == 1 or (len(parts) == 2 and parts[1] in USER_FACING_TOP):  # rayfleet.connect is the SDK's
+    if len(parts) == 1:
         return True
-    return len(parts) >= 3 and (parts[-1] == "cli" or parts[-1].endswith("_cli"))
+    return parts[1] in USER_FACING_TOP and (len(parts) == 2 or parts[1] == "cli")
 
 
 def _owned(target: str, modules: set[str]) -> str | None:
@@ -107,7 +115,7 @@ def rule_violations(modules: set[str], imports: list[Import], package: str = "ra
         if src_area == "models" and top == "ray":
             broken = "models never imports Ray"
         elif user_facing:
-            pass  # glue that faces users (e.g. storage/model_cli.py): nothing else imports it
+            pass  # glue that faces users (e.g. rayfleet/cli/model.py): nothing else imports it
         elif src_area in ("models", "storage") and dst_area not in (None, src_area, "errors"):
             broken = f"{src_area} imports nothing of {package} but errors"
         elif own and dst_area in ("sdk", "cli", "demo"):
@@ -195,7 +203,12 @@ CLEAN = {
     "__init__.py": "",
     "errors.py": "",
     "sdk.py": "from rayfleet.jobs import handle\nfrom rayfleet.serving import deployer\n",
-    "cli.py": "def main():\n    from rayfleet.sdk import connect\n",
+    "__main__.py": "from rayfleet.cli import main\n",
+    "demo.py": "from rayfleet.models import layers\nfrom rayfleet.storage import tokens\n",
+    "cli/__init__.py": "from rayfleet.cli.entry import main\n",
+    "cli/entry.py": "def main():\n    from rayfleet.sdk import connect\n",
+    "cli/train.py": "def run():\n    from rayfleet.sdk import connect\n    from rayfleet.serving import deployer\n",
+    "cli/model.py": "def run():\n    from rayfleet.models import layers\n    from rayfleet.storage import tokens\n",
     "models/__init__.py": "from rayfleet.errors import SpecError\nfrom . import layers\n",
     "models/layers.py": "import torch\n",
     "storage/__init__.py": "",
@@ -204,7 +217,6 @@ CLEAN = {
     "platform/connection.py": "import ray\n",
     "jobs/__init__.py": "",
     "jobs/handle.py": "from rayfleet.platform.connection import connect\nfrom rayfleet.models import layers\n",
-    "jobs/cli.py": "def run():\n    from rayfleet.sdk import connect\n    from rayfleet.serving import deployer\n",
     "serving/__init__.py": "",
     "serving/deployer.py": "from ..platform import connection\n",
     "serving/engine/__init__.py": "",
@@ -228,6 +240,12 @@ def test_checker_accepts_a_clean_package(tmp_path):
     ("serving/engine/step.py", "from ...jobs import handle\n", "jobs and serving never"),
     ("platform/connection.py", "from rayfleet.jobs.handle import x\n", "platform imports neither"),
     ("serving/deployer.py", "def f():\n    from rayfleet.sdk import connect\n", "only CLI/SDK/demo"),
+    # rule 5 decides by place, not by name: an area's command module is that area's module
+    ("storage/model_cli.py", "def run():\n    from rayfleet.models import layers\n", "storage imports nothing"),
+    ("jobs/cli.py", "def run():\n    from rayfleet.sdk import connect\n", "only CLI/SDK/demo"),
+    ("jobs/cli.py", "def run():\n    from rayfleet.serving import deployer\n", "jobs and serving never"),
+    ("platform/queue_cli.py", "def run():\n    from rayfleet.cli import main\n", "only CLI/SDK/demo"),
+    ("models/cli.py", "def run():\n    import ray\n", "models never imports Ray"),
 ])
 def test_checker_finds_a_broken_rule(tmp_path, rel, text, rule):
     modules, imports = collect_imports(_write(tmp_path, {**CLEAN, rel: text}))
@@ -235,11 +253,26 @@ def test_checker_finds_a_broken_rule(tmp_path, rel, text, rule):
     assert len(broken) == 1 and rule in broken[0], broken
 
 
-def test_user_facing_glue_may_cross_but_not_bring_ray_into_models(tmp_path):
-    glue = {**CLEAN, "storage/model_cli.py": "def run():\n    from rayfleet.models import layers\n",
-            "models/cli.py": "def run():\n    import ray\n"}
-    modules, imports = collect_imports(_write(tmp_path, glue))
-    assert rule_violations(modules, imports) == ["rayfleet.models.cli:2 -> ray (models never imports Ray)"]
+def test_user_facing_glue_lives_in_the_cli_package_only(tmp_path):
+    """Glue the CLI package may hold breaks the rules once it sits inside an area, whatever the
+    file's name (rule 5 once exempted every ``cli.py``/``*_cli.py``)."""
+    glue = "def run():\n    from rayfleet.sdk import connect\n    from rayfleet.models import layers\n"
+    modules, imports = collect_imports(_write(tmp_path / "in_cli", {**CLEAN, "cli/model.py": glue}))
+    assert rule_violations(modules, imports) == []
+    misplaced = {**CLEAN, "storage/model_cli.py": glue, "jobs/cli.py": glue}
+    modules, imports = collect_imports(_write(tmp_path / "in_areas", misplaced))
+    assert rule_violations(modules, imports) == [
+        "rayfleet.jobs.cli:2 -> rayfleet.sdk (only CLI/SDK/demo modules import the SDK, CLI or demo)",
+        "rayfleet.storage.model_cli:2 -> rayfleet.sdk (storage imports nothing of rayfleet but errors)",
+        "rayfleet.storage.model_cli:3 -> rayfleet.models.layers (storage imports nothing of rayfleet but errors)",
+    ]
+
+
+def test_the_user_facing_layer_is_a_fixed_set_of_places():
+    facing = ("rayfleet", "rayfleet.cli", "rayfleet.cli.model", "rayfleet.sdk", "rayfleet.demo", "rayfleet.__main__")
+    inside = ("rayfleet.errors", "rayfleet.storage.model_cli", "rayfleet.jobs.cli", "rayfleet.platform.queue_cli",
+              "rayfleet.serving.cli", "rayfleet.models.cli", "rayfleet.demo_cli")
+    assert all(map(is_user_facing, facing)) and not any(map(is_user_facing, inside))
 
 
 def test_checker_finds_a_cycle_through_a_lazy_import(tmp_path):

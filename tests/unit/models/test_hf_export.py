@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from rayfleet.errors import SpecError
 from rayfleet.models import MoEConfig, build_model, preset
 from rayfleet.models.hf import from_hf_config
-from rayfleet.storage.model_cli import export_hf_model, import_hf_model
+from rayfleet.cli.model import export_hf_model, import_hf_model
 from rayfleet.storage.model_registry import load_servable, save_servable
 from rayfleet.storage.safetensors_io import INDEX_NAME, HFCheckpoint
 from tests.unit.models.hf_fixtures import hf_config_dict, hf_configs, save_tiny
@@ -99,7 +99,7 @@ def test_analytic_parameter_counts_equal_the_built_models(name):
 
 
 def test_a_random_model_created_without_transformers_loads_in_transformers(tmp_path):
-    from rayfleet.storage.model_cli import create_random_hf_model
+    from rayfleet.cli.model import create_random_hf_model
 
     config = hf_config_dict("qwen3_moe")
     create_random_hf_model(str(tmp_path / "m"), config, seed=3)

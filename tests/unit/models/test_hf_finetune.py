@@ -22,7 +22,7 @@ from rayfleet.jobs.local_processes import run_local  # noqa: E402
 from rayfleet.jobs.spec import TrainJobSpec  # noqa: E402
 from rayfleet.models import build_model  # noqa: E402
 from rayfleet.placement.plan import ParallelPlan  # noqa: E402
-from rayfleet.storage.model_cli import export_hf_model  # noqa: E402
+from rayfleet.cli.model import export_hf_model  # noqa: E402
 from rayfleet.storage.model_registry import load_servable  # noqa: E402
 from rayfleet.storage.safetensors_io import HFCheckpoint  # noqa: E402
 from tests.unit.models.hf_fixtures import save_tiny_moe_with_data  # noqa: E402

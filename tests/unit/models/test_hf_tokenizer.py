@@ -11,7 +11,7 @@ import pytest
 import rayfleet.models
 from rayfleet.errors import SpecError
 from rayfleet.models.hf.tokenizer import HFTokenizer, train_byte_level_bpe
-from rayfleet.storage import data_cli
+from rayfleet.cli import data as data_cli
 from rayfleet.storage.safetensors_io import read_side_files, write_files
 from rayfleet.storage.tokens import load_tokens, read_manifest
 

@@ -22,7 +22,7 @@ from rayfleet.platform.cluster_config import (
     check_declared_resources, cloud_node_types, kuberay_node_types, load_onprem_spec, load_yaml,
     node_topology_from_labels, onprem_spec,
 )
-from rayfleet.platform.node_cli import own_addresses, unique_node_labels
+from rayfleet.cli.node import own_addresses, unique_node_labels
 from rayfleet.platform.topology import build_topology
 
 REPO = Path(__file__).resolve().parents[3]
@@ -277,7 +277,7 @@ def test_node_stop_kills_the_recorded_session_and_nothing_else(tmp_path, monkeyp
     import sys
     import time
 
-    from rayfleet.platform import node_cli
+    from rayfleet.cli import node as node_cli
 
     monkeypatch.setenv("RAYFLEET_HOME", str(tmp_path))
     monkeypatch.delenv("SSH_CONNECTION", raising=False)
@@ -328,7 +328,7 @@ def test_node_stop_over_ssh_stops_only_the_cluster_at_the_reached_address(tmp_pa
     import dataclasses
     import subprocess
 
-    from rayfleet.platform import node_cli
+    from rayfleet.cli import node as node_cli
 
     monkeypatch.setenv("RAYFLEET_HOME", str(tmp_path))
     monkeypatch.setenv("SSH_CONNECTION", "127.0.0.1 40000 127.0.0.1 22")

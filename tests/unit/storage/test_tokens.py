@@ -12,7 +12,7 @@ import pytest
 
 from rayfleet.errors import SpecError
 from rayfleet.models import ByteTokenizer
-from rayfleet.storage import data_cli
+from rayfleet.cli import data as data_cli
 from rayfleet.storage.tokens import (MANIFEST_NAME, find_text_files, load_tokens,
                                      prepare_token_dataset, read_manifest, read_shard_tokens)
 

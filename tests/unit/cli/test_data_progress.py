@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from rayfleet.storage import data_cli
+from rayfleet.cli import data as data_cli
 
 
 def test_prepare_shows_token_progress_to_the_exact_total(tmp_path, capsys):

@@ -4,7 +4,7 @@ import pytest
 
 from rayfleet.cli import build_parser, main
 from rayfleet.errors import SpecError
-from rayfleet.platform.queue_cli import parse_counts, queue_spec_from_args, render_queues
+from rayfleet.cli.queue import parse_counts, queue_spec_from_args, render_queues
 
 
 def args(*argv):

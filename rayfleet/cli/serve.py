@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def handle_serve(args: argparse.Namespace) -> int:
-    from rayfleet.serving.deploy.deployer import deploy
+    from rayfleet.serving.deployer import deploy
     from rayfleet.serving.spec import ServeSpec, load_serve_spec
 
     spec = load_serve_spec(args.spec)
@@ -43,7 +43,7 @@ def handle_serve(args: argparse.Namespace) -> int:
         if spec.engine.kind == "vllm":
             from rayfleet.serving.vllm.app import serve_config
         else:
-            from rayfleet.serving.deploy.deployments import serve_config
+            from rayfleet.serving.openai_api.serve_app import serve_config
 
         print(yaml.safe_dump(serve_config(spec), sort_keys=False), end="")
         return 0

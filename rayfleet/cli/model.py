@@ -1,17 +1,10 @@
 """``rayfleet model import|export|inspect``: Hugging Face folders in, rayfleet servables out, and back.
 
-Registered by ``rayfleet.cli``; heavy imports (torch, fsspec) happen in the handlers so that
-``rayfleet model --help`` stays fast. Like every ``*cli.py`` this is a user-facing edge, so it may wire
-``rayfleet.models`` (name and config mapping, pure) to ``rayfleet.storage`` (bytes through fsspec);
-the rest of ``storage`` imports nothing of rayfleet but ``errors``.
-
-- import: an HF folder/URI -> a servable (``model_registry``): the rayfleet state dict, the
-  ``MoEConfig`` fields, the original ``config.json`` in the metadata and the tokenizer files as
-  extra files, so that training and serving find everything in one place and export can go back.
-- export: a servable (a training run's final model, FP8 runs included: they save master
-  weights) or an HF folder -> an HF folder: ``config.json``, sharded safetensors + index,
-  tokenizer files, ``generation_config.json``. Tensors keep their dtype, so import -> export
-  reproduces the original tensors bit for bit.
+Registered by ``rayfleet.cli.entry``; heavy imports (torch, fsspec) happen in the handlers so that
+``rayfleet model --help`` stays fast. The mapping is ``rayfleet.models.hf.convert`` (pure) and the
+bytes are ``rayfleet.storage`` (``HFCheckpoint``, ``save_servable``/``load_servable``,
+``write_hf_folder``); the functions here only wire the two together, which no module inside an
+area may do (``models`` and ``storage`` import neither each other), and time the result.
 """
 
 from __future__ import annotations
@@ -27,8 +20,9 @@ from rayfleet.errors import SpecError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["register", "import_hf_model", "export_hf_model", "create_random_hf_model", "ModelTransfer"]
+    from rayfleet.models.hf import HFFolderContent
 
+__all__ = ["register", "import_hf_model", "export_hf_model", "create_random_hf_model", "ModelTransfer"]
 
 
 @dataclass(frozen=True)
@@ -44,12 +38,6 @@ class ModelTransfer:
     seconds: float
 
 
-def _is_servable(uri: str) -> bool:
-    from rayfleet.storage.model_registry import servable_exists
-
-    return servable_exists(uri)
-
-
 def _dtype(name: str | None) -> torch.dtype | None:
     import torch
 
@@ -62,88 +50,62 @@ def _dtype(name: str | None) -> torch.dtype | None:
 def import_hf_model(source: str, out: str, *, dtype: str | None = None) -> ModelTransfer:
     """Convert the HF folder ``source`` into a servable at ``out`` (tensors keep their dtype
     unless ``dtype`` is given)."""
-    from rayfleet.models.hf import from_hf_config, load_hf_weights
+    from rayfleet.models.hf import servable_from_hf
     from rayfleet.storage.model_registry import save_servable
     from rayfleet.storage.safetensors_io import HFCheckpoint
 
     start = time.perf_counter()
     ckpt = HFCheckpoint(source)
-    spec = from_hf_config(ckpt.config)
-    state = load_hf_weights(spec, ckpt, dtype=_dtype(dtype))
-    files = ckpt.side_files()
-    metadata = {"hf": {"architecture": spec.architecture, "config": ckpt.config,
-                       "tie_word_embeddings": spec.tie_word_embeddings}, "source": source}
-    save_servable(out, config=spec.config, state_dict=state, metadata=metadata, extra_files=files)
-    return ModelTransfer(source, out, spec.architecture, len(state), sum(t.numel() for t in state.values()),
-                         tuple(sorted(files)), time.perf_counter() - start)
+    servable = servable_from_hf(hf_config=ckpt.config, source=ckpt, side_files=ckpt.side_files(), origin=source,
+                                dtype=_dtype(dtype))
+    save_servable(out, config=servable.spec.config, state_dict=servable.state_dict, metadata=servable.metadata,
+                  extra_files=servable.files)
+    return ModelTransfer(source, out, servable.spec.architecture, len(servable.state_dict), servable.num_params,
+                         tuple(sorted(servable.files)), time.perf_counter() - start)
 
 
-def _load_for_export(source: str) -> tuple[Any, dict[str, torch.Tensor], dict[str, bytes]]:
-    """(export spec, rayfleet state dict, side files) of a servable or an HF folder."""
-    import fsspec
+def _hf_folder_of(source: str) -> HFFolderContent:
+    """The HF folder contents of a servable or of an HF folder (re-sharded, config normalised)."""
+    from rayfleet.models.hf import from_hf_config, hf_folder_from_servable, hf_folder_from_state, load_hf_weights
+    from rayfleet.storage.model_registry import load_servable, servable_exists
+    from rayfleet.storage.safetensors_io import HFCheckpoint, is_hf_folder
 
-    from rayfleet.models import MoEConfig
-    from rayfleet.models.hf import from_hf_config, load_hf_weights, spec_for_export
-    from rayfleet.storage.model_registry import load_servable
-    from rayfleet.storage.safetensors_io import HFCheckpoint
-
-    if _is_servable(source):
+    if servable_exists(source):
         servable = load_servable(source)
-        hf = servable.metadata.get("hf") or {}
-        spec = spec_for_export(MoEConfig.from_dict(servable.config), hf_config=hf.get("config"),
-                               tie_word_embeddings=hf.get("tie_word_embeddings"))
-        return spec, servable.state_dict, dict(servable.files)
-    fs, path = fsspec.core.url_to_fs(source)
-    if fs.exists(path.rstrip("/") + "/config.json"):
+        return hf_folder_from_servable(config=servable.config, state_dict=servable.state_dict,
+                                       metadata=servable.metadata, files=servable.files)
+    if is_hf_folder(source):
         ckpt = HFCheckpoint(source)
         spec = from_hf_config(ckpt.config)
-        files = ckpt.side_files()
-        return spec, load_hf_weights(spec, ckpt), files
+        return hf_folder_from_state(spec=spec, state_dict=load_hf_weights(spec, ckpt), files=ckpt.side_files())
     raise SpecError("RUN_OR_CHECKPOINT", source,
                     "is neither a rayfleet servable (a run's output.uri, with manifest.json) nor an HF folder",
                     "pass the training job's output.uri, a `rayfleet model import` result, or an HF folder")
 
 
-def _generation_config(hf_config: dict[str, Any]) -> bytes:
-    fields = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf_config.get(k) is not None}
-    return json.dumps({"_from_model_config": True, **fields}, indent=2).encode()
-
-
 def export_hf_model(source: str, out: str, *, max_shard_bytes: int = 1 << 30) -> ModelTransfer:
     """Write ``source`` (servable or HF folder) as an HF folder at ``out``."""
-    from rayfleet.models.hf import HFModelSpec, export_hf_weights, to_hf_config
-    from rayfleet.storage.safetensors_io import write_files, write_safetensors_shards
+    from rayfleet.storage.safetensors_io import write_hf_folder
 
     start = time.perf_counter()
-    spec, state, files = _load_for_export(source)
-    tensors, tied = export_hf_weights(spec, state)
-    spec = HFModelSpec(spec.architecture, spec.config, tied, spec.hf_config)
-    config = to_hf_config(spec)
-    config.setdefault("dtype", str(next(iter(tensors.values())).dtype).removeprefix("torch."))
-    names = write_safetensors_shards(out, tensors, max_shard_bytes=max_shard_bytes)
-    files.setdefault("generation_config.json", _generation_config(config))
-    files["config.json"] = json.dumps(config, indent=2, sort_keys=True).encode()
-    write_files(out, files)  # config.json last among the small files: it marks a usable folder
-    return ModelTransfer(source, out, spec.architecture, len(tensors), sum(t.numel() for t in tensors.values()),
-                         tuple(sorted([*names, *files])), time.perf_counter() - start)
+    folder = _hf_folder_of(source)
+    names = write_hf_folder(out, tensors=folder.tensors, files=folder.files, max_shard_bytes=max_shard_bytes)
+    return ModelTransfer(source, out, folder.spec.architecture, len(folder.tensors), folder.num_params,
+                         tuple(sorted(names)), time.perf_counter() - start)
 
 
 def create_random_hf_model(out: str, hf_config: dict[str, Any], *, seed: int = 0,
                            files: dict[str, bytes] | None = None) -> ModelTransfer:
     """Write a randomly initialised model of ``hf_config`` as an HF folder (no download, no
     transformers): rayfleet's init from ``seed``, exported like a trained model."""
-    from rayfleet.models import build_model
-    from rayfleet.models.hf import export_hf_weights, from_hf_config, to_hf_config
-    from rayfleet.storage.safetensors_io import write_files, write_safetensors_shards
+    from rayfleet.models.hf import random_hf_folder
+    from rayfleet.storage.safetensors_io import write_hf_folder
 
     start = time.perf_counter()
-    spec = from_hf_config(hf_config)
-    tensors, _ = export_hf_weights(spec, build_model(spec.config, seed=seed).state_dict())
-    names = write_safetensors_shards(out, tensors)
-    side = {**(files or {}), "config.json": json.dumps(to_hf_config(spec), indent=2, sort_keys=True).encode()}
-    write_files(out, side)
-    return ModelTransfer("random", out, spec.architecture, len(tensors), sum(t.numel() for t in tensors.values()),
-                         tuple(sorted([*names, *side])), time.perf_counter() - start)
+    folder = random_hf_folder(hf_config, seed=seed, files=files)
+    names = write_hf_folder(out, tensors=folder.tensors, files=folder.files)
+    return ModelTransfer("random", out, folder.spec.architecture, len(folder.tensors), folder.num_params,
+                         tuple(sorted(names)), time.perf_counter() - start)
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -163,6 +125,7 @@ def _report(what: str, t: ModelTransfer) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``rayfleet model {import,export,inspect}``."""
     model = subparsers.add_parser("model", help="import/export Hugging Face models")
     commands = model.add_subparsers(dest="model_command", metavar="COMMAND", required=True)
     imp = commands.add_parser("import", help="HF folder or URI -> rayfleet servable",

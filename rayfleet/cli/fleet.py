@@ -1,42 +1,20 @@
-"""The ``rayfleet`` command line (also ``python -m rayfleet``).
+"""``rayfleet up|down|status|topology|cordon|uncordon|self-check``: the fleet itself.
 
-Each area contributes its command through a ``register(subparsers)`` function in its own
-module (``AREA_COMMANDS``), so this file only wires them together. Handlers return an exit
-code; user mistakes (``RayfleetError``) print one clear line and exit 2.
-
-Design decisions:
-- Fast answers: ``rayfleet --help`` and argument errors must not pay for torch or Ray (seconds
-  of imports). So this module imports nothing heavy, the built-in commands import their
-  dependencies inside their handlers, and an area's module is imported only when its command is
-  the one being run: ``rayfleet --help`` lists the area commands from ``AREA_COMMANDS``' one-line
-  help texts (a unit test keeps them equal to what the modules register).
-- The command is the first argument that is not an option (the top-level parser has no options
-  of its own but ``-h``), so it is known before the parser is built.
+These are the built-in commands: ``rayfleet --help`` lists them in full, so this module imports
+nothing heavy at the top; each handler imports the launcher, the SDK or the tables it needs.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import sys
 import time
+from typing import TYPE_CHECKING
 
-from rayfleet.errors import RayfleetError
+if TYPE_CHECKING:
+    from rayfleet.sdk import Fleet
 
-__all__ = ["main", "build_parser", "AREA_COMMANDS"]
-
-# command -> (module with its ``register``, the help line ``rayfleet --help`` shows for it)
-AREA_COMMANDS: dict[str, tuple[str, str]] = {
-    "plan": ("rayfleet.placement.cli", "rank parallel plans (TP/PP/DP/EP/CP) for a model on a fleet"),
-    "data": ("rayfleet.storage.data_cli", "prepare training data"),
-    "node": ("rayfleet.platform.node_cli", "start/stop this machine's node of a `ray up` cluster"),
-    "train": ("rayfleet.jobs.cli", "submit a training job (YAML spec) and follow its progress"),
-    "serve": ("rayfleet.serving.cli", "serve a model (OpenAI API) from a serve YAML"),
-    "queue": ("rayfleet.platform.queue_cli", "hierarchical queues: quota, borrow limit, priority"),
-    "model": ("rayfleet.storage.model_cli", "import/export Hugging Face models"),
-}
-_ALL = "*"
+__all__ = ["register"]
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -59,13 +37,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from rayfleet.sdk import connect
 
     sdk = connect(fleet.address)
-    _wait_for_agents(sdk, len(topology.nodes), timeout_s=60)
+    _wait_for_agents(sdk, num_nodes=len(topology.nodes), timeout_s=60)
     sdk.print_status()
     print(f"\nsubmit jobs with: RAY_AUTH_MODE=token ray job submit --address {fleet.dashboard_url} -- python -m rayfleet status")
     return 0
 
 
-def _wait_for_agents(sdk, num_nodes: int, *, timeout_s: float) -> None:
+def _wait_for_agents(sdk: Fleet, *, num_nodes: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         rows = sdk.status().nodes
@@ -84,7 +62,7 @@ def _cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
-def _connect(args: argparse.Namespace):
+def _connect(args: argparse.Namespace) -> Fleet:
     from rayfleet.sdk import connect
 
     return connect(getattr(args, "address", None))
@@ -128,13 +106,9 @@ def _cmd_self_check(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
-def build_parser(command: str | None = _ALL) -> argparse.ArgumentParser:
-    """The ``rayfleet`` parser with every area command (``command="*"``, the default) or with only
-    ``command``'s area imported (others are listed by name and help line only)."""
-    parser = argparse.ArgumentParser(prog="rayfleet", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    up = sub.add_parser("up", help="start a local multi-node fleet (one raylet per server)")
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the fleet commands (``up`` ... ``self-check``) to the ``rayfleet`` CLI."""
+    up = subparsers.add_parser("up", help="start a local multi-node fleet (one raylet per server)")
     up.add_argument("--nodes", type=int, default=None, help="number of servers (default: 2, or the sum of a mix)")
     up.add_argument("--accelerator", default="H100", help="type, or a mix like 'H100:2,P800:2'")
     up.add_argument("--accelerators-per-node", type=int, default=None,
@@ -145,55 +119,29 @@ def build_parser(command: str | None = _ALL) -> argparse.ArgumentParser:
     up.add_argument("--object-store-mib", type=int, default=384)
     up.set_defaults(func=_cmd_up)
 
-    down = sub.add_parser("down", help="stop the local fleet started by `rayfleet up` (only its processes)")
+    down = subparsers.add_parser("down", help="stop the local fleet started by `rayfleet up` (only its processes)")
     down.set_defaults(func=_cmd_down)
 
     for name, func, help_ in (("status", _cmd_status, "nodes, accelerators, health and events"),
                               ("topology", _cmd_topology, "racks, blocks, scale-up domains")):
-        p = sub.add_parser(name, help=help_)
+        p = subparsers.add_parser(name, help=help_)
         p.add_argument("--address", default=None, help="host:port of the cluster (default: the local fleet)")
         if name == "status":
             p.add_argument("--json", action="store_true")
             p.add_argument("--no-events", action="store_true")
         p.set_defaults(func=func)
 
-    cordon = sub.add_parser("cordon", help="stop new work from landing on a node")
+    cordon = subparsers.add_parser("cordon", help="stop new work from landing on a node")
     cordon.add_argument("node")
     cordon.add_argument("--reason", default="cordoned by operator")
     cordon.add_argument("--address", default=None)
     cordon.set_defaults(func=_cmd_cordon)
-    uncordon = sub.add_parser("uncordon", help="let work land on a node again")
+    uncordon = subparsers.add_parser("uncordon", help="let work land on a node again")
     uncordon.add_argument("node")
     uncordon.add_argument("--address", default=None)
     uncordon.set_defaults(func=_cmd_uncordon)
-    check = sub.add_parser("self-check", help="run a node's deterministic GEMM self-check")
+    check = subparsers.add_parser("self-check", help="run a node's deterministic GEMM self-check")
     check.add_argument("node")
     check.add_argument("--inject", choices=["sdc"], default=None, help="inject silent data corruption first")
     check.add_argument("--address", default=None)
     check.set_defaults(func=_cmd_self_check)
-
-    for name, (module_name, help_) in AREA_COMMANDS.items():
-        if command in (_ALL, name):
-            importlib.import_module(module_name).register(sub)
-        else:  # listed in `rayfleet --help`; never parsed (its command would have been imported)
-            sub.add_parser(name, help=help_, add_help=False)
-    return parser
-
-
-def _command_in(argv: list[str]) -> str | None:
-    """The command ``argv`` names (its first non-option argument), or None."""
-    return next((arg for arg in argv if not arg.startswith("-")), None)
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(_command_in(argv)).parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except RayfleetError as exc:
-        print(f"rayfleet {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,29 +1,36 @@
 """``rayfleet data prepare``: text files to tokenized Parquet shards (see ``storage.tokens``).
 
-Registered by ``rayfleet.cli`` through ``register(subparsers)``; the handler returns an exit
-code and lets ``RayfleetError`` reach the CLI, which prints it as one line.
+Registered by ``rayfleet.cli.entry`` through ``register(subparsers)``; the handler returns an exit
+code and lets ``RayfleetError`` reach the CLI, which prints it as one line. The dataset is
+written by ``rayfleet.storage.tokens``; this module adds the progress bar and, for
+``--tokenizer DIR``, wires an HF tokenizer (``rayfleet.models.hf``) to the folder's files
+(``rayfleet.storage``), which no module inside an area may do.
 
 Design decisions:
 - Imports of numpy/pyarrow/the tokenizer happen in the handler, so ``rayfleet --help`` and
   argument errors stay fast.
 - Progress is a tqdm bar (tqdm comes with the Hugging Face libraries we depend on) over tokens:
-  the total is known before writing (the byte tokenizer makes one token per byte plus BOS/EOS per
-  file) and the bar advances as shards land in the output folder, polled from a thread, because
-  the dataset writer has no progress hook. A folder that already holds shards from an earlier run
+  the total is known before writing (``count_byte_tokens``: one token per byte plus BOS/EOS per
+  file) and the bar advances as shards land in the output folder (``count_token_shards``), polled
+  from a thread, because the dataset writer has no progress hook. A folder that already holds shards from an earlier run
   is overwritten in place, so its bar only jumps to the end.
 """
 
 from __future__ import annotations
 
 import argparse
-import posixpath
 import threading
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rayfleet.models.hf import HFTokenizer
 
 __all__ = ["register"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``rayfleet data prepare``."""
     data = subparsers.add_parser("data", help="prepare training data")
     commands = data.add_subparsers(dest="data_command", metavar="COMMAND", required=True)
     prepare = commands.add_parser(
@@ -49,11 +56,9 @@ class _ShardProgress:
     """A tqdm bar of tokens written, advanced by the shards that appear under ``out`` (see above)."""
 
     def __init__(self, out: str, *, total_tokens: int, tokens_per_shard: int, interval_s: float = 0.5) -> None:
-        import fsspec
         from tqdm import tqdm
 
-        self._fs, root = fsspec.core.url_to_fs(out)
-        self._pattern = posixpath.join(root, "shard-*.parquet")
+        self._out = out
         self._before = self._count()
         self._tokens_per_shard = tokens_per_shard
         self._interval_s = interval_s
@@ -62,10 +67,9 @@ class _ShardProgress:
         self._thread = threading.Thread(target=self._poll, name="data-prepare-progress", daemon=True)
 
     def _count(self) -> int:
-        try:
-            return len(self._fs.glob(self._pattern))
-        except (FileNotFoundError, OSError):
-            return 0
+        from rayfleet.storage.tokens import count_token_shards
+
+        return count_token_shards(self._out)
 
     def _poll(self) -> None:
         while not self._stop.wait(self._interval_s):
@@ -86,9 +90,8 @@ class _ShardProgress:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    import fsspec
-
-    from rayfleet.storage.tokens import default_text_sources, find_text_files, prepare_token_dataset
+    from rayfleet.storage.tokens import (count_byte_tokens, default_text_sources, find_text_files,
+                                         prepare_token_dataset)
 
     sources = args.sources or default_text_sources()
     files = find_text_files(sources, glob=args.glob)
@@ -97,7 +100,7 @@ def _prepare(args: argparse.Namespace) -> int:
         manifest = prepare_token_dataset(sources, args.out, shard_tokens=args.shard_tokens, seq_len=args.seq_len,
                                          glob=args.glob, tokenizer=_hf_tokenizer(args.tokenizer))
     else:
-        total_tokens = sum(fsspec.core.url_to_fs(f)[0].size(f) + 2 for f in files)  # bytes + BOS/EOS
+        total_tokens = count_byte_tokens(files)
         rows_per_shard = max(1, args.shard_tokens // max(1, args.seq_len))
         with _ShardProgress(args.out, total_tokens=total_tokens, tokens_per_shard=rows_per_shard * args.seq_len):
             manifest = prepare_token_dataset(sources, args.out, shard_tokens=args.shard_tokens,
@@ -109,8 +112,8 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _hf_tokenizer(uri: str):
-    """The HF tokenizer in folder ``uri`` (this command module may wire models to storage)."""
+def _hf_tokenizer(uri: str) -> HFTokenizer:
+    """The HF tokenizer in folder ``uri`` (a command module may wire models to storage)."""
     from rayfleet.models.hf.tokenizer import HFTokenizer
     from rayfleet.storage.safetensors_io import read_side_files
 

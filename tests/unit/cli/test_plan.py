@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from rayfleet.cli.plan import register
 from rayfleet.errors import SpecError
-from rayfleet.placement.cli import register
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "models"
 
