@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from common import cpu_name  # benchmarks/common.py (this script's directory is on sys.path)
+from common import Goal, Table, cpu_name, record_run  # benchmarks/common.py (this script's directory is on sys.path)
 from rayfleet.jobs.checkpoint.flash import CheckpointState, FlashCheckpointer
 from rayfleet.platform.snapshot import SnapshotStore
 
@@ -204,6 +204,19 @@ def main() -> None:
               f"{r['restore_storage_s']:>17.3f}")
     print("goals: warm snapshot <= 0.100 s/GiB, >= 10x less blocking than the synchronous save "
           "(less blocking = save median / warm snapshot median); storage restores read the page cache")
+    goals = []
+    for r in rows:
+        goals += [Goal(f"{r['size_gib']:g} GiB: warm snapshot s/GiB", "<=", 0.1, r["warm_snapshot_s_per_gib"]),
+                  Goal(f"{r['size_gib']:g} GiB: save / warm snapshot (less blocking)", ">=", 10, r["blocking_ratio"])]
+    table = Table(["GiB", "cold s", "warm s", "warm s/GiB", "min s/GiB", "memcpy s/GiB", "save s/GiB", "less blocking",
+                   "persist s", "restore shm s", "restore storage s"],
+                  [[f"{r['size_gib']:.2f}", f"{r['cold_snapshot_s']:.3f}", f"{r['warm_snapshot_s']:.3f}",
+                    f"{r['warm_snapshot_s_per_gib']:.3f}", f"{r['warm_snapshot_min_s_per_gib']:.3f}",
+                    f"{r['memcpy_floor_s_per_gib']:.3f}", f"{r['sync_save_s_per_gib']:.3f}", f"{r['blocking_ratio']:.1f}x",
+                    f"{r['persist_s']:.2f}", f"{r['restore_shm_s']:.3f}", f"{r['restore_storage_s']:.3f}"] for r in rows],
+                  note=f"medians of {args.repeats}; skipped sizes: {skipped or 'none'}")
+    record_run(name="checkpoint", quick=args.quick, params={"sizes_gib": sizes, "repeats": args.repeats},
+               figures={"rows": rows, "skipped_sizes": skipped}, goals=goals, tables={"flash_snapshot": table})
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import Goal, Table, record_run  # noqa: E402  (benchmarks/common.py, beside this script)
 from rayfleet.platform.sim import POLICIES, SimConfig, run_policy  # noqa: E402
 from rayfleet.platform.sim.costs import CostModel  # noqa: E402
 from rayfleet.platform.status_table import format_table  # noqa: E402
@@ -63,6 +64,11 @@ def run_scale(config: SimConfig) -> dict[str, dict]:
 
 
 def table(scale: int, results: dict[str, dict]) -> str:
+    head, rows = saturated_rows(results)
+    return f"{scale:,} accelerators\n" + format_table(head, rows)
+
+
+def saturated_rows(results: dict[str, dict]) -> tuple[tuple[str, ...], list[tuple]]:
     static_util = results["static"]["utilization"]
     rows = []
     for mode, r in results.items():
@@ -77,10 +83,14 @@ def table(scale: int, results: dict[str, dict]) -> str:
     head = ("policy", "util", "pts vs static", "held", "SLO attained", "train lost", "handover p50/p99 s",
             "lent replicas", "full-job preempt", "resizes", "mean JCT h*", "queue delay h*", "useful accel-h",
             "jobs done")
-    return f"{scale:,} accelerators\n" + format_table(head, rows)
+    return head, rows
 
 
 def load_table(by_load: dict[float, dict[str, dict]]) -> str:
+    return format_table(*load_rows(by_load))
+
+
+def load_rows(by_load: dict[float, dict[str, dict]]) -> tuple[tuple[str, ...], list[tuple]]:
     rows = []
     for load, results in by_load.items():
         for mode, r in results.items():
@@ -90,7 +100,19 @@ def load_table(by_load: dict[float, dict[str, dict]]) -> str:
                          r["resizes"], f"{r['jobs_completed']}/{r['jobs_arrived']}"))
     head = ("offered", "policy", "util", "held", "mean JCT h*", "p95 JCT h*", "SLO attained", "train lost accel-h",
             "full-job preempt", "resizes", "jobs done")
-    return format_table(head, rows)
+    return head, rows
+
+
+def goals_of(label: str, results: dict[str, dict]) -> list[Goal]:
+    """The goals the run prints, for the shared policy, judged on unrounded shares."""
+    shared, static = results["shared"], results["static"]
+    return [Goal(f"{label}: shared utilization", ">=", 0.90, shared["utilization"]),
+            Goal(f"{label}: shared utilization - static's (points / 100)", ">=", 0.25,
+                 shared["utilization"] - static["utilization"]),
+            Goal(f"{label}: shared SLO attainment", ">=", 0.99, shared["slo_attainment"]),
+            Goal(f"{label}: shared training lost share", "<=", 0.02, shared["training_lost_share"]),
+            Goal(f"{label}: shared handover p50 s (modeled)", "<=", 30, shared["handover_lent_p50_s"]),
+            Goal(f"{label}: shared handover p99 s (modeled)", "<=", 120, shared["handover_lent_p99_s"])]
 
 
 def plot(results: dict[str, dict], path: Path, *, accel_per_serve_replica: int) -> bool:
@@ -181,6 +203,28 @@ def main() -> int:
         print(table(scale, results[scale]))
         print()
     print("* over every arrived job; unfinished ones count with their age so far (a lower bound)")
+    goals, tables = [], {}
+    if by_load:
+        head, rows = load_rows(by_load)
+        tables["offered_loads"] = Table(list(head), [list(r) for r in rows],
+                                        note=f"1,024 accelerators x {args.days:g} days, same trace and seed per load")
+        for load, r in by_load.items():
+            goals += goals_of(f"offered {load:.0%}, 1,024 accelerators", r)
+    for scale in scales:
+        head, rows = saturated_rows(results[scale])
+        tables[f"saturated_{scale}"] = Table(list(head), [list(r) for r in rows],
+                                             note=f"{scale:,} accelerators x {args.days:g} days, saturated")
+        goals += goals_of(f"saturated, {scale:,} accelerators", results[scale])
+    drop = ("timeline",)
+    record_run(name="colocation", quick=args.quick,
+               params={"days": args.days, "seed": args.seed, "peak_to_trough": args.peak_to_trough,
+                       "inference_share": args.inference_share, "loads": args.loads, "scales": scales,
+                       "costs": costs_source},
+               figures={"offered_loads_1024": {str(k): {m: {f: x for f, x in v.items() if f not in drop and not isinstance(x, list)}
+                                                        for m, v in r.items()} for k, r in by_load.items()},
+                        "scales": {str(k): {m: {f: x for f, x in v.items() if f not in drop and not isinstance(x, list)} for m, v in r.items()}
+                                   for k, r in results.items()}},
+               goals=goals, tables=tables)
     return 0
 
 

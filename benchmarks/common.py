@@ -75,3 +75,181 @@ def init_local_ray(**resources: float) -> None:
             ray.shutdown()
             if attempt == 2:
                 raise
+
+
+# -- the results ledger: every run of every benchmark, with its commit, machine, load and goals ------
+#
+# Layout (benchmarks/results/ is ignored by git but for ledger/):
+#   benchmarks/results/ledger/<benchmark>.jsonl   full runs, one JSON line per run, appended; committed
+#   benchmarks/results/quick/<benchmark>.jsonl    --quick runs (what the tests run); never committed
+# $RAYFLEET_LEDGER_DIR replaces benchmarks/results/ as the root (the tests point it at a temp dir, so a
+# test run writes nothing into the checkout). One line per run keeps history diffable and the repo
+# small: a benchmark records its headline figures and tables, not its raw samples (those stay in its
+# --json file). The newest full entry holding a table is what the docs show (scripts/render_docs.py).
+
+import os as _os
+import time as _time
+from typing import NamedTuple as _NamedTuple
+
+LEDGER_DIR_ENV = "RAYFLEET_LEDGER_DIR"
+# Taken when a benchmark imports this module, i.e. before it measures anything.
+_LOAD_BEFORE = _os.getloadavg() if hasattr(_os, "getloadavg") else None
+_STARTED_AT = _time.time()
+
+_COMPARATORS = {">=": lambda v, t: v >= t, "<=": lambda v, t: v <= t, ">": lambda v, t: v > t,
+                "<": lambda v, t: v < t}
+
+
+# NamedTuples, not dataclasses: the tests load this file by path (no entry in sys.modules), where a
+# dataclass with postponed annotations cannot be built.
+class Goal(_NamedTuple):
+    """A goal a benchmark states, judged in code on the unrounded ``value``.
+
+    ``printed_halfwidth`` is only for figures imported from a printed table (rounded): the true
+    value lies within ``value ± printed_halfwidth``, and where that interval straddles the
+    threshold the goal is undecidable (``met`` is None) rather than judged on the rounded figure.
+    """
+
+    name: str
+    comparator: str  # ">=", "<=", ">" or "<"
+    threshold: float
+    value: float | None
+    printed_halfwidth: float = 0.0
+
+    @property
+    def met(self) -> bool | None:
+        if self.value is None:
+            return None
+        check = _COMPARATORS[self.comparator]  # a KeyError names a comparator that is not one of these
+        low, high = self.value - self.printed_halfwidth, self.value + self.printed_halfwidth
+        at_low, at_high = check(low, self.threshold), check(high, self.threshold)
+        return at_low if at_low == at_high else None
+
+    def as_dict(self) -> dict:
+        out = {"name": self.name, "comparator": self.comparator, "threshold": self.threshold,
+               "value": self.value, "met": self.met}
+        if self.printed_halfwidth:
+            out["printed_halfwidth"] = self.printed_halfwidth
+        return out
+
+
+class Table(_NamedTuple):
+    """A table as the benchmark formats it (cells are display strings; the unrounded numbers are in
+    the entry's ``figures``). ``scripts/render_docs.py`` writes it into the docs as markdown."""
+
+    columns: list[str]
+    rows: list[list[str]]
+    note: str = ""
+
+    def as_dict(self) -> dict:
+        return {"columns": list(self.columns), "rows": [[str(c) for c in r] for r in self.rows], "note": self.note}
+
+
+class LedgerPaths(_NamedTuple):
+    full: Path
+    quick: Path
+
+
+def ledger_paths(name: str) -> LedgerPaths:
+    root = Path(_os.environ.get(LEDGER_DIR_ENV) or Path(__file__).resolve().parent / "results")
+    return LedgerPaths(full=root / "ledger" / f"{name}.jsonl", quick=root / "quick" / f"{name}.jsonl")
+
+
+def git_state(repo: Path | None = None) -> dict:
+    """The commit this run measured and whether the tree had uncommitted changes to tracked files."""
+    import subprocess
+
+    cwd = repo or Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": commit or None, "dirty": bool(dirty) if commit else None}
+
+
+def accelerator() -> str | None:
+    """The GPUs ``nvidia-smi`` lists (name, memory), or None: the benchmarks here run on CPU."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return "; ".join(line.strip() for line in out.splitlines() if line.strip()) or None
+
+
+def machine_state() -> dict:
+    """Cores, CPU model, memory, accelerator and the load average when the benchmark started
+    (imported this module) and now."""
+    mem_gib = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_gib = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    load_after = _os.getloadavg() if hasattr(_os, "getloadavg") else None
+    return {"cores": _os.cpu_count(), "cpu": cpu_name(), "memory_gib": mem_gib, "accelerator": accelerator(),
+            "platform": platform.platform(), "python": platform.python_version(),
+            "load_avg_before": list(_LOAD_BEFORE) if _LOAD_BEFORE else None,
+            "load_avg_after": list(load_after) if load_after else None}
+
+
+def record_run(*, name: str, quick: bool, params: dict, figures: dict, goals: list[Goal] = (),
+               tables: dict[str, Table] | None = None, argv: list[str] | None = None) -> Path:
+    """Append this run to the ledger (full runs: ``results/ledger/<name>.jsonl``; quick runs:
+    ``results/quick/<name>.jsonl``, ignored by git) and print each goal's verdict. Call it once, at
+    the end of a benchmark. Returns the file written."""
+    import json
+    import sys
+    from datetime import datetime, timezone
+
+    entry = {"benchmark": name, "recorded_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+             "mode": "quick" if quick else "full", "provenance": "measured",
+             "wall_s": round(_time.time() - _STARTED_AT, 1),
+             "git": git_state(), "machine": machine_state(),
+             "params": {"argv": list(sys.argv[1:] if argv is None else argv), **params},
+             "figures": _compact(figures), "goals": [g.as_dict() for g in goals],
+             "tables": {k: t.as_dict() for k, t in (tables or {}).items()}}
+    paths = ledger_paths(name)
+    path = paths.quick if quick else paths.full
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps(entry, default=str, sort_keys=False)
+    if len(line) > 64_000:  # a ledger line holds headline figures, not samples
+        print(f"warning: ledger entry for {name} is {len(line):,} bytes; keep raw samples in --json", flush=True)
+    with path.open("a") as f:
+        f.write(line + "\n")
+    for g in goals:
+        verdict = {True: "met", False: "NOT MET", None: "undecidable"}[g.met]
+        value = "n/a" if g.value is None else f"{g.value:.6g}"
+        print(f"goal {g.name}: {value} {g.comparator} {g.threshold:g}: {verdict}")
+    print(f"ledger: {path}")
+    return path
+
+
+def _compact(value, *, max_items: int = 64):
+    """``value`` with every list longer than ``max_items`` replaced by its length: raw samples belong
+    in the benchmark's --json file, not in the ledger."""
+    if isinstance(value, dict):
+        return {str(k): _compact(v, max_items=max_items) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        if len(value) > max_items:
+            return {"omitted_list_of": len(value)}
+        return [_compact(v, max_items=max_items) for v in value]
+    return value
+
+
+def read_ledger(path: Path) -> list[dict]:
+    """Every entry of one ledger file, oldest first."""
+    import json
+
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

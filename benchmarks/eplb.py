@@ -47,6 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import Goal, Table, record_run  # noqa: E402  (benchmarks/common.py, beside this script)
 from rayfleet.models import ByteTokenizer, build_model, preset  # noqa: E402
 from rayfleet.serving.experts.eplb import (balance_ratio, contiguous_placement, device_load,  # noqa: E402
                                    expert_demand, rebalance_experts)
@@ -198,8 +199,18 @@ def main() -> None:
     print(f"\nEPLB on {summary['ran_on']['machine']} CPU x{os.cpu_count()}, torch {torch.__version__}; "
           f"per-device max/mean load, mean over windows x layers; next-window balancer sees "
           f"{args.history} windows; wall {summary['wall_s']:.0f} s; wrote {args.json}")
-    print(_table(["trace/policy", "experts groups nodes devices slots", "naive (>=2)", "in-window (<=1.1)",
-                  f"next p{args.percentile:g} (<=1.25)", "next mean", "next worst", "ms/rebalance"], rows))
+    header = ["trace/policy", "experts groups nodes devices slots", "naive (>=2)", "in-window (<=1.1)",
+              f"next p{args.percentile:g} (<=1.25)", "next mean", "next worst", "ms/rebalance"]
+    print(_table(header, rows))
+    goals = []
+    for name, r in results.items():
+        goals += [Goal(f"{name}: naive placement max/mean (the imbalance to fix)", ">=", GOAL_NAIVE, r["naive"]["mean"]),
+                  Goal(f"{name}: in-window max/mean", "<=", GOAL_IN_WINDOW, r["in_window"]["mean"]),
+                  Goal(f"{name}: next-window p{args.percentile:g} max/mean", "<=", GOAL_NEXT_WINDOW, r[p_key]["mean"])]
+    figures = {name: {k: v for k, v in r.items() if k != "tokens_per_expert"} for name, r in results.items()}
+    record_run(name="eplb", quick=args.quick, params={"history": args.history, "percentile": args.percentile,
+                                                      "model_windows": num_windows, "batch": batch},
+               figures=figures, goals=goals, tables={"balance": Table(header, rows)})
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common import cpu_name  # benchmarks/common.py (this script's directory is on sys.path)
+from common import Goal, Table, cpu_name, record_run  # benchmarks/common.py (this script's directory is on sys.path)
 from rayfleet.models import build_model, preset
 from rayfleet.models.fp8 import RECIPES, Fp8Recipe, convert_to_fp8, unscaled_cast_control
 from rayfleet.storage.tokens import load_tokens, prepare_token_dataset
@@ -230,6 +230,7 @@ def main() -> None:
           f"steps (BF16 mean {bf16_tail:.4f}); goal <= 0.5% per seed, <= 0.25% averaged")
     seed_cols = " ".join(f"{'seed ' + str(s):>9}" for s in range(args.seeds))
     print(f"{'recipe':>14} {seed_cols} {'mean':>9} {'s/run':>6}  verdict")
+    table_rows, goals = [], []
     for name, by_seed in rel.items():
         values = list(by_seed.values())
         mean = float(np.mean(values))
@@ -244,6 +245,20 @@ def main() -> None:
             verdict = "pass" if ok else "FAIL"
         cols = " ".join(f"{v * 100:+8.3f}%" for v in values)
         print(f"{name:>14} {cols} {mean * 100:+8.3f}% {seconds[name] / args.seeds:6.1f}  {verdict}")
+        table_rows.append([name, *(f"{v * 100:+.3f}%" for v in values), f"{mean * 100:+.3f}%",
+                           f"{seconds[name] / args.seeds:.1f}", verdict])
+        if name not in (CONTROL, NOISE):
+            goals += [Goal(f"{name}: worst seed |relative loss difference|", "<=", 0.005, max(abs(v) for v in values)),
+                      Goal(f"{name}: |mean relative loss difference|", "<=", 0.0025, abs(mean))]
+        elif name == CONTROL:
+            goals.append(Goal(f"{name}: mean relative loss difference (the control must be worse)", ">", 0.01, mean))
+    record_run(name="fp8_parity", quick=args.quick,
+               params={"steps": args.steps, "seeds": args.seeds, "batch": args.batch, "seq_len": args.seq_len,
+                       "lr": args.lr, "threads": args.threads, "window": window},
+               figures={"relative_loss_diff": result["relative_loss_diff"], "seconds": seconds,
+                        "bf16_tail_loss": float(bf16_tail), "gpu_speed": gpu},
+               goals=goals, tables={"parity": Table(["recipe", *(f"seed {s}" for s in range(args.seeds)), "mean",
+                                                     "s/run", "verdict"], table_rows)})
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_name  # noqa: E402
+from common import Goal, Table, cpu_name, record_run  # noqa: E402
 
 SPEC_NAME = "bench-handover"
 
@@ -77,7 +77,7 @@ def _burst(base_url: str, api_key: str | None, stop: threading.Event, clients: i
 
 def baseline_scale_up(app: str, role: str) -> float:
     """Seconds for the pool to grow 1 -> 2 replicas onto a free accelerator, then back to 1."""
-    from rayfleet.serving.deploy.autoscale_shell import _running_replicas
+    from rayfleet.serving.serve_scaling_shell import _running_replicas
     from rayfleet.serving.deploy.pool_scaling import set_pool_bounds
 
     started = time.time()
@@ -231,6 +231,13 @@ def main(argv: list[str] | None = None) -> int:
                                    source=f"benchmarks/handover.py, {runs} run(s), {cpu_name()}, "
                                           f"{time.strftime('%Y-%m-%d')}")
         print(f"calibration for the simulator written to {args.calibration}")
+    phases = Table(["phase", *(f"run {i + 1}" for i in range(runs)), "p50"],
+                   [[k, *(f"{r[k]:.1f}" if r.get(k) is not None else "-" for r in rows), f"{p50[k]:.1f}"] for k in p50]
+                   + [["baseline: a replica onto a free accelerator", *([""] * runs), f"{baseline:.1f}"]])
+    record_run(name="handover", quick=args.quick, params={"runs": runs},
+               figures={"runs": rows, "p50": p50, "baseline_scale_up_s": baseline},
+               goals=[Goal("handover p50 s (decision to lent replica serving)", "<=", 30, p50.get("serving"))],
+               tables={"phases": phases})
     return 0
 
 

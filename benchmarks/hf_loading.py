@@ -142,7 +142,7 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import cpu_name
+    from common import Goal, Table, cpu_name, record_run
 
     folder = Path(args.dir or tempfile.mkdtemp(prefix="hf-loading-"))
     try:
@@ -169,12 +169,20 @@ def main() -> None:
     header = f"{'loader':<28} {'seconds':>8} {'held MiB':>9} {'peak RSS MiB':>12} {'net peak MiB':>12} {'net vs full':>11}"
     print(header)
     print("-" * len(header))
+    table_rows = []
     for label, r in [("full (lazy reader)", full), ("full (safetensors load_file)", ref),
                      *[(f"rank {r['rank']} of {WORLD} (EP/TP slice)", r) for r in ranks]]:
         print(f"{label:<28} {r['seconds']:>8.2f} {r['held_bytes'] / 2**20:>9.0f} {r['peak_rss_mib']:>12.0f} "
               f"{r['net_peak_mib']:>12.0f} {r['net_peak_mib'] / full['net_peak_mib']:>11.2f}")
+        table_rows.append([label, f"{r['seconds']:.2f}", f"{r['held_bytes'] / 2**20:.0f}", f"{r['peak_rss_mib']:.0f}",
+                           f"{r['net_peak_mib']:.0f}", f"{r['net_peak_mib'] / full['net_peak_mib']:.2f}"])
     verdict = "meets" if worst <= 0.5 * full["net_peak_mib"] else "misses"
     print(f"worst rank net peak / full = {worst / full['net_peak_mib']:.2f} ({verdict} the goal <= 0.50)")
+    record_run(name="hf_loading", quick=args.quick, params={"world": WORLD, "checkpoint_bytes": total},
+               figures={k: v for k, v in result.items() if k != "machine"},
+               goals=[Goal("worst rank net peak memory / full load", "<=", 0.5, worst / full["net_peak_mib"])],
+               tables={"loading": Table(["loader", "seconds", "held MiB", "peak RSS MiB", "net peak MiB", "net vs full"],
+                                        table_rows, note=f"{total / 2**30:.2f} GiB bf16 Qwen3-MoE, EP = TP = {WORLD}")})
 
 
 if __name__ == "__main__":

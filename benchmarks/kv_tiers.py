@@ -58,11 +58,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import trace_file  # noqa: E402  (benchmarks/common.py, beside this script)
+from common import Goal, Table, record_run, trace_file  # noqa: E402  (benchmarks/common.py, beside this script)
 from rayfleet.models import PagedKVCache, build_model, preset  # noqa: E402
 from rayfleet.serving.engine.block_hash import root_block_hash  # noqa: E402
 from rayfleet.serving.engine.block_pool import BlockPool  # noqa: E402
-from rayfleet.serving.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from rayfleet.serving.engine.engine_config import EngineConfig  # noqa: E402
+from rayfleet.serving.engine.llm_engine import LLMEngine
 from rayfleet.serving.engine.kv_cache_manager import KVCacheManager  # noqa: E402
 from rayfleet.serving.kv.tier_connector import KVTierConnector  # noqa: E402
 from rayfleet.serving.kv.tiers import NodeKVTiers  # noqa: E402
@@ -287,6 +288,19 @@ def main() -> None:
               f"{r['ttft_p90_s'] * 1e3:>8.1f}")
     print(f"{'infinite cache (bound)':<42}{ttft_bound:>9.3f}")
     print(f"TTFT speed-up (mean): {base['ttft_mean_s'] / tier['ttft_mean_s']:.2f}x")
+    hits = [[name, f"{rate:.3f}", f"{rate / bound:.2f}"] for name, rate in (
+        ("engine only (N)", engine_only["hit_rate"]), ("tiered (N + 4N host + 64N disk)", tiered["hit_rate"]),
+        ("infinite cache (bound)", bound))]
+    ttft_rows = [[name, f"{r['hit_rate']:.3f}", f"{r['ttft_mean_s'] * 1e3:.1f}", f"{r['ttft_p50_s'] * 1e3:.1f}",
+                  f"{r['ttft_p90_s'] * 1e3:.1f}"] for name, r in (("engine only", base), ("tiered", tier))]
+    record_run(name="kv_tiers", quick=args.quick,
+               params={"trace": trace.name, "requests": len(rows), "engine_blocks": args.engine_blocks,
+                       "ttft_requests": n_ttft},
+               figures={k: v for k, v in result.items() if k not in ("when", "machine", "cpu_count")},
+               goals=[Goal("tiered token hit rate / infinite-cache bound", ">=", 0.9, tiered["hit_rate"] / bound)],
+               tables={"hit_rate": Table(["configuration", "token hit rate", "/ bound"], hits,
+                                         note=result["sizing_rule"]),
+                       "ttft": Table(["TTFT, real prefill", "hit rate", "mean ms", "p50 ms", "p90 ms"], ttft_rows)})
 
 
 if __name__ == "__main__":

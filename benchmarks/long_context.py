@@ -40,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import init_local_ray  # noqa: E402  (benchmarks/common.py, beside this script)
+from common import Table, init_local_ray, record_run  # noqa: E402  (benchmarks/common.py, beside this script)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -53,7 +53,8 @@ def _replica_class():
         def __init__(self, name: str, preset_name: str, max_len: int) -> None:
             import torch
 
-            from rayfleet.serving.engine.llm_engine import EngineConfig, LLMEngine
+            from rayfleet.serving.engine.engine_config import EngineConfig
+            from rayfleet.serving.engine.llm_engine import LLMEngine
             from rayfleet.serving.engine.async_engine import AsyncEngine
             from rayfleet.serving.kv.transfer import ObjectStoreTransport
             from rayfleet.serving.routing.split_prefill import SpanPrefillWorker
@@ -104,8 +105,8 @@ async def measure(actors, *, lengths, repeats, preset_name) -> list[dict]:
 
     from rayfleet.models import preset
     from rayfleet.serving.routing.long_prefill import LongPrefillPolicy, key_cost_for
-    from rayfleet.serving.routing.prefix_index import ReplicaId
-    from rayfleet.serving.routing.policy import ReplicaSnapshot
+    from rayfleet.serving.engine.replica_state import ReplicaId
+    from rayfleet.serving.engine.replica_state import ReplicaSnapshot
     from rayfleet.serving.engine.sampling import SamplingParams
     from rayfleet.serving.routing.split_prefill import split_prefill
 
@@ -187,6 +188,16 @@ def main() -> None:
         compute = "/".join(f"{v:.2f}" for v in row["split_compute_s"].values())
         print(f"{row['prompt_tokens']:>7} {spans:>22} {row['single_ttft_s']:>11.2f}s {row['split_ttft_s']:>10.2f}s "
               f"{row['speedup']:>8.2f}x {ideal:>5.2f}x {compute:>15}s {row['split_overhead_s']:>8.2f}s")
+    table = Table(["prompt", "spans", "single TTFT s", "split TTFT s", "speed-up", "ideal", "compute/replica s", "overhead s"],
+                  [[str(row["prompt_tokens"]), " ".join(f"{e - s}" for _, s, e in row["spans"]),
+                    f"{row['single_ttft_s']:.2f}", f"{row['split_ttft_s']:.2f}", f"{row['speedup']:.2f}x", f"{ideal:.2f}x",
+                    "/".join(f"{v:.2f}" for v in row["split_compute_s"].values()), f"{row['split_overhead_s']:.2f}"]
+                   for row in rows])
+    # No goal is stated: the split is compared with a single replica and with the pipeline's ideal.
+    record_run(name="long_context", quick=args.quick, params={"preset": args.preset, "lengths": lengths, "repeats": repeats},
+               figures={"meta": meta, "rows": [{k: v for k, v in r.items() if k not in ("single_runs_s", "split_runs_s")}
+                                               for r in rows]},
+               tables={"prefill_split": table})
 
 
 if __name__ == "__main__":

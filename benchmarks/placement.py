@@ -39,6 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import Goal, Table, record_run  # noqa: E402  (benchmarks/common.py, beside this script)
 from rayfleet.placement import JobGoal, SearchSpace, fleet_capacity, fleet_capacity_of, parse_fleet, preset  # noqa: E402
 from rayfleet.placement.calibration import (FITTED_FIELDS, explain_gap, fit_efficiency,  # noqa: E402
                                             load_published_runs, predict_run, rank_published_plan)
@@ -280,6 +281,8 @@ def main() -> int:
               f"{own['plain_1f1b_tok_s_gpu'] or 0:,.0f} as plain 1F1B); rank {own['rank'] or '-'} "
               f"(top 10), {own['gap_to_top']:+.1%} to the top {own['top_plan']}")
         gaps = gap_breakdowns() if args.breakdown else None
+        record_run(name="placement", quick=False, params={"part": "calibration", "refit": args.refit},
+                   figures={"calibration": rows, "deepseek_own_plan": own})
         if args.json:
             Path(args.json).write_text(json.dumps({"machine": machine, "calibration": rows,
                                                    "deepseek_own_plan": own, "gap_breakdowns": gaps}, indent=2))
@@ -301,9 +304,11 @@ def main() -> int:
              f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-", str(r["shapes"]), str(r["pruned"]),
              str(r.get("same_best_as_brute_force", "-"))] for r in scaling]
     print(_table(header, rows))
+    tables, goals = {"planner_scaling": Table(header, rows)}, []
     for n, goal in ((10_000, 1.0), (100_000, 2.0)):
         worst = max((r["planner_cpu_s"] for r in scaling if r["accelerators"] == n), default=None)
         if worst is not None:
+            goals.append(Goal(f"plan search CPU s at {n:,} accelerators (slowest model)", "<=", goal, worst))
             print(f"goal <= {goal:.0f} s at {n:,} accelerators: {'met' if worst <= goal else 'NOT met'} "
                   f"(slowest model {worst:.2f} s CPU)")
     cap_s = max(r["capacity_s"] for r in scaling)
@@ -319,6 +324,10 @@ def main() -> int:
              f"{q['dp_cross_rail']}/{q['dp_inter_node_transfers']}", f"{q['pp_cross_rail']}/{q['pp_inter_node_transfers']}",
              f"{q['spine_gb']:.1f}", f"{q['cross_block_gb']:.1f}", f"{q['spine_vs_rayfleet']:.2f}x"] for q in quality]
     print(_table(header, rows))
+    tables["layout_quality"] = Table(header, rows)
+    record_run(name="placement", quick=args.quick, params={"part": "scaling", "repeats": repeats, "sizes": list(sizes)},
+               figures={"planner_scaling": scaling, "topology_build_100k_s": topo_s, "layout_quality": quality},
+               goals=goals, tables=tables)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine, "planner_scaling": scaling,
                                                "topology_build_100k_s": topo_s, "layout_quality": quality},

@@ -26,7 +26,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common import cpu_name  # benchmarks/common.py (this script's directory is on sys.path)
+from common import Table, cpu_name, record_run  # benchmarks/common.py (this script's directory is on sys.path)
 
 from rayfleet.serving.engine.block_pool import KVCacheEvent
 from rayfleet.serving.routing.hash_log import HashLogPublisher
@@ -118,6 +118,20 @@ def main() -> None:
     print(f"{'rank, index after':<32}{rank['deferred']['p50_ms']:>10.3f}{rank['deferred']['p99_ms']:>10.3f}")
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))
+    publication = Table(["publication", "bytes mean", "bytes max", "observe ms"],
+                        [[name, f"{r['bytes_mean']:.0f}", str(r["bytes_max"]), f"{r['observe_ms_mean']:.3f}"]
+                         for name, r in (("full set (baseline)", full), ("hash log", log))],
+                        note=f"one replica, {cached:,} cached blocks, {args.churn} stored + {args.churn} evicted "
+                             f"per {PERIOD_S} s period, {periods} periods")
+    decision = Table(["path", "p50 ms", "p99 ms"],
+                     [["rank + index (baseline)", f"{rank['inline']['p50_ms']:.3f}", f"{rank['inline']['p99_ms']:.3f}"],
+                      ["rank, index after", f"{rank['deferred']['p50_ms']:.3f}", f"{rank['deferred']['p99_ms']:.3f}"]],
+                     note=f"64 replicas, 512-block prompts, {num_decisions} decisions")
+    # No goal is stated for this one: it compares with its baseline (the full set every period).
+    record_run(name="pool_routing_stats", quick=args.quick,
+               params={"cached_blocks": cached, "churn": args.churn, "periods": periods, "decisions": num_decisions},
+               figures={k: v for k, v in results.items() if k != "cpu"},
+               tables={"publication": publication, "decision": decision})
 
 
 if __name__ == "__main__":

@@ -87,6 +87,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from checkpoint import cpu_name, run_size  # noqa: E402  (benchmarks/checkpoint.py)
+from common import Goal, Table, record_run  # noqa: E402  (benchmarks/common.py)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GIB = 1 << 30
@@ -472,6 +473,25 @@ def run_benchmark(args: argparse.Namespace, *, kill_at: list[int], work: str) ->
           f"every {every_fleet} steps (Young), downtime {downtime:.1f} s per failure (measured median)")
     print(f"  effective training time {fraction:.2%} (goal >= {GOAL_FLEET_FRACTION:.0%}); the goal holds up to "
           f"{max_down:.0f} s of downtime per failure")
+    goals = [Goal("fleet model: effective training fraction, 16,384 H100", ">=", GOAL_FLEET_FRACTION, fraction)]
+    table_rows = []
+    for r in failures:
+        goals += [Goal(f"kill {r['kill']}: kill to next step s", "<=", GOAL_KILL_TO_STEP_S, r["kill_to_next_step_s"]),
+                  Goal(f"kill {r['kill']}: steps lost", "<=", args.every, r["steps_lost"])]
+        table_rows.append([str(r["kill"]), str(r.get("victim_rank", "?")), str(r["last_step_before_kill"]),
+                           str(r["restored_step"]), str(r["restored_from"]), str(r["steps_lost"]),
+                           f"{r['kill_to_next_step_s']:.1f}", fmt(r, "detect_s"), fmt(r, "teardown_s"),
+                           fmt(r, "actors_s"), fmt(r, "train_context_s"), fmt(r, "backend_setup_s"),
+                           fmt(r, "train_fn_to_step_s"), f"{r['first_step_s']:.1f}"])
+    record_run(name="recovery", quick=args.quick, params={"steps": args.steps, "snapshot_every": args.every,
+                                                          "kill_at_steps": kill_at},
+               figures={"failures": failures, "ettr": ettr, "productive_step_time_fraction": productive,
+                        "losses_match_baseline": same_losses, "phase_medians_s": phase_medians,
+                        "fleet_model": {"inputs": model_inputs, "effective_training_fraction": fraction,
+                                        "max_downtime_s_for_goal": max_down}},
+               goals=goals,
+               tables={"kills": Table(["kill", "rank", "last done", "restored", "from", "lost", "kill->step s", "detect",
+                                       "teardown", "actors", "ctx init", "gloo", "fn->step", "step"], table_rows)})
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import json
 import time
 from pathlib import Path
 
-from common import cpu_name  # benchmarks/common.py (this script's directory is on sys.path)
+from common import Table, cpu_name, record_run  # benchmarks/common.py (this script's directory is on sys.path)
 from ray import serve
 
 from rayfleet.serving.routing.router import RouteHint
@@ -84,7 +84,7 @@ def main() -> None:
 
     import ray
 
-    from rayfleet.serving.deploy.deployments import _pool
+    from rayfleet.serving.deploy.deployments import bind_pool
     from rayfleet.serving.spec import ServeSpec
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -92,7 +92,7 @@ def main() -> None:
         spec = ServeSpec.parse({"name": "hop-bench", "model": {"preset": "tiny", "seed": 0},
                                 "colocated": {"replicas": 2, "accelerators_per_replica": 0},
                                 "engine": {"num_blocks": 64}})
-        pool = _pool(spec, "colocated")
+        pool = bind_pool(spec, "colocated")
         app = Caller.bind(pool, RouterHop.bind(pool, spec.name))
         caller = serve.run(app, name=spec.name, route_prefix=None)
         samples = caller.measure.remote(num_calls).result(timeout_s=600)
@@ -109,6 +109,11 @@ def main() -> None:
         print(f"{r['path']:<12} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['vs_in_handle']:>16.2f}x")
     if args.json:
         args.json.write_text(json.dumps({"calls": num_calls, "rows": rows, "samples_s": samples}, indent=1))
+    # No goal is stated: the router-deployment hop is the baseline, measured in the same run.
+    record_run(name="serve_routing_hop", quick=args.quick, params={"calls": num_calls}, figures={"rows": rows},
+               tables={"hop": Table(["path", "p50 ms", "p99 ms", "p50 vs in-handle"],
+                                    [[r["path"], f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}", f"{r['vs_in_handle']:.2f}x"]
+                                     for r in rows])})
 
 
 if __name__ == "__main__":

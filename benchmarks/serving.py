@@ -5,7 +5,7 @@
     python benchmarks/serving.py --engine vllm [--quick]   # built-in vs vLLM side by side (serving_vllm.py)
 
 Starts its own local Ray cluster (``ray.init(address="local")`` with 8 fake GPUs; never an
-existing one), deploys each configuration with ``rayfleet.serving.deploy.deployer.deploy``, and drives it
+existing one), deploys each configuration with ``rayfleet.serving.deployer.deploy``, and drives it
 with streamed ``/v1/completions`` requests (aiohttp).
 
 Part 1 (router decision time, pure, in-process): ``RouterPolicy.choose_prefill`` and the full
@@ -66,7 +66,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import init_local_ray, trace_file  # noqa: E402  (benchmarks/common.py, beside this script)
+from common import Goal, Table, init_local_ray, record_run, trace_file  # noqa: E402  (benchmarks/common.py, beside this script)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LOAD_TRACE = "azure2023_conv.csv"  # in $RAYFLEET_TRACE_DIR (default: the repository's traces/)
@@ -90,9 +90,11 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 def router_decision_time(*, num_replicas: int = 64, num_blocks: int = 100_000, trials: int = 2000,
                          prompt_tokens: int = 8192) -> dict:
     from rayfleet.serving.engine.block_hash import hash_full_blocks, root_block_hash
-    from rayfleet.serving.routing.prefix_index import PrefixIndex, ReplicaId
+    from rayfleet.serving.routing.prefix_index import PrefixIndex
+    from rayfleet.serving.engine.replica_state import ReplicaId
     from rayfleet.serving.routing.router import RouterCore
-    from rayfleet.serving.routing.policy import ReplicaSnapshot, RouterPolicy
+    from rayfleet.serving.engine.replica_state import ReplicaSnapshot
+    from rayfleet.serving.routing.policy import RouterPolicy
 
     rng = random.Random(0)
     root = root_block_hash(model_id="bench")
@@ -154,16 +156,35 @@ def router_decision_time(*, num_replicas: int = 64, num_blocks: int = 100_000, t
 
 # -- trace replay of the routing policy (pure) ----------------------------------------------------
 
-def routing_replay(trace_path: Path, *, replica_counts: tuple[int, ...] = (8, 16, 64),
-                   limit: int | None = None) -> dict:
-    """Replay a Mooncake-format trace through the router at each pool size (see
-    ``rayfleet.serving.routing.trace_replay``). Cache rule, the same for every trace: each replica
-    holds twice its fair share of the trace's distinct blocks (a pool with large caches), so the
-    bound is reachable and what separates policies is where they send requests."""
+# The conversation traces of the router replay table (docs/serving.md), fixed before measuring:
+# ``trace_replay.multi_turn_trace`` keyword arguments, replayed by ``--trace FILE --conversations``.
+CONVERSATION_TRACES = (
+    dict(num_conversations=400, turns=8, seed=3, turn_blocks=(1, 8), system_blocks=4),
+    dict(num_conversations=400, turns=8, seed=11, turn_blocks=(1, 8), system_blocks=4),
+    dict(num_conversations=300, turns=12, seed=9, turn_blocks=(1, 4), system_blocks=2),
+    dict(num_conversations=1000, turns=6, seed=8, turn_blocks=(1, 8), system_blocks=4),
+    dict(num_conversations=200, turns=10, seed=7, turn_blocks=(2, 10), system_blocks=4),
+)
+
+
+def conversation_label(kw: dict) -> str:
+    return (f"C={kw['num_conversations']}, T={kw['turns']}, S={kw['seed']}, B={tuple(kw['turn_blocks'])}, "
+            f"K={kw['system_blocks']}")
+
+
+def routing_replay(trace_path: Path | None, *, replica_counts: tuple[int, ...] = (8, 16, 64),
+                   limit: int | None = None, requests: list | None = None, label: str | None = None) -> dict:
+    """Replay a Mooncake-format trace (or ``requests`` already built, named ``label``) through the
+    router at each pool size (see ``rayfleet.serving.routing.trace_replay``). Cache rule, the same
+    for every trace: each replica holds twice its fair share of the trace's distinct blocks (a pool
+    with large caches), so the bound is reachable and what separates policies is where they send
+    requests."""
     from rayfleet.serving.routing.policy import RouterPolicy
     from rayfleet.serving.routing.trace_replay import read_mooncake_trace, replay_routing
 
-    requests = read_mooncake_trace(trace_path, limit=limit)
+    name = label or str(trace_path)
+    if requests is None:
+        requests = read_mooncake_trace(trace_path, limit=limit)
     distinct = len({b for r in requests for b in r.block_ids})
     out = {}
     for n in replica_counts:
@@ -180,7 +201,34 @@ def routing_replay(trace_path: Path, *, replica_counts: tuple[int, ...] = (8, 16
                            "load_max_mean": r.load_max_mean, "route_p50_ms": r.route_p50_ms,
                            "route_p99_ms": r.route_p99_ms, "cache_blocks": cache}
         out[str(n)] = {**rows["rayfleet"], "baselines": {k: v for k, v in rows.items() if k != "rayfleet"}}
-    return {"trace": str(trace_path), "num_requests": len(requests), "replicas": out}
+    mean_prompt = sum(r.input_tokens for r in requests) / max(1, len(requests))
+    return {"trace": name, "num_requests": len(requests), "mean_prompt_tokens": mean_prompt,
+            "replicas": out}
+
+
+def replay_record(replays: list[dict], router: dict) -> tuple[list, dict]:
+    """The goals and the docs table of a replay run (``record_run``'s arguments)."""
+    goals = [Goal("route p99 (thread CPU), 64 replicas, 512-block prompts, ms", "<=", 1.0, router["route_cpu_p99_ms"]),
+             Goal("route p99 (wall), 64 replicas, 512-block prompts, ms", "<=", 1.0, router["route_p99_ms"])]
+    rows = []
+    for rp in replays:
+        counts = list(rp["replicas"])
+        default = [rp["replicas"][n] for n in counts]
+        base = lambda key: [rp["replicas"][n]["baselines"][key] for n in counts]  # noqa: E731
+        for n, row in zip(counts, default):
+            goals.append(Goal(f"{rp['trace']}, {n} replicas: share of bound (default policy)", ">=", 0.95,
+                              row["share_of_bound"]))
+            goals.append(Goal(f"{rp['trace']}, {n} replicas: load max/mean (default policy)", "<=", 1.1,
+                              row["load_max_mean"]))
+        cell = lambda rs, key, fmt: " / ".join(format(r[key], fmt) for r in rs)  # noqa: E731
+        rows.append([f"{rp['trace']} ({rp['num_requests']:,} req., mean prompt {rp['mean_prompt_tokens'] / 1e3:.0f}k tokens)",
+                     cell(base("spread_opt_in"), "share_of_bound", ".3f"), cell(base("spread_opt_in"), "load_max_mean", ".2f"),
+                     f"{cell(default, 'share_of_bound', '.3f')}, {cell(default, 'load_max_mean', '.2f')}",
+                     cell(base("fixed_weight_0.5"), "load_max_mean", ".2f"), cell(base("round_robin"), "share_of_bound", ".2f")])
+    counts = " / ".join(replays[0]["replicas"]) if replays else ""
+    table = Table([f"trace (replicas {counts})", "spread term (opt-in) share", "spread term load",
+                   "default, the overload term alone: share, load", "fixed weight 0.5: load", "round robin share"], rows)
+    return goals, {"router_replay": table}
 
 
 def print_replay(replay: dict) -> None:
@@ -422,6 +470,8 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, default=None,
                         help="a Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids): "
                              "replay it through the router at 8, 16 and 64 replicas and stop (no live apps)")
+    parser.add_argument("--conversations", action="store_true",
+                        help="with --trace: also replay the five synthetic conversation traces (CONVERSATION_TRACES)")
     parser.add_argument("--load-trace", type=Path, default=None,
                         help=f"Azure-format CSV for part 2 (default: {LOAD_TRACE} in $RAYFLEET_TRACE_DIR or traces/)")
     parser.add_argument("--json", type=Path, default=None,
@@ -432,13 +482,26 @@ def main() -> None:
 
         return side_by_side(sys.argv[1:])
     if args.trace is not None:
+        from rayfleet.serving.routing.trace_replay import multi_turn_trace
+
         replay = routing_replay(args.trace, limit=600 if args.quick else None)
+        replays = [replay]
+        if args.conversations:
+            for kw in CONVERSATION_TRACES:
+                requests = multi_turn_trace(**kw)
+                replays.append(routing_replay(None, requests=requests[:600] if args.quick else requests,
+                                              label=conversation_label(kw)))
         router = router_decision_time(trials=200 if args.quick else 2000)
-        result = {**replay, "router_decision": router}
+        result = {**replay, "router_decision": router, "conversation_traces": replays[1:]}
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(result, indent=1))
-        print_replay(replay)
+        for rp in replays:
+            print_replay(rp)
+        goals, tables = replay_record(replays, router)
+        record_run(name="serving", quick=args.quick, params={"part": "router_replay", "trace": str(args.trace),
+                                                             "conversations": args.conversations},
+                   figures={"router_decision": router, "replays": replays}, goals=goals, tables=tables)
         print(f"router decision, 64 replicas, {router['prompt_blocks']}-block prompts: choose p99 "
               f"{router['prefix_aware_p99_ms']:.3f} ms, full route p50 {router['route_p50_ms']:.3f} / p99 "
               f"{router['route_p99_ms']:.3f} ms wall, p99 {router['route_cpu_p99_ms']:.3f} ms thread CPU (goal <= 1 ms); "
@@ -455,7 +518,7 @@ def main() -> None:
 
     import ray
 
-    from rayfleet.serving.deploy.deployer import deploy
+    from rayfleet.serving.deployer import deploy
 
     init_local_ray(num_cpus=4, num_gpus=8)
     port = _free_port()
@@ -550,6 +613,15 @@ def main() -> None:
     rows += [["shared prompt", "colocated", f"cache {'on' if r['prefix_cache'] else 'off'}", *figures(r)]
              for r in cache_rows]
     print(_table(header, rows))
+    goals = [Goal("router decision p99, 64 replicas, ms", "<=", 1.0, router["prefix_aware_p99_ms"]),
+             Goal("shared system prompt: prefix hit rate", ">=", 0.85, cache_rows[0]["prefix_hit_rate"]),
+             Goal("shared system prompt: TTFT p50 without / with cache", ">=", 2.0, speedup)]
+    record_run(name="serving", quick=args.quick,
+               params={"part": "live", "rate_req_s": rate, "num_trace_requests": num_trace,
+                       "slo_ttft_s": args.slo_ttft, "slo_itl_s": args.slo_itl},
+               figures={"router_decision": router, "ttft_speedup_with_cache": speedup,
+                        "rows": [{k: v for k, v in r.items() if not isinstance(v, list)} for r in load_rows + cache_rows]},
+               goals=goals, tables={"live": Table(header, rows)})
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ router against Serve LLM's PrefixCacheAffinityRouter on the same vLLM pool.
     python benchmarks/serving_vllm.py --regime pressure [--quick] [--with-builtin] [--replay]  # small KV (below)
 
 Starts its own local Ray cluster (``ray.init(address="local")``, never an existing one) and
-deploys, one after the other with ``rayfleet.serving.deploy.deployer.deploy`` (what ``rayfleet
+deploys, one after the other with ``rayfleet.serving.deployer.deploy`` (what ``rayfleet
 serve`` runs), three colocated 2-replica apps: the built-in engine with its prefix-aware router
 (the baseline), vLLM with rayfleet's router (``vllm.request_router: rayfleet``), and vLLM with
 ``PrefixCacheAffinityRouter``. Each is warmed up, then driven open-loop with streamed
@@ -90,7 +90,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _vllm_replay import hit_bound, pressure_kv_blocks, replay_decisions, replay_pressure  # noqa: E402
-from common import trace_file  # noqa: E402
+from common import Goal, Table, record_run, trace_file  # noqa: E402
 from serving import LOAD_TRACE, _table, multiturn_workload, pct, tenant_workload, trace_workload  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -160,7 +160,7 @@ def _summarize(results: list[dict], wall_s: float, *, slo_ttft: float, slo_itl: 
 def _prefix_counters(url: str, engine: str) -> tuple[float, float]:
     """(queried tokens, hit tokens) of the whole app so far."""
     if engine == "vllm":
-        from rayfleet.serving.vllm.metrics import metric_sum, scrape_vllm_metrics
+        from rayfleet.serving.vllm.prometheus_scrape import metric_sum, scrape_vllm_metrics
 
         samples = scrape_vllm_metrics()
         return metric_sum(samples, "prefix_cache_queries"), metric_sum(samples, "prefix_cache_hits")
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import ray
 
-    from rayfleet.serving.deploy.deployer import deploy
+    from rayfleet.serving.deployer import deploy
     from rayfleet.serving.vllm.tiny_model import write_tiny_qwen3_moe
 
     model_dir = write_tiny_qwen3_moe(Path(tempfile.mkdtemp(prefix="rayfleet-bench-")) / "tiny-moe", dtype="float32")
@@ -424,6 +424,28 @@ def _report(rows: list[dict], args, *, workloads: dict[str, dict], load_before: 
             print(f"same vLLM pool, {name}: rayfleet router vs PrefixCacheAffinityRouter: hit rate "
                   f"{ours['prefix_hit_rate']:.3f} vs {theirs['prefix_hit_rate']:.3f} (bound {ours['hit_bound']:.3f}), "
                   f"TTFT p99 {ours['ttft_p99_s'] * 1e3:.0f} vs {theirs['ttft_p99_s'] * 1e3:.0f} ms")
+    # The issue's goal: on one vLLM pool, rayfleet's router beats PrefixCacheAffinityRouter on hit rate
+    # and TTFT p99 (multi-turn, multi-tenant traces).
+    goals = []
+    for name in workloads:
+        vllm = {r["router"]: r for r in rows if r["workload"] == name and r["engine"] == "vllm"}
+        if len(vllm) == 2:
+            ours, theirs = vllm["rayfleet prefix+load"], vllm["PrefixCacheAffinityRouter"]
+            goals += [Goal(f"{args.regime}/{name}: prefix hit rate, rayfleet - PrefixCacheAffinityRouter", ">", 0.0,
+                           ours["prefix_hit_rate"] - theirs["prefix_hit_rate"]),
+                      Goal(f"{args.regime}/{name}: TTFT p99, rayfleet / PrefixCacheAffinityRouter", "<", 1.0,
+                           ours["ttft_p99_s"] / theirs["ttft_p99_s"])]
+    label = lambda r: f"{'vLLM' if r['engine'] == 'vllm' else 'built-in'} / {r['router']}"  # noqa: E731
+    table = Table(["workload", "engine / router", "TTFT p50 / p99 ms", "prefix hit", "hit bound", "share", "load"],
+                  [[r["workload"], label(r), f"{r['ttft_p50_s'] * 1e3:.0f} / {r['ttft_p99_s'] * 1e3:.0f}",
+                    f"{r['prefix_hit_rate']:.3f}", f"{r['hit_bound']:.3f}", f"{r['prefix_hit_rate'] / r['hit_bound']:.2f}",
+                    f"{r['load_avg'][0]:.1f}-{r['load_avg'][1]:.1f}"] for r in rows])
+    record_run(name="serving_vllm", quick=args.quick,
+               params={"regime": args.regime, "workload": args.workload, "with_builtin": args.with_builtin,
+                       "rate": args.rate, "slo_ttft_s": args.slo_ttft, "slo_itl_s": args.slo_itl, "pressure": sizing},
+               figures={"rows": [{k: v for k, v in r.items() if not isinstance(v, list) or k == "load_avg"}
+                                 for r in rows]},
+               goals=goals, tables={args.regime: table})
 
 
 if __name__ == "__main__":

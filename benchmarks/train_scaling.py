@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from common import Goal, Table, record_run  # noqa: E402  (benchmarks/common.py, beside this script)
 from rayfleet.jobs.local_processes import run_local_many  # noqa: E402
 from rayfleet.jobs.spec import TrainJobSpec  # noqa: E402
 from rayfleet.jobs.train_state import TrainHooks  # noqa: E402
@@ -264,7 +265,7 @@ def platform_vs_bare(*, steps: int, warmup: int, quick: bool, tmp: str, dataset:
     to spare beside its ranks.
     """
     from rayfleet.jobs.local_processes import run_local
-    from rayfleet.jobs.planning import resolve_plan
+    from rayfleet.jobs.planning import job_plan, plan_inputs
     from rayfleet.platform.launcher import LocalFleet
     from rayfleet.platform.topology import build_topology
 
@@ -274,7 +275,7 @@ def platform_vs_bare(*, steps: int, warmup: int, quick: bool, tmp: str, dataset:
         "global_batch_size": PLATFORM_MICRO * 2, "schedule": {"warmup_steps": 1},
         "resources": {"accelerator": "H100", "num_workers": workers}})
     tokens = spec.global_batch_size * SEQ
-    plan = resolve_plan(spec, world_size=workers, accelerator="H100")  # what the job itself will run
+    plan = job_plan(plan_inputs(spec), world_size=workers, accelerator="H100").plan  # what the job itself will run
     threads = _threads_per_rank(workers, spare_cores)
     home = tempfile.mkdtemp(prefix="rayfleet-bench-home-", dir=tmp)
     local = LocalFleet.up(build_topology(num_nodes=1, accelerator="H100", accelerators_per_node=2), home=home)
@@ -373,6 +374,7 @@ def main() -> None:
             for result in [platform_result, *platform_more.values()]:
                 print_platform(result)
             _write_json(args.json, {"platform_vs_bare": platform_result, **platform_more})
+            _record(args, [platform_result, *platform_more.values()])
             return
     configs = [  # (plan, a2a overlap); global batch = MICRO x workers
         (ParallelPlan(dp=1, micro_batch_size=MICRO), False),
@@ -428,6 +430,33 @@ def main() -> None:
         print_platform(result)
     _write_json(args.json, {"machine": platform.machine(), "cores": cores, "rows": rows, "gpu_fp8_vs_bf16": gpu,
                             "platform_vs_bare": platform_result, **platform_more})
+    _record(args, [platform_result, *platform_more.values()] if platform_result is not None else [], rows, gpu)
+
+
+def _record(args, platform_results: list[dict], rows: list[dict] | None = None, gpu: list[dict] | None = None) -> None:
+    """This run's ledger entry: the platform/bare goal (>= 0.97) for each platform comparison, FP8/BF16 on a GPU."""
+    goals, table_rows = [], []
+    for result in platform_results:
+        bare = next(r for r in result["rows"] if r["run"].startswith("bare"))
+        where = f"{result['plan']}, {result.get('spare_cores', 0)} core(s) spare"
+        for r in result["rows"]:
+            if r is bare:
+                continue
+            goals.append(Goal(f"{where}: {r['run']} tokens/s / bare loop's", ">=", 0.97, r["ratio"]))
+            table_rows.append([where, " ".join(f"{v:.3f}" for v in bare["runs_s_per_step"]),
+                               " ".join(f"{v:.3f}" for v in r["runs_s_per_step"]), f"{r['ratio']:.3f}",
+                               str(result["load_avg_1m_at_end"])])
+    if gpu and len(gpu) == 2:
+        goals.append(Goal("GPU FP8 / BF16 tokens/s", ">=", 1.2, gpu[1]["tokens_per_s"] / gpu[0]["tokens_per_s"]))
+    tables = {}
+    if table_rows:
+        tables["platform_vs_bare"] = Table(["plan / cores left to the platform", "bare s/step", "rayfleet s/step",
+                                            "platform/bare", "load at end"], table_rows)
+    record_run(name="train_scaling", quick=args.quick,
+               params={"part": args.part, "steps": args.steps, "warmup": args.warmup,
+                       "platform_steps": args.platform_steps, "platform_workers": args.platform_workers},
+               figures={"platform_vs_bare": platform_results, "rows": rows, "gpu_fp8_vs_bf16": gpu},
+               goals=goals, tables=tables)
 
 
 def _write_json(path: str, data: dict) -> None:

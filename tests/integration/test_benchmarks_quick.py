@@ -49,8 +49,12 @@ def test_quick_run_with_its_own_cluster(script, tmp_path):
     out = tmp_path / f"{script.stem}.json"
     options = CATALOGUE.declared_options(script)
     argv = [sys.executable, str(script), "--quick"] + (["--json", str(out)] if "--json" in options else [])
-    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=850)
+    # The ledger entry goes to the temp dir: a test run never writes into the checkout.
+    env = {**os.environ, CATALOGUE.LEDGER_DIR_ENV: str(tmp_path / "ledger-root")}
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=850, env=env)
     assert proc.returncode == 0, (f"{script.name} --quick exited {proc.returncode}:\n"
                                   f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    entries = CATALOGUE.read_ledger(tmp_path / "ledger-root" / "quick" / f"{script.stem}.jsonl")
+    assert [e["mode"] for e in entries] == ["quick"], f"{script.name} --quick recorded no quick ledger entry"
     if "--json" in options:
         assert json.loads(out.read_text()), f"{script.name} --quick wrote an empty JSON"

@@ -4,13 +4,15 @@ tests/integration/test_benchmarks_quick.py for those that start one of their own
 
 A quick run is the real benchmark at a smaller size (fewer steps, requests or sizes): it must
 exit 0 and write its JSON. Its figures are not judged here (a shared 2-core machine makes them
-noisy); the full runs' figures are in the README.
+noisy); the full runs' figures are in the results ledger (benchmarks/results/ledger/) and the docs
+rendered from it. A quick run records its ledger entry under the test's temp dir, marked quick.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,14 +34,21 @@ SCRIPTS = CATALOGUE.benchmark_scripts()
 
 
 def run_quick(script: Path, out_dir: Path, *, timeout_s: float) -> dict:
-    """Run ``script --quick`` (and ``--json`` into ``out_dir`` when it has one); its JSON, or {}."""
+    """Run ``script --quick`` (and ``--json`` into ``out_dir`` when it has one); its JSON, or {}.
+
+    The run's ledger entry goes under ``out_dir`` ($RAYFLEET_LEDGER_DIR), never into the checkout,
+    and must be there, marked quick."""
     out = out_dir / f"{script.stem}.json"
     argv = [sys.executable, str(script), "--quick"]
     if "--json" in CATALOGUE.declared_options(script):
         argv += ["--json", str(out)]
-    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+    env = {**os.environ, CATALOGUE.LEDGER_DIR_ENV: str(out_dir / "ledger-root")}
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout_s, env=env)
     assert proc.returncode == 0, (f"{script.name} --quick exited {proc.returncode}:\n"
                                   f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    entries = CATALOGUE.read_ledger(out_dir / "ledger-root" / "quick" / f"{script.stem}.jsonl")
+    assert [e["mode"] for e in entries] == ["quick"], f"{script.name} --quick recorded no quick ledger entry"
+    assert not (out_dir / "ledger-root" / "ledger").exists(), f"{script.name} --quick wrote to the full ledger"
     return json.loads(out.read_text()) if out.exists() else {}
 
 
