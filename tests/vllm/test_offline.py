@@ -82,7 +82,7 @@ def test_a_model_trained_by_rayfleet_and_exported_gives_the_same_greedy_tokens_i
     from rayfleet.jobs.spec import TrainJobSpec
     from rayfleet.models.hf.tokenizer import HFTokenizer
     from rayfleet.placement.plan import ParallelPlan
-    from rayfleet.storage.model_cli import export_hf_model
+    from rayfleet.cli.model import export_hf_model
     from rayfleet.storage.safetensors_io import HFCheckpoint
     from rayfleet.storage.tokens import prepare_token_dataset
 
