@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rayfleet.cli.model import export_hf_model, import_hf_model
 from rayfleet.errors import SpecError
 from rayfleet.models import MoEConfig, build_model, preset
 from rayfleet.models.hf import from_hf_config
-from rayfleet.cli.model import export_hf_model, import_hf_model
 from rayfleet.storage.model_registry import load_servable, save_servable
 from rayfleet.storage.safetensors_io import INDEX_NAME, HFCheckpoint
 from tests.unit.models.hf_fixtures import hf_config_dict, hf_configs, save_tiny
