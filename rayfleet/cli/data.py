@@ -12,8 +12,8 @@ Design decisions:
 - Progress is a tqdm bar (tqdm comes with the Hugging Face libraries we depend on) over tokens:
   the total is known before writing (``count_byte_tokens``: one token per byte plus BOS/EOS per
   file) and the bar advances as shards land in the output folder (``count_token_shards``), polled
-  from a thread, because the dataset writer has no progress hook. A folder that already holds shards from an earlier run
-  is overwritten in place, so its bar only jumps to the end.
+  from a thread, because the dataset writer has no progress hook. A folder that already holds
+  shards from an earlier run is overwritten in place, so its bar only jumps to the end.
 """
 
 from __future__ import annotations
