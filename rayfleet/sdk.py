@@ -92,14 +92,14 @@ class Fleet:
     # -- serving --------------------------------------------------------------------------------
     def serve(self, spec, *, timeout_s: float = 300.0):
         """Deploy a model on this fleet (Ray Serve); returns a
-        :class:`~rayfleet.serving.deploy.deployer.ServeDeployment` once its engines answer.
+        :class:`~rayfleet.serving.deployer.ServeDeployment` once its engines answer.
 
         ``spec``: a ``ServeSpec``, a mapping of its fields, or a serve YAML path (see
         ``examples/serve/``). Use ``.openai_base_url`` with any OpenAI client and
         ``.shutdown()`` to delete the app. Raises ``SpecError`` for a bad spec and
         ``ServeDeployError`` if the app does not come up within ``timeout_s``.
         """
-        from rayfleet.serving.deploy.deployer import deploy
+        from rayfleet.serving.deployer import deploy
 
         return deploy(spec, timeout_s=timeout_s)
 
@@ -148,12 +148,12 @@ class Fleet:
         """Let the shared autoscaler scale a served model (``fleet.serve(...)``'s result) onto
         accelerators it lends from elastic training; returns a handle with ``history()``/``stop()``.
 
-        ``config``: :class:`~rayfleet.serving.deploy.autoscale_shell.ServeShellConfig` fields — ``ttft_slo_s``,
+        ``config``: :class:`~rayfleet.serving.deploy.serve_scaling_rules.ServeShellConfig` fields — ``ttft_slo_s``,
         ``target_ongoing_requests``, ``max_replicas``, ``role``, ``interval_s``, ``window_s``,
         ``drain_timeout_s`` and ``replica_start_timeout_s`` (from the decision to the lent replica
         running; a vLLM engine start takes minutes on a busy CPU; past it the lend is given back).
         """
-        from rayfleet.serving.deploy.autoscale_shell import start_serve_shell
+        from rayfleet.serving.serve_scaling_shell import start_serve_shell
 
         return start_serve_shell(served.spec, **config)
 

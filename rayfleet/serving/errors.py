@@ -1,14 +1,16 @@
-"""Serving errors shared by the rooms (engine replicas, routing, deploy).
+"""Serving errors shared by the rooms (engine replicas, routing, deploy, the OpenAI app).
 
-Kept apart so that ``routing`` (which coordinates split prefills over replicas) and ``deploy``
-(which owns the replica clients) both raise the same type without importing each other.
+Kept apart, below every room, so that a room raises a type that a higher room maps (the OpenAI
+app turns each into an HTTP status) without either importing the other: ``routing`` (which
+coordinates split prefills over replicas) and ``deploy`` (which owns the replica clients and the
+request path) raise them, ``openai_api`` reads them.
 """
 
 from __future__ import annotations
 
 from rayfleet.errors import RayfleetError
 
-__all__ = ["ReplicaUnavailableError", "RequestFailedError", "ReplicaOverloadedError"]
+__all__ = ["ReplicaUnavailableError", "RequestFailedError", "ReplicaOverloadedError", "ServiceUnavailableError"]
 
 
 class ReplicaUnavailableError(RayfleetError):
@@ -52,3 +54,7 @@ class ReplicaOverloadedError(RayfleetError):
 
     def __reduce__(self):  # crosses Ray processes
         return (ReplicaOverloadedError, (str(self), self.retry_after_s))
+
+
+class ServiceUnavailableError(RayfleetError):
+    """No replica could serve (or finish) the request after the allowed retries (HTTP 503)."""

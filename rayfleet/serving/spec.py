@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rayfleet.errors import SpecError
-from rayfleet.serving.engine.llm_engine import EngineConfig
+from rayfleet.serving.engine.engine_config import EngineConfig
 
 if TYPE_CHECKING:
     from rayfleet.serving.routing.long_prefill import LongPrefillPolicy

@@ -51,7 +51,7 @@ def _free_port() -> int:
 def apps(local_fleet):
     from ray import serve
 
-    from rayfleet.serving.deploy.deployer import deploy
+    from rayfleet.serving.deployer import deploy
 
     port = _free_port()
     common = {"model": MODEL, "engine": ENGINE, "http": _http(port), "request_timeout_s": 30}
@@ -83,7 +83,7 @@ def apps(local_fleet):
 @pytest.fixture(scope="module")
 def reference():
     """Greedy tokens from one in-process engine with the same spec (the ground truth)."""
-    from rayfleet.serving.engine.async_engine import load_engine
+    from rayfleet.serving.engine.loading import load_engine
     from rayfleet.serving.openai_api.app import encode_completion_prompt
     from rayfleet.serving.engine.sampling import SamplingParams
     from rayfleet.serving.spec import ServeSpec
@@ -293,7 +293,7 @@ def test_rolling_update_keeps_serving_with_the_same_tokens(apps, reference):
     the app it updates."""
     import threading
 
-    from rayfleet.serving.deploy.deployer import deploy
+    from rayfleet.serving.deployer import deploy
 
     served = apps["colocated-nocache"]
     before = set(served.block_usage())

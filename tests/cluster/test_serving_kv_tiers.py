@@ -63,7 +63,7 @@ def _complete(url: str, prompt: str) -> tuple[list[int], float]:
 def tiered_app(local_fleet):
     from ray import serve
 
-    from rayfleet.serving.deploy.deployer import deploy
+    from rayfleet.serving.deployer import deploy
     from rayfleet.serving.spec import HttpSpec
 
     http = {"port": _free_port(), "route_prefix": "/kv-tiers"}

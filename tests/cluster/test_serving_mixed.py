@@ -38,7 +38,7 @@ def mixed_app(local_fleet):
     from ray import serve
 
     from rayfleet.platform.topology import NodeTopology
-    from rayfleet.serving.deploy.deployer import deploy
+    from rayfleet.serving.deployer import deploy
     from rayfleet.serving.spec import HttpSpec
 
     # The shared fleet is all H100: one P800 node (2 XPUs) joins it for this module (and stays:
@@ -70,7 +70,7 @@ def _complete(url: str, prompt: str, max_tokens: int = 10) -> list[int]:
 
 
 def _reference(prompt: str, max_tokens: int = 10) -> list[int]:
-    from rayfleet.serving.engine.async_engine import load_engine
+    from rayfleet.serving.engine.loading import load_engine
     from rayfleet.serving.engine.sampling import SamplingParams
     from rayfleet.serving.openai_api.app import encode_completion_prompt
     from rayfleet.serving.spec import ServeSpec
@@ -115,7 +115,7 @@ def test_moving_the_decode_pool_bounds_lends_and_reclaims_a_p800(mixed_app):
     wait_until(lambda: sum(n.startswith("decode/") for n in mixed_app.block_usage()) == 2, timeout_s=60,
                interval_s=1, what="the ingress's request router to see both decode replicas")
     # What the autoscaler's Serve shell reads back (its handover waits on these).
-    from rayfleet.serving.deploy.autoscale_shell import _replica_nodes, _running_replicas
+    from rayfleet.serving.serve_scaling_shell import _replica_nodes, _running_replicas
 
     wait_until(lambda: _running_replicas("test-mixed", "decode") == 2, timeout_s=60, interval_s=1,
                what="Serve's status to count two RUNNING decode replicas")

@@ -57,7 +57,7 @@ def _replica_node(dashboard_url: str, replica_id: str) -> str:
 
 
 def _generated_tokens(replica_id: str) -> float:
-    from rayfleet.serving.vllm.metrics import metric_sum, scrape_vllm_metrics
+    from rayfleet.serving.vllm.prometheus_scrape import metric_sum, scrape_vllm_metrics
 
     return metric_sum(scrape_vllm_metrics(), "generation_tokens", ReplicaId=replica_id)
 
@@ -66,7 +66,7 @@ def test_autoscaler_lends_an_accelerator_from_training_to_the_vllm_decode_pool_a
                                                                                         dataset, tmp_path):
     from ray import serve
 
-    from rayfleet.serving.deploy.deployer import ServeDeployment
+    from rayfleet.serving.deployer import ServeDeployment
     from rayfleet.serving.deploy.pool_scaling import get_pool_bounds
     from rayfleet.serving.vllm.config import llm_deployment_name
 

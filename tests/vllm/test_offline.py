@@ -32,7 +32,8 @@ def _builtin_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) 
     import torch
 
     from rayfleet.models.hf import build_hf_model
-    from rayfleet.serving.engine.llm_engine import EngineConfig, LLMEngine
+    from rayfleet.serving.engine.engine_config import EngineConfig
+    from rayfleet.serving.engine.llm_engine import LLMEngine
     from rayfleet.serving.engine.sampling import SamplingParams
     from rayfleet.storage.safetensors_io import HFCheckpoint
 

@@ -17,7 +17,7 @@ def _client(url: str):
 
 def _decode_counters(dashboard_url: str) -> dict[str, float]:
     """The decode replica's NIXL and external-prefix counters (Ray's Prometheus)."""
-    from rayfleet.serving.vllm.metrics import named, scrape_vllm_metrics
+    from rayfleet.serving.vllm.prometheus_scrape import named, scrape_vllm_metrics
 
     decode, prefill = replica_ids(dashboard_url, APP, "Decode"), replica_ids(dashboard_url, APP, "Prefill")
     assert decode and prefill

@@ -132,7 +132,7 @@ def test_openai_client_chat_completions_and_streaming(pool_app, vllm_fleet):
 
 
 def _prompt_tokens_by_replica(uids: set[str]) -> dict[str, float]:
-    from rayfleet.serving.vllm.metrics import named, scrape_vllm_metrics
+    from rayfleet.serving.vllm.prometheus_scrape import named, scrape_vllm_metrics
 
     out: dict[str, float] = {}
     for s in scrape_vllm_metrics():
@@ -199,7 +199,7 @@ def test_replicas_publish_rayfleets_routing_stats(pool_app):
 
 
 def test_vllm_metrics_reach_rays_prometheus_with_vllms_names(pool_app, vllm_fleet):
-    from rayfleet.serving.vllm.metrics import metric_sum, named, scrape_vllm_metrics
+    from rayfleet.serving.vllm.prometheus_scrape import metric_sum, named, scrape_vllm_metrics
 
     samples = scrape_vllm_metrics()
     names = {s.name for s in samples}

@@ -1,9 +1,9 @@
-"""Ray Serve deployments: engine pools (prefill, decode, colocated) and the OpenAI ingress.
+"""Ray Serve deployments of the engine pools (prefill, decode, colocated).
 
 Design decisions:
-- Thin shells around the Ray-free classes: ``EngineReplica`` owns an ``AsyncEngine`` (model
-  loaded in ``__init__``), ``OpenAIIngress`` an ``InferenceService`` and the FastAPI app from
-  ``openai_api.app``.
+- A thin shell around the Ray-free engine: ``EngineReplica`` owns an ``AsyncEngine`` (model
+  loaded in ``__init__``). The ingress that fronts the pools (``openai_api.serve_app``) sits a
+  room higher and binds these pools into its application (``bind_pool``).
 - Each pool is ONE Serve deployment named after its role (``colocated``, ``prefill``,
   ``decode``) with N replicas: Serve starts, health-checks, restarts, rolls and autoscales them
   (``pool_scaling``: Serve's rule within bounds the shared autoscaler moves). Requests are routed
@@ -30,27 +30,31 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from ray import serve
 
 from rayfleet.platform import labels as L
 from rayfleet.platform.catalogue import get_accelerator
-from rayfleet.serving.deploy.pool_client import FailedReplicas, PoolClient, PoolRouter
 from rayfleet.serving.deploy.pool_scaling import autoscaling_config
-from rayfleet.serving.engine.async_engine import AsyncEngine, BlockUsage, PrefillReply, ReplicaState, load_engine
-from rayfleet.serving.engine.llm_engine import EngineConfig
+from rayfleet.serving.engine.async_engine import AsyncEngine
+from rayfleet.serving.engine.replica_output import GenerationChunk, PrefillReply
+from rayfleet.serving.engine.loading import load_engine
+from rayfleet.serving.engine.replica_state import BlockUsage, ReplicaState
+from rayfleet.serving.engine.engine_config import EngineConfig
 from rayfleet.serving.engine.sampling import SamplingParams
 from rayfleet.serving.errors import ReplicaUnavailableError
 from rayfleet.serving.experts.balancer import ExpertBalanceStats, ExpertBalancingConfig, ExpertLoadBalancer
-from rayfleet.serving.kv.transfer import HandoffId, KVHandle, make_transport
+from rayfleet.serving.engine.kv_connector import HandoffId, KVHandle
+from rayfleet.serving.kv.transfer import make_transport
 from rayfleet.serving.routing.hash_log import HashLogPublisher
 from rayfleet.serving.routing.router import RouteHint
 from rayfleet.serving.routing.split_prefill import SpanPrefillWorker, SpanReply, SpanWork
 from rayfleet.serving.spec import PoolSpec, ServeSpec
 
-__all__ = ["EngineReplica", "OpenAIIngress", "build_app", "app_builder", "serve_config", "replica_options",
-           "pool_deployment_options"]
+__all__ = ["EngineReplica", "bind_pool", "replica_options", "pool_deployment_options"]
 
 
 def _own_replica_id() -> str:
@@ -98,7 +102,7 @@ class EngineReplica:
         self._versions = itertools.count()
         self._engine_metrics = None
         if model_name:
-            from rayfleet.serving.openai_api.metrics import RayEngineMetrics
+            from rayfleet.serving.deploy.serving_metrics import RayEngineMetrics
 
             self._engine_metrics = RayEngineMetrics(model_name=model_name, role=role, replica=self.replica_id)
 
@@ -112,11 +116,13 @@ class EngineReplica:
             raise ReplicaUnavailableError(route.replica, f"left the {self.role} pool (the call reached "
                                                          f"{self.replica_id} instead)")
 
-    async def _tagged(self, chunks):
+    async def _tagged(self, chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[GenerationChunk]:
+        """The chunks, the first one naming this replica by its Serve id (the engine names itself
+        ``role/replica``): the ingress's pool client pins the request's later calls with it."""
         first = True
         async for chunk in chunks:
             if first:
-                chunk, first = {**chunk, "replica": self.replica_id}, False
+                chunk, first = replace(chunk, replica=self.replica_id), False
             yield chunk
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str | None,
@@ -175,8 +181,6 @@ class EngineReplica:
         /health). The version changes only when the state did or the full hash set is due
         (``HashLogPublisher``: recent hash events every time, the whole set every period), so an
         idle pool causes no updates once its last publication carries the full set."""
-        from dataclasses import replace
-
         state = await self.engine.poll_state()
         self._hash_log.apply(state.events)
         if self._kv_index is not None and state.events:  # the global index: fire and forget (a hint)
@@ -217,67 +221,6 @@ class EngineReplica:
         """Windows, placement updates and device balance of the expert balancer (if enabled)."""
         self._check(route)
         return await self.engine.call(self.balancer.stats) if self.balancer is not None else None
-
-
-@serve.ingress()
-class OpenAIIngress:
-    """HTTP entry point: the FastAPI app of ``openai_api.app`` over an ``InferenceService`` whose
-    clients are the pool deployments' handles."""
-
-    def __init__(self, pools: dict[str, Any], *, app_name: str, model_name: str, mode: str, max_resumes: int,
-                 max_prefill_retries: int, request_timeout_s: float, block_size: int, model_id: str,
-                 long_prefill: Any = None, http: dict[str, Any] | None = None) -> None:
-        from rayfleet.serving.deploy.inference_service import InferenceService
-        from rayfleet.serving.openai_api.metrics import ServingMetrics
-
-        self.model_name = model_name
-        self.http = http  # keys are read here, in the ingress process (``openai_api.auth``)
-        failed = FailedReplicas()
-        clients = {role: PoolClient(role, h, block_size=block_size, model_id=model_id, failed=failed,
-                                    app_name=app_name) for role, h in pools.items()}
-        self.router = PoolRouter(clients, mode=mode, max_prefill_retries=max_prefill_retries,
-                                 long_prefill=long_prefill, block_size=block_size)
-        self.service = InferenceService(
-            router=self.router, clients=clients, mode=mode, max_resumes=max_resumes,
-            max_prefill_retries=max_prefill_retries, request_timeout_s=request_timeout_s,
-            metrics=ServingMetrics(model_name, ray_metrics=True))
-        self.router.service = self.service
-
-    def load(self, window_s: float) -> dict:
-        """Requests in flight and recent TTFTs (the shared autoscaler's Serve shell polls this)."""
-        return self.service.load(window_s)
-
-    async def replica_states(self) -> dict[str, ReplicaState]:
-        """Every pool replica's last published state, keyed ``<pool>/<replica id>``."""
-        return await self.router.replica_states()
-
-    def set_routing_mode(self, mode: str) -> None:
-        """Switch this ingress's request routers between ``prefix_aware`` and ``round_robin``
-        live (operators, benchmarks); raises ``SpecError`` for another mode."""
-        if mode not in ("prefix_aware", "round_robin"):
-            from rayfleet.errors import SpecError
-
-            raise SpecError("router.policy", mode, "unknown routing policy", "use prefix_aware or round_robin")
-        for client in self.router.pools.values():
-            router = client._router()
-            if router is not None:
-                router.core.mode = mode
-
-    async def reset_prefix_caches(self) -> dict[str, bool]:
-        """Empty every replica's prefix cache (pinned calls); True per replica that emptied it."""
-        out = {}
-        for role, client in self.router.pools.items():
-            for replica in client.replica_ids():
-                out[f"{role}/{replica}"] = await client.call("reset_prefix_cache", route=RouteHint(replica=replica))
-        return out
-
-    def __serve_build_asgi_app__(self):
-        from rayfleet.serving.openai_api.app import build_openai_app
-
-        from rayfleet.serving.spec import HttpSpec
-
-        http = HttpSpec.model_validate(self.http) if self.http is not None else None
-        return build_openai_app(self.service, model_name=self.model_name, http=http)
 
 
 def replica_options(pool: PoolSpec) -> dict[str, Any]:
@@ -325,7 +268,8 @@ def pool_deployment_options(spec: ServeSpec, role: str) -> dict[str, Any]:
             "graceful_shutdown_timeout_s": 20, "graceful_shutdown_wait_loop_s": 0.5}
 
 
-def _pool(spec: ServeSpec, role: str):
+def bind_pool(spec: ServeSpec, role: str) -> Any:
+    """``role``'s pool as a bound Serve deployment of ``EngineReplica`` (an app's node)."""
     config = spec.engine_config()
     model = {"preset": spec.model.preset if not spec.model.checkpoint else None, "seed": spec.model.seed,
              "checkpoint": spec.model.checkpoint, "dtype": spec.model.dtype, "overrides": dict(spec.model.overrides),
@@ -334,31 +278,3 @@ def _pool(spec: ServeSpec, role: str):
         role=role, model=model, config=config, transport=spec.kv_transfer.transport, lease_s=spec.kv_transfer.lease_s,
         expert_balancing=spec.expert_balancing.config(), model_name=spec.model.served_name,
         kv_cache=spec.kv_cache.model_dump() if spec.kv_cache.enabled else None)
-
-
-def build_app(spec: ServeSpec):
-    """The Serve application for ``spec``: one deployment per pool and the ingress (not yet running)."""
-    config = spec.engine_config()
-    pools = {role: _pool(spec, role) for role in spec.pools()}
-    return serve.deployment(OpenAIIngress).options(
-        name="ingress", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10000).bind(
-        pools, app_name=spec.name, model_name=spec.model.served_name, mode=spec.mode, max_resumes=spec.max_resumes,
-        max_prefill_retries=spec.max_prefill_retries, request_timeout_s=spec.request_timeout_s,
-        block_size=config.block_size, model_id=config.model_id, long_prefill=spec.long_prefill_policy(),
-        http=spec.http.model_dump(mode="json"))
-
-
-
-def app_builder(args: dict[str, Any]):
-    """Serve application builder (``import_path: rayfleet.serving.deploy.deployments:app_builder``):
-    ``args`` is a ``ServeSpec`` as a dict. Lets ``serve run``/``serve deploy`` deploy a spec."""
-    return build_app(ServeSpec.parse(dict(args)))
-
-
-def serve_config(spec: ServeSpec) -> dict[str, Any]:
-    """A Serve config file (``serve deploy``/``serve run``) equivalent to ``api.deploy(spec)``."""
-    return {"proxy_location": "HeadOnly",
-            "http_options": {"host": spec.http.host, "port": spec.http.port},
-            "applications": [{"name": spec.name, "route_prefix": spec.http.route_prefix,
-                              "import_path": "rayfleet.serving.deploy.deployments:app_builder",
-                              "args": spec.model_dump(mode="json")}]}

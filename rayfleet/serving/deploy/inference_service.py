@@ -37,31 +37,33 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from rayfleet.errors import RayfleetError
-from rayfleet.serving.engine.async_engine import ReplicaState
-from rayfleet.serving.kv.transfer import KVTransferError
-from rayfleet.serving.deploy.replica_client import ReplicaClient, ReplicaUnavailableError
+from rayfleet.serving.engine.replica_output import GenerationChunk
+from rayfleet.serving.engine.replica_state import ReplicaState
+from rayfleet.serving.engine.kv_connector import KVTransferError
+from rayfleet.serving.deploy.replica_client import ReplicaClient
+from rayfleet.serving.errors import ReplicaUnavailableError, ServiceUnavailableError
 from rayfleet.serving.routing.router import RoutePlan
 from rayfleet.serving.engine.sampling import SamplingParams
 
-__all__ = ["Delta", "RouterLike", "InferenceService", "ServiceUnavailableError"]
+__all__ = ["RouterLike", "InferenceService", "RequestMetrics"]
 
 log = logging.getLogger(__name__)
 
 
-class ServiceUnavailableError(RayfleetError):
-    """No replica could serve (or finish) the request after the allowed retries."""
+class RequestMetrics(Protocol):
+    """Where the service records what it measures per request (``serving_metrics.ServingMetrics``)."""
 
+    queue_time: Any  # a histogram: ``.observe(seconds)``
+    resumes: Any  # counters: ``.inc()``
+    prefill_retries: Any
 
-@dataclass(frozen=True)
-class Delta:
-    """New tokens of one request; the last one has ``finish_reason``."""
+    def observe_ttft(self, seconds: float) -> None: ...
 
-    token_ids: tuple[int, ...]
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    stop_reason: str | int | None = None  # the stop string or token id that ended it
-    logprobs: tuple[Any, ...] = ()  # ``TokenLogprobs`` per token, when the request asked for them
+    def observe_itl(self, seconds: float, num_tokens: int) -> None: ...
+
+    def observe_end(self, seconds: float, num_prompt: int, num_generated: int, finish_reason: str | None) -> None: ...
+
+    def render(self, states: Mapping[str, ReplicaState]) -> bytes: ...
 
 
 class RouterLike(Protocol):
@@ -79,7 +81,7 @@ _ids = itertools.count()
 class InferenceService:
     def __init__(self, *, router: RouterLike, clients: Mapping[str, ReplicaClient], mode: str,
                  max_resumes: int = 2, max_prefill_retries: int = 2, request_timeout_s: float = 120.0,
-                 metrics: Any = None) -> None:
+                 metrics: RequestMetrics | None = None) -> None:
         self.router = router
         self.clients = dict(clients)
         self.mode = mode
@@ -123,9 +125,12 @@ class InferenceService:
         return self._tokenizer
 
     async def stream(self, prompt: list[int], params: SamplingParams, *, cache_salt: str | None = None,
-                     request_id: str | None = None) -> AsyncIterator[Delta]:
-        """Token deltas of one request until it finishes. Raises ``ServiceUnavailableError``
-        when replicas keep failing; closing the iterator aborts the request on its replica."""
+                     request_id: str | None = None) -> AsyncIterator[GenerationChunk]:
+        """The chunks of one request until it finishes, as the replicas produced them, across
+        resumptions: ``num_prompt_tokens`` is always ``prompt``'s length, ``finish_reason`` is
+        set only on the last chunk, and no ``committed`` marker is passed on. Raises
+        ``ServiceUnavailableError`` when replicas keep failing; closing the iterator aborts the
+        request on its replica."""
         rid = request_id or f"req-{uuid.uuid4().hex[:12]}"
         start = time.monotonic()
         last = None
@@ -186,7 +191,7 @@ class InferenceService:
                                          finish_reason if finished else None)
 
     async def _attempt(self, rid: str, prompt: list[int], params: SamplingParams, salt: str | None,
-                       exclude: tuple[str, ...], original_prompt_len: int) -> AsyncIterator[Delta]:
+                       exclude: tuple[str, ...], original_prompt_len: int) -> AsyncIterator[GenerationChunk]:
         plan = await self.router.route(prompt, params.max_tokens, salt, exclude)
         if not plan.first:
             raise ServiceUnavailableError(f"no healthy {'colocated' if self.mode == 'colocated' else 'prefill'} "
@@ -195,7 +200,7 @@ class InferenceService:
             stream = self.clients[plan.first[0]].generate(rid, prompt, params, salt)
             async with aclosing(self._timed(stream, plan.first[0])) as chunks:
                 async for chunk in chunks:
-                    yield self._delta(chunk, original_prompt_len)
+                    yield self._restated(chunk, original_prompt_len)
             return
         if plan.spans:  # long prompt: prefill split over replicas; colocated decode on the last one
             reply, prefill_name = await self._split_prefill(rid, prompt, params, plan)
@@ -207,8 +212,10 @@ class InferenceService:
             self.metrics.queue_time.observe(reply.queue_time_s)
         committed = False
         try:  # from here on the prefill replica holds a KV lease: every exit releases it
-            yield Delta((reply.first_token_id,), reply.finish_reason, original_prompt_len, reply.num_cached_tokens,
-                        reply.stop_reason, tuple(getattr(reply, "first_logprobs", ())))
+            yield GenerationChunk(token_ids=(reply.first_token_id,), finished=reply.finish_reason is not None,
+                                  finish_reason=reply.finish_reason, stop_reason=reply.stop_reason,
+                                  num_prompt_tokens=original_prompt_len, num_cached_tokens=reply.num_cached_tokens,
+                                  logprobs=tuple(reply.first_logprobs), replica=prefill_name)
             if reply.finish_reason is not None:
                 return
             if not decode_names:
@@ -217,11 +224,11 @@ class InferenceService:
                                                          reply.handle, salt)
             async with aclosing(self._timed(stream, decode_names[0])) as chunks:
                 async for chunk in chunks:
-                    if chunk.get("committed"):
+                    if chunk.committed:
                         committed = True
                         await self._release(prefill_name, reply)
                         continue
-                    yield self._delta(chunk, original_prompt_len)
+                    yield self._restated(chunk, original_prompt_len)
         finally:
             if not committed:
                 await self._release(prefill_name, reply)
@@ -269,7 +276,7 @@ class InferenceService:
         except Exception:  # noqa: BLE001 - the lease expires anyway
             pass
 
-    async def _timed(self, stream: AsyncIterator[dict], replica: str) -> AsyncIterator[dict]:
+    async def _timed(self, stream: AsyncIterator[GenerationChunk], replica: str) -> AsyncIterator[GenerationChunk]:
         """Each chunk must arrive within the request timeout: a silent replica is a dead one.
         A timeout or a stream that ends unfinished is charged to ``replica`` (excluded and
         reported; it was charged to "?" and the same replica was retried)."""
@@ -285,25 +292,36 @@ class InferenceService:
                     return
                 except asyncio.TimeoutError:
                     raise ReplicaUnavailableError(replica, f"no token for {self.request_timeout_s:g} s") from None
-                finished = bool(chunk.get("finished"))
-                if "replica" in chunk and not named:  # a pool's client names the replica it reached
-                    replica, named = chunk["replica"], True
+                finished = chunk.finished
+                if chunk.replica and not named:  # a pool's client names the replica it reached
+                    replica, named = chunk.replica, True
                 yield chunk
         finally:
             await it.aclose()
 
-    def _delta(self, chunk: dict[str, Any], prompt_len: int) -> Delta:
-        if self.metrics is not None and "queue_time_s" in chunk:
-            self.metrics.queue_time.observe(chunk["queue_time_s"])
-        return Delta(tuple(chunk["token_ids"]), chunk["finish_reason"] if chunk["finished"] else None,
-                     prompt_len, chunk.get("num_cached_tokens", 0), chunk.get("stop_reason"),
-                     tuple(chunk.get("logprobs", ())))
+    def _restated(self, chunk: GenerationChunk, prompt_len: int) -> GenerationChunk:
+        """A replica's chunk as the request's: the original prompt's length (an attempt after a
+        resumption prompts with the tokens already sent) and a finish only when finished."""
+        if self.metrics is not None and chunk.queue_time_s is not None:
+            self.metrics.queue_time.observe(chunk.queue_time_s)
+        return replace(chunk, num_prompt_tokens=prompt_len,
+                       finish_reason=chunk.finish_reason if chunk.finished else None)
 
     def load(self, window_s: float) -> dict[str, Any]:
         """Requests in flight / waiting for a first token now, and TTFTs of the last ``window_s``."""
         since = time.monotonic() - window_s
         return {"in_flight": self.num_in_flight, "waiting_first_token": self.num_waiting_first_token,
                 "ttft_s": [t for at, t in self.recent_ttft if at >= since]}
+
+    async def replica_states(self) -> dict[str, ReplicaState]:
+        """Every replica's last state as the router holds it (``/health``, ``/metrics``)."""
+        return await self.router.replica_states()
+
+    async def metrics_text(self) -> bytes:
+        """``/metrics``: the request metrics and the replicas' engine counters, as Prometheus text."""
+        if self.metrics is None:
+            return b""
+        return self.metrics.render(await self.router.replica_states())
 
     def add_client(self, name: str, client: ReplicaClient) -> None:
         """A replica added while serving (the shared autoscaler's): the router may now name it."""

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from rayfleet.serving.deploy.replica_client import ServeReplicaClient
-from rayfleet.serving.engine.async_engine import ReplicaState
+from rayfleet.serving.engine.replica_state import ReplicaState
 from rayfleet.serving.engine.block_hash import hash_full_blocks, root_block_hash
 from rayfleet.serving.errors import ReplicaUnavailableError
 from rayfleet.serving.routing.router import RoutePlan, RouteHint
@@ -101,13 +101,14 @@ class PoolClient(ServeReplicaClient):
         except Exception as exc:  # noqa: BLE001 - translated, then re-raised
             raise self._failure(exc, route.replica) from None
 
-    async def stream(self, method: str, request_id: str, *args: Any, route: RouteHint) -> AsyncIterator[dict]:
+    async def stream(self, method: str, request_id: str, *args: Any,
+                     route: RouteHint) -> AsyncIterator[GenerationChunk]:
         gen = getattr(self.handle.options(stream=True), method).remote(request_id, *args, route=route)
         replica = route.replica
         try:
             async for chunk in gen:
-                if "replica" in chunk and replica is None:
-                    replica = chunk["replica"]
+                if chunk.replica and replica is None:
+                    replica = chunk.replica
                     self.request_to_replica.remember(request_id, replica)
                 yield chunk
         except Exception as exc:  # noqa: BLE001

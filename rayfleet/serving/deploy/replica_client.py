@@ -18,8 +18,10 @@ from typing import Any, Protocol
 
 from rayfleet.errors import RayfleetError
 from rayfleet.serving.errors import ReplicaUnavailableError
-from rayfleet.serving.engine.async_engine import AsyncEngine, BlockUsage, PrefillReply, ReplicaState
-from rayfleet.serving.kv.transfer import HandoffId, KVHandle, KVTransferError
+from rayfleet.serving.engine.async_engine import AsyncEngine
+from rayfleet.serving.engine.replica_output import GenerationChunk, PrefillReply
+from rayfleet.serving.engine.replica_state import BlockUsage, ReplicaState
+from rayfleet.serving.engine.kv_connector import HandoffId, KVHandle, KVTransferError
 from rayfleet.serving.engine.sampling import SamplingParams
 
 __all__ = ["ReplicaClient", "ReplicaUnavailableError", "LocalReplicaClient", "ServeReplicaClient"]
@@ -29,13 +31,13 @@ class ReplicaClient(Protocol):
     name: str
 
     def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                 cache_salt: str | None) -> AsyncIterator[dict[str, Any]]: ...
+                 cache_salt: str | None) -> AsyncIterator[GenerationChunk]: ...
 
     async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
                       cache_salt: str | None) -> PrefillReply: ...
 
     def decode(self, request_id: str, prompt: list[int], first_token_id: int, params: SamplingParams,
-               handle: KVHandle, cache_salt: str | None) -> AsyncIterator[dict[str, Any]]: ...
+               handle: KVHandle, cache_salt: str | None) -> AsyncIterator[GenerationChunk]: ...
 
     async def release_kv(self, handoff_id: HandoffId) -> bool: ...
 
@@ -72,7 +74,7 @@ class LocalReplicaClient:
     def stop(self) -> None:
         self.stopped = True
 
-    async def _stream(self, gen: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    async def _stream(self, gen: AsyncIterator[GenerationChunk]) -> AsyncIterator[GenerationChunk]:
         try:
             async for chunk in gen:
                 self._check()
@@ -173,7 +175,7 @@ class ServeReplicaClient:
         except Exception as exc:  # noqa: BLE001 - translated, then re-raised
             raise self._translate(exc) from None
 
-    async def _stream(self, method: str, *args: Any) -> AsyncIterator[dict[str, Any]]:
+    async def _stream(self, method: str, *args: Any) -> AsyncIterator[GenerationChunk]:
         gen = getattr(self.handle.options(stream=True), method).remote(*args)
         try:
             async for chunk in gen:

@@ -29,110 +29,20 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from rayfleet.serving.engine.block_pool import KVCacheEvent
-from rayfleet.serving.engine.llm_engine import EngineConfig, LLMEngine, PrefillResult
-from rayfleet.serving.engine.kv_cache_manager import KVCacheStats
-from rayfleet.serving.kv.transfer import HandoffId, KVHandle, KVPayload, KVTransport
+from rayfleet.serving.engine.kv_connector import HandoffId, KVHandle, KVPayload, KVTransport
+from rayfleet.serving.engine.llm_engine import LLMEngine, PrefillResult
+from rayfleet.serving.engine.replica_output import GenerationChunk, PrefillReply
+from rayfleet.serving.engine.replica_state import BlockUsage, ReplicaState
 from rayfleet.serving.engine.request import RequestOutput
-from rayfleet.serving.routing.policy import ReplicaSnapshot
 from rayfleet.serving.engine.sampling import SamplingParams
 from rayfleet.serving.errors import ReplicaUnavailableError, RequestFailedError
 
 log = logging.getLogger(__name__)
-__all__ = ["AsyncEngine", "PrefillReply", "ReplicaState", "BlockUsage", "load_engine"]
+__all__ = ["AsyncEngine"]
 
 _LOOP_DIED = object()  # put in every request queue when the loop dies (see ``_run``)
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-
-
-def load_engine(*, preset_name: str | None, seed: int, checkpoint: str | None, dtype: str,
-                overrides: dict[str, Any], config: EngineConfig, kv_tiers: Any = None,
-                hf: str | None = None) -> LLMEngine:
-    """Build the served model (a preset from ``seed``, a training servable, or a Hugging Face
-    folder/URI ``hf`` with its own tokenizer) and its engine (``kv_tiers``: an optional
-    ``KVTierConnector``)."""
-    from rayfleet.models import build_model, preset
-
-    torch_dtype = _DTYPES[dtype]
-    if hf:
-        return _load_hf_engine(hf, dtype=torch_dtype, config=config, kv_tiers=kv_tiers)
-    if checkpoint:
-        from rayfleet.storage.model_registry import load_servable
-
-        servable = load_servable(checkpoint)
-        model = build_model(servable.config, seed=seed, dtype=torch_dtype)
-        model.load_state_dict({k: v.to(torch_dtype) if v.is_floating_point() and "expert_bias" not in k else v
-                               for k, v in servable.state_dict.items()})
-    else:
-        model = build_model(preset(preset_name or "tiny", **overrides), seed=seed, dtype=torch_dtype)
-    return LLMEngine(model, config, kv_tiers=kv_tiers)
-
-
-def _load_hf_engine(uri: str, *, dtype: torch.dtype, config: EngineConfig, kv_tiers: Any) -> LLMEngine:
-    """An HF model through the import path (``build_hf_model`` over the lazy safetensors reader;
-    unsupported config fields are refused there, by name) with the folder's tokenizer. Sampling
-    is limited to the tokenizer's ids (the embedding table may be padded past them) and EOS is
-    ``generation_config.json``'s, else the tokenizer's, else ``config.json``'s."""
-    import json
-    from dataclasses import replace
-
-    from rayfleet.models.hf import HFTokenizer, build_hf_model
-    from rayfleet.storage.safetensors_io import HFCheckpoint
-
-    ckpt = HFCheckpoint(uri)
-    model, _ = build_hf_model(ckpt.config, ckpt, dtype=dtype)
-    tokenizer = HFTokenizer.from_files(ckpt.side_files(), name=f"hf:{uri.rstrip('/').rsplit('/', 1)[-1]}")
-    raw = ckpt.read_file("generation_config.json")
-    eos = json.loads(raw).get("eos_token_id") if raw else None
-    if eos is None:
-        eos = tokenizer.eos_id if tokenizer.eos_id is not None else ckpt.config.get("eos_token_id")
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    vocab_limit = min(tokenizer.vocab_size, model.config.vocab_size)
-    return LLMEngine(model, replace(config, vocab_limit=vocab_limit), tokenizer=tokenizer, kv_tiers=kv_tiers,
-                     eos_token_ids=eos_ids)
-
-
-@dataclass(frozen=True)
-class PrefillReply:
-    """A prefill replica's answer: the first token, and either a finish or a KV handle."""
-
-    request_id: str
-    first_token_id: int
-    finish_reason: str | None
-    stop_reason: str | int | None
-    handle: KVHandle | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    queue_time_s: float
-    first_logprobs: tuple[Any, ...] = ()  # ``TokenLogprobs`` of the first token, when asked for
-
-
-@dataclass(frozen=True)
-class BlockUsage:
-    """Leak check: after all requests end, ``num_free_blocks == num_blocks`` and the rest is 0."""
-
-    num_blocks: int
-    num_free_blocks: int
-    num_requests: int
-    num_reserved: int
-    num_leases: int
-
-
-@dataclass(frozen=True)
-class ReplicaState:
-    """What the router polls: a routing snapshot, KV events since the last poll, counters."""
-
-    snapshot: ReplicaSnapshot
-    events: tuple[KVCacheEvent, ...]
-    kv: KVCacheStats
-    usage: BlockUsage
-    max_model_len: int
-    num_waiting: int
 
 
 class AsyncEngine:
@@ -283,20 +193,17 @@ class AsyncEngine:
                 return
             self._wake.set()
 
-    def _chunk(self, request_id: str, out: RequestOutput, *, first: bool) -> dict[str, Any]:
+    def _chunk(self, request_id: str, out: RequestOutput, *, first: bool) -> GenerationChunk:
         if out.error is not None:
             raise RequestFailedError(request_id, self.name)
-        chunk = {"token_ids": list(out.new_token_ids), "finished": out.finished,
-                 "finish_reason": out.finish_reason.value if out.finish_reason else None,
-                 "stop_reason": out.stop_reason, "num_prompt_tokens": out.num_prompt_tokens,
-                 "num_cached_tokens": out.num_cached_tokens, "replica": self.name}
-        if out.logprobs:
-            chunk["logprobs"] = list(out.logprobs)
-        if first:
-            chunk["queue_time_s"] = self._queue_time.get(request_id, 0.0)
-        return chunk
+        return GenerationChunk(
+            token_ids=tuple(out.new_token_ids), finished=out.finished,
+            finish_reason=out.finish_reason.value if out.finish_reason else None, stop_reason=out.stop_reason,
+            num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
+            logprobs=tuple(out.logprobs), queue_time_s=self._queue_time.get(request_id, 0.0) if first else None,
+            replica=self.name)
 
-    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[dict[str, Any]]:
+    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[GenerationChunk]:
         finished = False
         first = True
         try:
@@ -311,8 +218,8 @@ class AsyncEngine:
     # -- entry points ---------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       cache_salt: str | None = None) -> AsyncIterator[dict[str, Any]]:
-        """Stream chunks ``{token_ids, finished, finish_reason, ...}`` until the request ends.
+                       cache_salt: str | None = None) -> AsyncIterator[GenerationChunk]:
+        """Stream ``GenerationChunk``s until the request ends.
         Raises ``SpecError`` (before the first chunk) for a bad request."""
         queue = self._open(request_id)
         try:
@@ -367,9 +274,9 @@ class AsyncEngine:
 
     async def decode(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
                      params: SamplingParams, handle: KVHandle, transport: KVTransport, *,
-                     cache_salt: str | None = None) -> AsyncIterator[dict[str, Any]]:
+                     cache_salt: str | None = None) -> AsyncIterator[GenerationChunk]:
         """Reserve blocks, fetch the KV through ``transport``, commit, then stream like
-        ``generate``. The first chunk ``{"committed": True, "token_ids": []}`` tells the caller
+        ``generate``. The first chunk (``committed``, no tokens) tells the caller
         the KV is in this pool (release the lease). Raises ``KVTransferError`` if the KV is gone."""
         queue = self._open(request_id)
         finished = False
@@ -390,7 +297,7 @@ class AsyncEngine:
             await self._call(self.engine.commit_prefilled, request_id, k, v,
                              generator_state=payload.generator_tensor())
             self._wake.set()
-            yield {"token_ids": [], "finished": False, "committed": True, "replica": self.name}
+            yield GenerationChunk(token_ids=(), committed=True, replica=self.name)
             first = True
             while not finished:
                 out, _ = await self._next(queue)

@@ -19,7 +19,8 @@ Design decisions:
 - ``EngineConfig`` is a frozen dataclass validated at construction; a pydantic spec at the
   Serve edge maps onto it. ``max_model_len`` defaults to what both the model and the KV pool
   can hold, so one request can always run alone (the scheduler relies on it).
-- KV tiers are optional and outside the scheduler: a ``KVTierConnector`` hooks the block pool's
+- KV tiers are optional and outside the scheduler: a connector (``kv_connector.KVTierHooks``,
+  implemented by ``kv.tier_connector``) hooks the block pool's
   evictions (write-back to host memory / disk) and, before each ``schedule()``, loads queued
   requests' blocks from the lower tiers into the pool as ordinary cached blocks
   (``kv_connector``), so the scheduler's prefix lookup finds them.
@@ -43,12 +44,12 @@ from rayfleet.errors import SpecError
 from rayfleet.models import ByteTokenizer, MoETransformer, build_model, preset
 from rayfleet.serving.engine.block_hash import BlockHash, hash_full_blocks, root_block_hash
 from rayfleet.serving.engine.block_pool import BlockId, BlockPool, KVCacheEvent
-from rayfleet.serving.kv.tier_connector import KVTierConnector
+from rayfleet.serving.engine.engine_config import EngineConfig
 from rayfleet.serving.engine.kv_cache_manager import KVCacheManager, KVCacheStats
+from rayfleet.serving.engine.kv_connector import KVTierHooks
 from rayfleet.serving.engine.model_runner import ModelRunner
-from rayfleet.serving.routing.prefix_index import ReplicaId
 from rayfleet.serving.engine.request import FinishReason, Request, RequestId, RequestOutput
-from rayfleet.serving.routing.policy import ReplicaSnapshot
+from rayfleet.serving.engine.replica_state import ReplicaId, ReplicaSnapshot
 from rayfleet.serving.engine.model_runner import StepLogits
 from rayfleet.serving.engine.sampling import SampledToken, SamplingParams, sample_rows
 from rayfleet.serving.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -56,31 +57,7 @@ from rayfleet.serving.engine.stop_checker import check_stop
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EngineConfig", "EngineStats", "GenerationResult", "LLMEngine", "PrefillResult"]
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """KV pool and batching limits of one engine replica."""
-
-    block_size: int = 16
-    num_blocks: int = 256
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 256
-    max_model_len: int | None = None  # None: min(model max_seq_len, num_blocks * block_size)
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    enable_kv_events: bool = False
-    model_id: str = ""  # part of every block hash: engines of different models never share
-    seed: int = 0  # generator for requests without their own seed
-    # Never sample ids >= this (the tokenizer's size; see ``sampling``). None: the model's vocab.
-    vocab_limit: int | None = None
-    max_num_waiting: int | None = None  # bound of the waiting queue (None: unbounded)
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "num_blocks"):
-            if getattr(self, name) < 1:
-                raise SpecError(name, getattr(self, name), "must be positive", f"pass {name} >= 1")
+__all__ = ["EngineStats", "GenerationResult", "LLMEngine", "PrefillResult"]
 
 
 @dataclass(frozen=True)
@@ -132,7 +109,7 @@ class LLMEngine:
     """One model, its KV cache and a continuous-batching scheduler."""
 
     def __init__(self, model: MoETransformer, config: EngineConfig = EngineConfig(), *,
-                 tokenizer: Any = None, kv_tiers: KVTierConnector | None = None,
+                 tokenizer: Any = None, kv_tiers: KVTierHooks | None = None,
                  eos_token_ids: Collection[int] | None = None) -> None:
         self.config = config
         # ``ByteTokenizer`` or ``HFTokenizer``: ``eos_id``, ``decode`` (stop strings), ``vocab_size``.

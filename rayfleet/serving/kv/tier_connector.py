@@ -67,7 +67,7 @@ class ConnectorStats:
     prefetched_requested: int
 
 
-class KVTierConnector:
+class KVTierConnector:  # implements engine.kv_connector.KVTierHooks
     """One per engine. ``attach`` it to the engine's pool and KV tensors (``LLMEngine`` does)."""
 
     def __init__(self, node: NodeKVStore | None, *, index: GlobalKVIndex | None = None,

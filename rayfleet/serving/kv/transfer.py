@@ -1,7 +1,7 @@
 """Moving a prefilled request's KV blocks from a prefill replica to a decode replica.
 
 Design decisions:
-- One small interface, ``KVTransport``, with the owner side (``put``, ``release``, ``expire``)
+- One small interface, ``KVTransport`` (the engine's, ``engine.kv_connector``), with the owner side (``put``, ``release``, ``expire``)
   on the prefill replica and the reader side (``fetch``) on the decode replica. What travels
   between them is a ``KVHandle``: small, picklable, and opaque to the router and the ingress.
   Implementations:
@@ -29,87 +29,12 @@ from __future__ import annotations
 
 import itertools
 import os
-import warnings
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any, NewType, Protocol
+from typing import Any
 
-import numpy as np
-import torch
+from rayfleet.errors import SpecError
+from rayfleet.serving.engine.kv_connector import HandoffId, KVHandle, KVPayload, KVTransferError, KVTransport
 
-from rayfleet.errors import RayfleetError, SpecError
-
-__all__ = ["HandoffId", "KVPayload", "KVHandle", "LeaseTable", "KVTransport", "KVTransferError",
-           "LocalTransport", "ObjectStoreTransport", "make_transport"]
-
-HandoffId = NewType("HandoffId", str)
-
-
-class KVTransferError(RayfleetError):
-    """The KV of a handoff cannot be read: its lease expired, it was released, or its owner died."""
-
-
-def _to_numpy(t: torch.Tensor) -> tuple[np.ndarray, str]:
-    # numpy has no bfloat16: ship its bits as int16 and view them back on arrival.
-    t = t.detach().to("cpu").contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy(), "bfloat16"
-    return t.numpy(), str(t.dtype).removeprefix("torch.")
-
-
-def _from_numpy(a: np.ndarray, dtype: str) -> torch.Tensor:
-    with warnings.catch_warnings():  # zero-copy arrays from the object store are read-only
-        warnings.simplefilter("ignore", UserWarning)
-        t = torch.from_numpy(a)
-    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
-
-
-@dataclass(frozen=True)
-class KVPayload:
-    """What a decode replica needs to continue a request: prompt KV, first token, RNG state.
-
-    ``k``/``v``: ``[num_layers, num_blocks, block_size, kv_heads, head_dim]`` as numpy (``dtype``
-    names the torch dtype, bfloat16 travels as int16 bits).
-    """
-
-    prompt_token_ids: tuple[int, ...]
-    first_token_id: int
-    k: np.ndarray
-    v: np.ndarray
-    dtype: str
-    generator_state: bytes | None = None
-
-    @classmethod
-    def from_tensors(cls, *, prompt_token_ids: Iterable[int], first_token_id: int, k: torch.Tensor,
-                     v: torch.Tensor, generator_state: torch.Tensor | None = None) -> "KVPayload":
-        k_np, dtype = _to_numpy(k)
-        v_np, _ = _to_numpy(v)
-        state = bytes(generator_state.numpy().tobytes()) if generator_state is not None else None
-        return cls(tuple(int(t) for t in prompt_token_ids), int(first_token_id), k_np, v_np, dtype, state)
-
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return _from_numpy(self.k, self.dtype), _from_numpy(self.v, self.dtype)
-
-    def generator_tensor(self) -> torch.Tensor | None:
-        if self.generator_state is None:
-            return None
-        return torch.frombuffer(bytearray(self.generator_state), dtype=torch.uint8)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.k.nbytes + self.v.nbytes)
-
-
-@dataclass(frozen=True)
-class KVHandle:
-    """A claim ticket for one handoff. ``ref`` is transport-specific (an ``ObjectRef`` for Ray)."""
-
-    handoff_id: HandoffId
-    transport: str
-    num_blocks: int
-    nbytes: int
-    lease_s: float
-    ref: Any = field(default=None, compare=False)
+__all__ = ["LeaseTable", "LocalTransport", "ObjectStoreTransport", "make_transport"]
 
 
 class LeaseTable:
@@ -150,23 +75,6 @@ class LeaseTable:
         for _, h in gone:
             del self._deadline[h]
         return [h for _, h in gone]
-
-
-class KVTransport(Protocol):
-    """Owner side: ``put``/``release``/``expire``; reader side: ``fetch``. See the module doc."""
-
-    name: str
-
-    def put(self, payload: KVPayload, *, now: float) -> KVHandle: ...
-
-    async def fetch(self, handle: KVHandle) -> KVPayload: ...
-
-    def release(self, handoff_id: HandoffId) -> bool: ...
-
-    def expire(self, *, now: float) -> list[HandoffId]: ...
-
-    @property
-    def num_leases(self) -> int: ...
 
 
 _counter = itertools.count()

@@ -5,10 +5,12 @@ server-sent events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /v1/
 ``GET /health`` (no key), ``GET /metrics`` (Prometheus text), ``GET /v1/block_usage``.
 
 Design decisions:
-- ``build_openai_app(service, model_name=..., http=...)`` builds the app around an
-  ``InferenceService``; the Serve ingress (``deployments``) and unit tests (Starlette's
-  TestClient, the official ``openai`` client over it) use the same app.
-- Hardened edge, in this order: bearer key (``auth``; every route but ``/health``), body size
+- ``build_openai_app(service, model_name=..., http=...)`` builds the app around a
+  ``GenerationService`` (``generation_service``: a protocol this room owns, which the request
+  path's ``InferenceService`` satisfies), so the app never imports ``deploy``; the Serve
+  ingress (``serve_app``), the in-process stack and unit tests (Starlette's TestClient, the
+  official ``openai`` client over it) pass the service in and use the same app.
+- Hardened edge, in this order: bearer key (``serving.api_keys``; every route but ``/health``), body size
   (413, read in bounded pieces, never trusted from ``Content-Length`` alone), JSON, schema
   (``schemas``: strict types and OpenAI ranges, 400 naming the parameter), parameters the
   server cannot honour (400 naming them), model (404), deployment limits (stop strings, ``n``,
@@ -16,7 +18,7 @@ Design decisions:
   clamp), then the app's bound on engine requests in flight (429 with ``Retry-After``; each
   replica bounds its own queue too). Every error has OpenAI's shape (``errors``).
 - Tokenization is the served model's own tokenizer, asked of the engine replicas once
-  (``InferenceService.tokenizer``; ``tokenization``): the byte tokenizer of presets and
+  (``GenerationService.tokenizer``; ``tokenization``): the byte tokenizer of presets and
   checkpoints, or an HF model's tokenizer and chat template. A list of token ids is used as
   given. Choices run through ``generation`` (n, batches, stop strings excluded, logprobs) and
   are shaped by ``responses``; text, logprob tokens, usage and id ranges all follow it.
@@ -37,11 +39,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from rayfleet.errors import SpecError
-from rayfleet.serving.deploy.inference_service import InferenceService
 from rayfleet.serving.engine.sampling import SamplingParams
 from rayfleet.serving.openai_api import responses as R
-from rayfleet.serving.openai_api.auth import ApiKeyMiddleware, resolve_api_keys
+from rayfleet.serving.api_keys import ApiKeyMiddleware, resolve_api_keys
 from rayfleet.serving.openai_api.errors import APIError, error_response, install_error_handlers
+from rayfleet.serving.openai_api.generation_service import GenerationService
 from rayfleet.serving.openai_api.generation import (ChoiceEvent, ChoiceJob, ChoiceResult, choice_params, run_choices,
                                                     service_error, stream_choices)
 from rayfleet.serving.openai_api.schemas import ChatCompletionRequest, CompletionRequest, first_error
@@ -127,7 +129,7 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest, stops: tuple[str, 
         raise APIError(400, str(exc), param=exc.field) from None
 
 
-def build_openai_app(service: InferenceService, *, model_name: str, http: HttpSpec | None = None) -> Any:
+def build_openai_app(service: GenerationService, *, model_name: str, http: HttpSpec | None = None) -> Any:
     """The ASGI app for ``service`` serving one model named ``model_name``; ``http`` gives the
     keys and limits (default ``HttpSpec()``: keys required, read from ``RAYFLEET_API_KEY``)."""
     http = http or HttpSpec()
@@ -145,7 +147,7 @@ class _Completions:
     """``POST /v1/completions`` and ``/v1/chat/completions``: the checks of the module doc in
     order, then the choices (``generation``) shaped by ``_Response``."""
 
-    def __init__(self, service: InferenceService, *, model_name: str, http: HttpSpec) -> None:
+    def __init__(self, service: GenerationService, *, model_name: str, http: HttpSpec) -> None:
         self.service, self.model_name, self.http = service, model_name, http
         self.limits = _Limits(http.limits)
         self._tokenizer: ServedTokenizer | None = None
@@ -277,7 +279,7 @@ def _room(prompt: list[int], ctx: int, asked: int | None, *, chat: bool, vocab_s
     return room
 
 
-def _routes(app: FastAPI, service: InferenceService, model_name: str, created: int, handle: Any) -> None:
+def _routes(app: FastAPI, service: GenerationService, model_name: str, created: int, handle: Any) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await handle(request, chat=False)
@@ -303,15 +305,14 @@ def _routes(app: FastAPI, service: InferenceService, model_name: str, created: i
 
     @app.get("/health")
     async def health():
-        states = await service.router.replica_states()
+        states = await service.replica_states()
         healthy = [n for n, s in states.items() if s.snapshot.healthy]
         return JSONResponse({"status": "ok" if healthy else "starting", "replicas": sorted(healthy)},
                             status_code=200 if healthy else 503)
 
     @app.get("/metrics")
     async def metrics():
-        states = await service.router.replica_states()
-        return Response(service.metrics.render(states), media_type="text/plain; version=0.0.4")
+        return Response(await service.metrics_text(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/block_usage")
     async def block_usage():

@@ -1,4 +1,4 @@
-"""Running the choices of one OpenAI request (prompts x n) over the ``InferenceService``.
+"""Running the choices of one OpenAI request (prompts x n) over the ``GenerationService``.
 
 Design decisions:
 - A request with several prompts (batch completions) or ``n > 1`` is several engine requests,
@@ -22,10 +22,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 from rayfleet.errors import RayfleetError, SpecError
-from rayfleet.serving.deploy.inference_service import InferenceService, ServiceUnavailableError
 from rayfleet.serving.engine.sampling import SamplingParams
-from rayfleet.serving.errors import ReplicaOverloadedError, RequestFailedError
+from rayfleet.serving.errors import ReplicaOverloadedError, RequestFailedError, ServiceUnavailableError
 from rayfleet.serving.openai_api.errors import APIError, internal_error
+from rayfleet.serving.openai_api.generation_service import GenerationService
 from rayfleet.serving.openai_api.text_stream import Released
 from rayfleet.serving.openai_api.tokenization import BYTE, ServedTokenizer
 
@@ -42,9 +42,11 @@ class ChoiceJob:
     request_id: str
 
 
-@dataclass
+@dataclass(frozen=True)
 class ChoiceEvent:
-    """New text of one choice; ``finish_reason`` set on its last event."""
+    """New text of one choice (its chunks' tokens through the text stream: stop strings held
+    back or cut, characters whole); ``finish_reason`` set on its last event. What the SSE body
+    encodes (``responses``)."""
 
     index: int
     released: Released
@@ -81,7 +83,7 @@ def service_error(exc: BaseException, request_id: str, *, retry_after_s: int) ->
     return internal_error(exc, request_id)
 
 
-async def _run_one(service: InferenceService, job: ChoiceJob, *, cache_salt: str | None,
+async def _run_one(service: GenerationService, job: ChoiceJob, *, cache_salt: str | None,
                    emit: Callable[[ChoiceEvent], None] | None, tokenizer: ServedTokenizer) -> ChoiceResult:
     text = tokenizer.text_stream(job.params.stop)
     result = ChoiceResult(job.index, job.prompt_index)
@@ -89,12 +91,12 @@ async def _run_one(service: InferenceService, job: ChoiceJob, *, cache_salt: str
     released = Released()
     stream = service.stream(job.prompt, job.params, cache_salt=cache_salt, request_id=job.request_id)
     try:
-        async for delta in stream:
-            result.num_generated += len(delta.token_ids)
-            result.num_cached_tokens = max(result.num_cached_tokens, delta.num_cached_tokens)
-            released = text.feed(delta.token_ids, delta.logprobs)
-            if delta.finish_reason is not None:
-                finish, stop_reason = delta.finish_reason, delta.stop_reason
+        async for chunk in stream:
+            result.num_generated += len(chunk.token_ids)
+            result.num_cached_tokens = max(result.num_cached_tokens, chunk.num_cached_tokens)
+            released = text.feed(chunk.token_ids, chunk.logprobs)
+            if chunk.finish_reason is not None:
+                finish, stop_reason = chunk.finish_reason, chunk.stop_reason
             if text.done or finish is not None:
                 break
             _collect(result, released, emit)
@@ -132,7 +134,7 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
     return group.exceptions[0]
 
 
-async def run_choices(service: InferenceService, jobs: list[ChoiceJob], *, cache_salt: str | None,
+async def run_choices(service: GenerationService, jobs: list[ChoiceJob], *, cache_salt: str | None,
                       tokenizer: ServedTokenizer = BYTE) -> list[ChoiceResult]:
     """Every choice to completion, in index order; the first failure cancels the rest and is raised."""
     try:
@@ -144,7 +146,7 @@ async def run_choices(service: InferenceService, jobs: list[ChoiceJob], *, cache
     return sorted((t.result() for t in tasks), key=lambda r: r.index)
 
 
-async def stream_choices(service: InferenceService, jobs: list[ChoiceJob], *, cache_salt: str | None,
+async def stream_choices(service: GenerationService, jobs: list[ChoiceJob], *, cache_salt: str | None,
                          tokenizer: ServedTokenizer = BYTE) -> AsyncIterator[ChoiceEvent | list[ChoiceResult]]:
     """Events of all choices as they come, then the list of results. Closing the iterator (the
     client left) cancels every choice; a choice's failure is raised after the others stop."""
@@ -171,7 +173,7 @@ async def stream_choices(service: InferenceService, jobs: list[ChoiceJob], *, ca
                 pass
 
 
-async def _run_all(service: InferenceService, jobs: list[ChoiceJob], cache_salt: str | None,
+async def _run_all(service: GenerationService, jobs: list[ChoiceJob], cache_salt: str | None,
                    emit: Callable[[ChoiceEvent], None], tokenizer: ServedTokenizer) -> list[ChoiceResult]:
     try:
         async with asyncio.TaskGroup() as group:

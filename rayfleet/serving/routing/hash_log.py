@@ -49,7 +49,8 @@ from typing import Any
 
 from rayfleet.errors import SpecError
 from rayfleet.serving.engine.block_pool import KVCacheEvent
-from rayfleet.serving.routing.prefix_index import PrefixIndex, ReplicaId
+from rayfleet.serving.routing.prefix_index import PrefixIndex
+from rayfleet.serving.engine.replica_state import ReplicaId
 
 __all__ = ["HASH_LOG_KEYS", "HashLogPublisher", "HashSetMirror"]
 

@@ -44,7 +44,7 @@ import torch
 
 from rayfleet.errors import SpecError
 from rayfleet.models import MoEConfig, MoETransformer, PagedBatch, PagedKVCache
-from rayfleet.serving.routing.policy import ReplicaSnapshot
+from rayfleet.serving.engine.replica_state import ReplicaSnapshot
 
 __all__ = ["SpanAssignment", "SplitPlan", "LongPrefillPolicy", "key_cost_for", "span_costs", "SpanPrefill",
            "split_prefill_in_process"]

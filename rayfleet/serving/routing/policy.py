@@ -98,35 +98,10 @@ from dataclasses import dataclass
 
 from rayfleet.errors import SpecError
 from rayfleet.serving.engine.block_hash import BlockHash
-from rayfleet.serving.routing.prefix_index import PrefixIndex, ReplicaId
+from rayfleet.serving.routing.prefix_index import PrefixIndex
+from rayfleet.serving.engine.replica_state import ReplicaId
 
-__all__ = ["ReplicaSnapshot", "ReplicaScore", "RouteDecision", "RouterPolicy"]
-
-
-@dataclass(frozen=True)
-class ReplicaSnapshot:
-    """One engine replica's state as last reported (blocks are KV blocks of its pool)."""
-
-    replica_id: ReplicaId
-    num_total_blocks: int
-    num_free_blocks: int
-    # Sum of running requests' block-table lengths: a block shared by n requests counts n times,
-    # because each of them reads it every decode step (decode work, not pool occupancy).
-    num_active_blocks: int
-    num_queued_blocks: int = 0  # prompt blocks waiting to be prefilled
-    num_running_requests: int = 0
-    max_num_seqs: int = 0  # 0: no limit
-    healthy: bool = True
-    # The router's decayed ledger of work it assigned here (blocks); 0 when it keeps none.
-    recent_work_blocks: float = 0.0
-
-    @property
-    def load_blocks(self) -> int:
-        return self.num_active_blocks + self.num_queued_blocks
-
-    @property
-    def has_seq_slot(self) -> bool:
-        return not self.max_num_seqs or self.num_running_requests < self.max_num_seqs
+__all__ = ["ReplicaScore", "RouteDecision", "RouterPolicy"]
 
 
 @dataclass(frozen=True)

@@ -17,14 +17,11 @@ Design decisions:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import NewType
 
 from rayfleet.serving.engine.block_hash import BlockHash
 from rayfleet.serving.engine.block_pool import KVCacheEvent
 
-__all__ = ["ReplicaId", "PrefixIndex"]
-
-ReplicaId = NewType("ReplicaId", str)
+__all__ = ["PrefixIndex"]
 
 EXACT_WALK_BLOCKS = 64  # blocks walked one by one before bisection (``match_prefix``)
 

@@ -17,7 +17,8 @@ Design decisions:
   sized by their queued prefill work, and each span is booked on its replica.
 - A replica reported failed (by the ingress) is unhealthy and leaves the index until a poll
   succeeds again (Serve restarts dead replicas).
-- ``Router`` polls all replicas concurrently through ``ReplicaClient``s; one router per app,
+- ``Router`` polls all replicas concurrently through ``PolledReplica``s (the one call it needs,
+  as a protocol of its own: ``deploy.replica_client``'s clients satisfy it); one router per app,
   because KV events are consumed by whoever polls. It polls every ``poll_interval_s`` while
   there is work (a request routed since the last poll, or any replica running or queueing
   one) and every ``idle_poll_interval_s`` otherwise, woken at once by the next route: an idle
@@ -38,20 +39,19 @@ import time
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 from rayfleet.errors import SpecError
 from rayfleet.serving.engine.block_hash import BlockHash, hash_full_blocks, root_block_hash
-from rayfleet.serving.engine.async_engine import ReplicaState
+from rayfleet.serving.engine.replica_state import ReplicaId, ReplicaSnapshot, ReplicaState
 from rayfleet.serving.routing.long_prefill import LongPrefillPolicy, SpanAssignment
-from rayfleet.serving.routing.prefix_index import PrefixIndex, ReplicaId
-from rayfleet.serving.deploy.replica_client import ReplicaClient
-from rayfleet.serving.routing.policy import ReplicaSnapshot, RouterPolicy
+from rayfleet.serving.routing.prefix_index import PrefixIndex
+from rayfleet.serving.routing.policy import RouterPolicy
 from rayfleet.serving.routing.pool_router import ROUTING_STATS_KEYS, Mode, PoolRouterCore, RouteHint
 from rayfleet.serving.routing.recent_work import DecayedMean, PrefixWorkLedger, RecentWorkLedger
 
-__all__ = ["RoutePlan", "RouterCore", "Router", "RouteHint", "PoolRouterCore", "ROUTING_STATS_KEYS",
-           "register_pool_router", "pool_router"]
+__all__ = ["RoutePlan", "RouterCore", "Router", "PolledReplica", "RouteHint", "PoolRouterCore",
+           "ROUTING_STATS_KEYS", "register_pool_router", "pool_router"]
 
 log = logging.getLogger(__name__)
 
@@ -225,11 +225,17 @@ class RouterCore:
         return tuple(s.replica_id for s in snaps[start:] + snaps[:start])
 
 
-class Router:
-    """Async shell: polls replicas, answers ``route``/``report_failure``. Serve deploys it as
-    ``router``; in-process callers construct it with ``LocalReplicaClient``s."""
+class PolledReplica(Protocol):
+    """What the router asks of a replica: its state (``AsyncEngine.poll_state``, consumed)."""
 
-    def __init__(self, clients: Mapping[str, ReplicaClient], core: RouterCore, *,
+    async def poll_state(self) -> ReplicaState: ...
+
+
+class Router:
+    """Async shell: polls replicas, answers ``route``/``report_failure``. In-process apps
+    construct it with ``deploy.replica_client.LocalReplicaClient``s."""
+
+    def __init__(self, clients: Mapping[str, PolledReplica], core: RouterCore, *,
                  poll_interval_s: float = 0.1, idle_poll_interval_s: float = 1.0) -> None:
         self.clients = dict(clients)
         self.core = core
@@ -245,7 +251,7 @@ class Router:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._poll_forever())
 
-    async def _poll_one(self, name: str, client: ReplicaClient) -> None:
+    async def _poll_one(self, name: str, client: PolledReplica) -> None:
         try:
             state = await asyncio.wait_for(client.poll_state(), timeout=max(2.0, 10 * self.poll_interval_s))
         except Exception as exc:  # noqa: BLE001 - any failure to answer makes it unhealthy

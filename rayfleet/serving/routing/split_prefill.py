@@ -35,8 +35,9 @@ from typing import Any
 
 import torch
 
-from rayfleet.serving.engine.async_engine import AsyncEngine, PrefillReply
-from rayfleet.serving.kv.transfer import HandoffId, KVHandle, KVPayload
+from rayfleet.serving.engine.async_engine import AsyncEngine
+from rayfleet.serving.engine.replica_output import PrefillReply
+from rayfleet.serving.engine.kv_connector import HandoffId, KVHandle, KVPayload
 from rayfleet.serving.routing.long_prefill import SpanAssignment, SpanPrefill
 from rayfleet.serving.errors import ReplicaUnavailableError
 from rayfleet.serving.engine.sampling import SamplingParams, sample_tokens

@@ -6,7 +6,7 @@ and passes the spec's ``http`` auth settings (``auth``, the key environment vari
 the key file's path, never a key) as ``rayfleet_auth``.
 
 Design decisions:
-- The same check as the built-in app (``openai_api.auth.ApiKeyMiddleware``: bearer keys,
+- The same check as the built-in app (``serving.api_keys.ApiKeyMiddleware``: bearer keys,
   constant-time compare, fail closed, 401 in OpenAI's error shape), added to the ingress's
   FastAPI app before it starts. Serve's ``@serve.ingress`` wrapper sets the app through
   ``ASGIAppReplicaWrapper._set_asgi_app`` after this class's ``__init__`` ran; this class comes
@@ -24,7 +24,7 @@ from typing import Any
 
 from ray.serve.llm.ingress import OpenAiIngress
 
-from rayfleet.serving.openai_api.auth import ApiKeyMiddleware, resolve_api_keys
+from rayfleet.serving.api_keys import ApiKeyMiddleware, resolve_api_keys
 
 __all__ = ["RayfleetOpenAiIngress"]
 

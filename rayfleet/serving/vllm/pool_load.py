@@ -42,7 +42,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field, replace
 from typing import Collection, Iterable, Mapping, Sequence
 
-from rayfleet.serving.vllm.metrics import MetricSample, named
+from rayfleet.serving.vllm.prometheus_scrape import MetricSample, named
 
 __all__ = ["ReplicaSample", "PoolLoad", "replica_samples", "histogram_quantile", "window_buckets", "pool_load",
            "LoadWindow", "VLLMPoolLoadSource", "pool_replica_ids"]
@@ -258,7 +258,7 @@ class VLLMPoolLoadSource:
         """``(load, kv_usage_by_replica)`` as ``serve_observation`` takes them."""
         import time
 
-        from rayfleet.serving.vllm.metrics import scrape_vllm_metrics
+        from rayfleet.serving.vllm.prometheus_scrape import scrape_vllm_metrics
 
         replicas = pool_replica_ids(self.app_name, self.deployment)
         samples = scrape_vllm_metrics(contains="", timeout_s=5.0)  # vLLM's and Serve's (see module doc)

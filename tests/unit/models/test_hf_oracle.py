@@ -108,7 +108,8 @@ def test_paged_greedy_decoding_matches_generate(saved, name):
 def test_the_serving_engine_decodes_like_generate(saved, name):
     """The built-in engine (scheduler, block pool, prefix cache) on the loaded model; for
     DeepSeek-V3 its KV pools hold the MLA latent and rotary key, of different widths."""
-    from rayfleet.serving.engine.llm_engine import EngineConfig, LLMEngine
+    from rayfleet.serving.engine.engine_config import EngineConfig
+    from rayfleet.serving.engine.llm_engine import LLMEngine
     from rayfleet.serving.engine.sampling import SamplingParams
 
     hf, model, spec = _load_both(saved[name])

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 from ray import serve
 
-from rayfleet.serving.deploy.deployments import (EngineReplica, build_app, pool_deployment_options,
-                                                 replica_options)
+from rayfleet.serving.deploy.deployments import EngineReplica, pool_deployment_options, replica_options
+from rayfleet.serving.openai_api.serve_app import build_app
 from rayfleet.serving.deploy.inference_service import InferenceService
 from rayfleet.serving.deploy.pool_client import FailedReplicas, PoolClient, PoolRouter
-from rayfleet.serving.engine.async_engine import load_engine
+from rayfleet.serving.engine.loading import load_engine
 from rayfleet.serving.engine.sampling import SamplingParams
 from rayfleet.serving.errors import ReplicaUnavailableError
 from rayfleet.serving.routing.router import RouteHint
@@ -86,13 +86,13 @@ def test_hf_model_pool_hands_its_tokenizer_to_the_ingress(tmp_path):
     """``model: {hf: DIR}`` on the built-in engine: the pool deployment loads the HF model and the
     ingress side gets the model's tokenizer through the pool handle (the app's chat template)."""
     transformers = pytest.importorskip("transformers")
-    from rayfleet.serving.deploy.deployments import _pool
+    from rayfleet.serving.deploy.deployments import bind_pool
     from rayfleet.serving.vllm.tiny_model import write_tiny_qwen3_moe
 
     hf_dir = write_tiny_qwen3_moe(tmp_path / "tiny-moe", num_layers=1, hidden_size=64, num_experts=4)
     spec = ServeSpec.parse({"model": {"hf": str(hf_dir)}, "colocated": {"accelerators_per_replica": 0},
                             "kv_transfer": {"transport": "local"}})
-    probe = serve.run(serve.deployment(ServiceProbe).bind({"colocated": _pool(spec, "colocated")}, "colocated"),
+    probe = serve.run(serve.deployment(ServiceProbe).bind({"colocated": bind_pool(spec, "colocated")}, "colocated"),
                       name="probe-hf", _local_testing_mode=True)
     chat = [{"role": "user", "content": "write a loop"}]
     kind, ids = probe.chat_ids.remote(chat).result()
@@ -146,7 +146,7 @@ def test_generated_serve_config_validates_and_its_builder_builds(capsys):
     from ray.serve.schema import ServeDeploySchema
 
     from rayfleet.cli import main
-    from rayfleet.serving.deploy.deployments import app_builder, serve_config
+    from rayfleet.serving.openai_api.serve_app import app_builder, serve_config
 
     spec = ServeSpec.parse({"model": MODEL, "mode": "disaggregated", "http": {"port": 8123}})
     config = serve_config(spec)
@@ -155,7 +155,7 @@ def test_generated_serve_config_validates_and_its_builder_builds(capsys):
     assert config["http_options"]["port"] == 8123
     assert app_builder(config["applications"][0]["args"]) is not None
     assert main(["serve", "examples/serve/colocated.yaml", "--serve-config"]) == 0
-    assert "rayfleet.serving.deploy.deployments:app_builder" in capsys.readouterr().out
+    assert "rayfleet.serving.openai_api.serve_app:app_builder" in capsys.readouterr().out
 
 
 class _Replica:

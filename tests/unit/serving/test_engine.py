@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from rayfleet.errors import SpecError
-from rayfleet.serving.engine.llm_engine import EngineConfig, LLMEngine
+from rayfleet.serving.engine.engine_config import EngineConfig
+from rayfleet.serving.engine.llm_engine import LLMEngine
 from rayfleet.serving.engine.request import FinishReason
 from rayfleet.serving.engine.sampling import SamplingParams
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from rayfleet.serving.engine.async_engine import AsyncEngine
-from rayfleet.serving.engine.llm_engine import EngineConfig, LLMEngine
+from rayfleet.serving.engine.engine_config import EngineConfig
+from rayfleet.serving.engine.llm_engine import LLMEngine
 from rayfleet.serving.engine.sampling import SamplingParams
 from rayfleet.serving.engine.scheduler import EngineOverloadedError
 from rayfleet.serving.errors import ReplicaOverloadedError, RequestFailedError
@@ -35,7 +36,7 @@ async def _collect(engine: AsyncEngine, rid: str, prompt: list[int], params: Sam
     start = time.monotonic()
     tokens = []
     async for chunk in engine.generate(rid, prompt, params):
-        tokens += chunk["token_ids"]
+        tokens += chunk.token_ids
     return tokens, time.monotonic() - start
 
 

@@ -12,7 +12,8 @@ import torch
 
 from rayfleet.errors import SpecError
 from rayfleet.models import build_model, preset
-from rayfleet.serving.engine.llm_engine import EngineConfig, LLMEngine
+from rayfleet.serving.engine.engine_config import EngineConfig
+from rayfleet.serving.engine.llm_engine import LLMEngine
 from rayfleet.serving.engine.async_engine import AsyncEngine
 from rayfleet.serving.experts.eplb import ExpertPlacement, rebalance_experts
 from rayfleet.serving.experts.balancer import (ExpertBalancingConfig, ExpertLoadBalancer, ReplicatedExpertDispatcher,
@@ -150,7 +151,7 @@ def test_async_engine_rebalances_on_its_own_between_steps(skewed_reference):
         async def one(i, prompt):
             out = []
             async for chunk in engine.generate(f"r{i}", prompt, GREEDY):
-                out += chunk["token_ids"]
+                out += chunk.token_ids
             return tuple(out)
         return await asyncio.gather(*(one(i, p) for i, p in enumerate(_prompts())))
 
@@ -179,7 +180,7 @@ def test_inconsistent_placements_are_refused():
 
 
 def test_serve_spec_turns_expert_balancing_on_in_local_replicas():
-    from rayfleet.serving.deploy.in_process import build_local
+    from rayfleet.serving.openai_api.in_process import build_local
     from rayfleet.serving.spec import ServeSpec
 
     assert ServeSpec.parse({}).expert_balancing.config() is None

@@ -14,7 +14,7 @@ from rayfleet.errors import SpecError
 from rayfleet.serving.engine.block_pool import KVCacheEvent
 from rayfleet.serving.routing.hash_log import HashLogPublisher
 from rayfleet.serving.routing.pool_router import PoolRouterCore, RouteHint
-from rayfleet.serving.routing.prefix_index import ReplicaId
+from rayfleet.serving.engine.replica_state import ReplicaId
 
 SNAP = {"num_total_blocks": 1000, "num_free_blocks": 1000, "num_active_blocks": 0, "num_queued_blocks": 0}
 
@@ -230,7 +230,8 @@ def test_a_real_engines_events_published_as_a_log_mirror_its_prefix_cache(tiny_m
     """Hashes agree end to end: an engine evicting under pressure, then resetting its prefix
     cache, publishes through ``HashLogPublisher`` (as ``EngineReplica.record_routing_stats``)
     and a router's mirror equals the engine's cached hashes after every publication."""
-    from rayfleet.serving.engine.llm_engine import EngineConfig, LLMEngine
+    from rayfleet.serving.engine.engine_config import EngineConfig
+    from rayfleet.serving.engine.llm_engine import LLMEngine
     from rayfleet.serving.engine.sampling import SamplingParams
 
     engine = LLMEngine(tiny_model, EngineConfig(block_size=4, num_blocks=16, enable_kv_events=True, model_id="tiny"))

@@ -20,7 +20,7 @@ import torch
 
 from rayfleet.errors import SpecError
 from rayfleet.models.hf.tokenizer import HFTokenizer, train_byte_level_bpe
-from rayfleet.serving.deploy.in_process import build_local
+from rayfleet.serving.openai_api.in_process import build_local
 from rayfleet.serving.openai_api.app import encode_chat
 from rayfleet.serving.openai_api.text_stream import DecodedTextStream
 from rayfleet.serving.openai_api.tokenization import served_tokenizer
@@ -286,7 +286,7 @@ def test_disaggregated_pools_serve_the_same_chat_tokens(model_dir, oracle, monke
 
 
 def test_every_eos_of_generation_config_ends_a_request(model_dir, tmp_path):
-    from rayfleet.serving.engine.async_engine import load_engine
+    from rayfleet.serving.engine.loading import load_engine
     from rayfleet.serving.engine.sampling import SamplingParams
     from rayfleet.serving.engine.stop_checker import check_stop
 

@@ -14,7 +14,8 @@ import torch
 from rayfleet.errors import SpecError
 from rayfleet.models import build_model, preset
 from rayfleet.serving.engine.block_hash import BlockHash
-from rayfleet.serving.engine.llm_engine import EngineConfig, LLMEngine
+from rayfleet.serving.engine.engine_config import EngineConfig
+from rayfleet.serving.engine.llm_engine import LLMEngine
 from rayfleet.serving.kv.tier_connector import KVTierConnector
 from rayfleet.serving.kv.host_pool import HostKVPool
 from rayfleet.serving.kv.global_index import GlobalKVIndex, KVLocation

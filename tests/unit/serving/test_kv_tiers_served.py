@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 
-from rayfleet.serving.deploy.in_process import build_local
+from rayfleet.serving.openai_api.in_process import build_local
 from rayfleet.serving.engine.sampling import SamplingParams
 
 MODEL = {"preset": "tiny", "seed": 4, "dtype": "float64", "overrides": {"max_seq_len": 512}}

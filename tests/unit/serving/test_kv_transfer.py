@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from rayfleet.errors import SpecError
-from rayfleet.serving.engine.llm_engine import EngineConfig, LLMEngine
+from rayfleet.serving.engine.engine_config import EngineConfig
+from rayfleet.serving.engine.llm_engine import LLMEngine
 from rayfleet.serving.engine.async_engine import AsyncEngine
-from rayfleet.serving.kv.transfer import (HandoffId, KVPayload, KVTransferError, LeaseTable, LocalTransport,
-                                          make_transport)
+from rayfleet.serving.engine.kv_connector import HandoffId, KVPayload, KVTransferError
+from rayfleet.serving.kv.transfer import LeaseTable, LocalTransport, make_transport
 from rayfleet.serving.engine.request import FinishReason
 from rayfleet.serving.engine.sampling import SamplingParams
 

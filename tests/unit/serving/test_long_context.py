@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from rayfleet.models import build_model, preset
-from rayfleet.serving.engine.llm_engine import EngineConfig, LLMEngine
+from rayfleet.serving.engine.engine_config import EngineConfig
+from rayfleet.serving.engine.llm_engine import LLMEngine
 from rayfleet.serving.routing.long_prefill import (LongPrefillPolicy, SpanPrefill, key_cost_for, span_costs,
                                            split_prefill_in_process)
-from rayfleet.serving.deploy.in_process import build_local
-from rayfleet.serving.routing.prefix_index import ReplicaId
-from rayfleet.serving.routing.policy import ReplicaSnapshot
+from rayfleet.serving.openai_api.in_process import build_local
+from rayfleet.serving.engine.replica_state import ReplicaId
+from rayfleet.serving.engine.replica_state import ReplicaSnapshot
 from rayfleet.serving.engine.sampling import SamplingParams
 
 BS = 16

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from rayfleet.serving.engine.async_engine import load_engine
-from rayfleet.serving.deploy.in_process import build_local
+from rayfleet.serving.engine.loading import load_engine
+from rayfleet.serving.openai_api.in_process import build_local
 from rayfleet.serving.openai_api.app import encode_chat, encode_completion_prompt
 from rayfleet.serving.engine.sampling import SamplingParams
 from rayfleet.serving.spec import ServeSpec

@@ -12,8 +12,8 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from rayfleet.serving.deploy.in_process import build_local
-from rayfleet.serving.engine.async_engine import load_engine
+from rayfleet.serving.openai_api.in_process import build_local
+from rayfleet.serving.engine.loading import load_engine
 from rayfleet.serving.engine.sampling import SamplingParams
 from rayfleet.serving.openai_api.app import encode_chat, encode_completion_prompt
 from rayfleet.serving.spec import ServeSpec

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 import httpx2
 
-from rayfleet.serving.deploy.in_process import build_local
+from rayfleet.serving.openai_api.in_process import build_local
 
 KEY = "fuzz-key"
 MODEL = {"preset": "tiny", "seed": 2, "dtype": "float32", "overrides": {"max_seq_len": 48, "init_std": 0.1}}

@@ -12,7 +12,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from rayfleet.errors import SpecError
-from rayfleet.serving.deploy.in_process import build_local
+from rayfleet.serving.openai_api.in_process import build_local
 from rayfleet.serving.engine.sampling import SamplingParams
 from rayfleet.serving.errors import RequestFailedError
 from rayfleet.serving.openai_api.app import encode_completion_prompt
@@ -283,7 +283,7 @@ def test_a_request_failing_in_the_engine_is_a_500_with_its_id_while_another_fini
 
 
 def test_deploying_without_a_configured_key_makes_a_private_one_the_app_then_requires(tmp_path, monkeypatch):
-    from rayfleet.serving.openai_api.auth import ensure_client_key
+    from rayfleet.serving.api_keys import ensure_client_key
 
     monkeypatch.delenv("RAYFLEET_LIMITS_KEY")
     http = ServeSpec.parse(spec()).http

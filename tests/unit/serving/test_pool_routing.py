@@ -14,7 +14,7 @@ from rayfleet.errors import SpecError
 from rayfleet.serving.deploy.pool_client import FailedReplicas
 from rayfleet.serving.deploy.pool_scaling import clamp_to_bounds
 from rayfleet.serving.engine.block_hash import hash_full_blocks, root_block_hash
-from rayfleet.serving.openai_api.metrics import ServingMetrics, finished_reason_label
+from rayfleet.serving.deploy.serving_metrics import ServingMetrics, finished_reason_label
 from rayfleet.serving.routing.policy import RouterPolicy
 from rayfleet.serving.routing.pool_router import PoolRouterCore, RouteHint
 

@@ -13,8 +13,10 @@ import pytest
 from rayfleet.errors import SpecError
 from rayfleet.serving.engine.block_hash import BlockHash, hash_full_blocks, root_block_hash
 from rayfleet.serving.engine.block_pool import KVCacheEvent
-from rayfleet.serving.routing.prefix_index import PrefixIndex, ReplicaId
-from rayfleet.serving.routing.policy import ReplicaSnapshot, RouterPolicy
+from rayfleet.serving.routing.prefix_index import PrefixIndex
+from rayfleet.serving.engine.replica_state import ReplicaId
+from rayfleet.serving.engine.replica_state import ReplicaSnapshot
+from rayfleet.serving.routing.policy import RouterPolicy
 
 ROOT = root_block_hash(model_id="tiny")
 BLOCK = 16
@@ -180,7 +182,8 @@ def test_worked_example_from_the_module_docstring():
 
 def test_engine_kv_events_feed_the_index_and_the_router_finds_the_cached_engine(tiny_model):
     """Hashes agree across layers: an engine's KV events, indexed, make the router pick it."""
-    from rayfleet.serving.engine.llm_engine import EngineConfig, LLMEngine
+    from rayfleet.serving.engine.engine_config import EngineConfig
+    from rayfleet.serving.engine.llm_engine import LLMEngine
     from rayfleet.serving.engine.sampling import SamplingParams
 
     config = EngineConfig(block_size=4, num_blocks=16, enable_kv_events=True, model_id="tiny")

@@ -3,9 +3,8 @@
 from rayfleet.platform.autoscaler.policy import AutoscalerPolicy, AutoscalerState, FleetObservation, GrowTraining
 from rayfleet.platform.autoscaler.policy import TrainingObservation
 from rayfleet.platform.queues import JobClass
-from rayfleet.serving.deploy.autoscale_shell import (LentReplica, RoomWatch, ServeShellConfig, desired_replicas,
-                                                    lender_settled, p95)
-from rayfleet.serving.deploy.autoscale_shell import serve_observation
+from rayfleet.serving.deploy.serve_scaling_rules import (LentReplica, RoomWatch, ServeShellConfig, desired_replicas, lender_settled, p95)
+from rayfleet.serving.deploy.serve_scaling_rules import serve_observation
 
 
 def test_p95_is_nearest_rank_and_zero_without_samples():

@@ -10,7 +10,7 @@ import yaml
 
 from rayfleet.errors import RayfleetError, SpecError
 from rayfleet.serving.spec import ServeSpec, load_serve_spec
-from rayfleet.serving.deploy.deployer import pool_deployment_name
+from rayfleet.serving.deployer import pool_deployment_name
 from rayfleet.serving.deploy.pool_scaling import HARD_MAX_REPLICAS
 from rayfleet.serving.vllm.config import CPU_ENGINE_SHARE, llm_config_fields, llm_deployment_name, vllm_app_args
 

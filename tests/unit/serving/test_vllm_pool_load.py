@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 
-from rayfleet.serving.deploy.autoscale_shell import ServeShellConfig, serve_observation
-from rayfleet.serving.vllm.metrics import parse_samples
+from rayfleet.serving.deploy.serve_scaling_rules import ServeShellConfig, serve_observation
+from rayfleet.serving.vllm.prometheus_scrape import parse_samples
 from rayfleet.serving.vllm.pool_load import (LoadWindow, ReplicaSample, histogram_quantile, pool_load,
                                              replica_samples, window_buckets)
 

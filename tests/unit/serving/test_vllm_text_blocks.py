@@ -42,7 +42,7 @@ def test_served_blocks_evict_least_recently_used():
 
 
 def test_metric_names_and_sums_from_prometheus_text():
-    from rayfleet.serving.vllm.metrics import metric_sum, named, parse_samples
+    from rayfleet.serving.vllm.prometheus_scrape import metric_sum, named, parse_samples
 
     text = """# HELP ray_vllm:prompt_tokens_total Prompt tokens
 # TYPE ray_vllm:prompt_tokens_total counter

@@ -3,7 +3,8 @@
 Design decisions:
 - The same classes the Serve deployments wrap (``AsyncEngine``, ``Router``, ``InferenceService``,
   ``build_openai_app``), connected by ``LocalReplicaClient`` and a ``LocalTransport`` instead of
-  Serve handles and the object store. Unit tests and the router/prefix-cache parts of the
+  Serve handles and the object store. The in-process twin of ``serve_app``, in the same room
+  for the same reason: it wires the request path (``deploy``) into the OpenAI app. Unit tests and the router/prefix-cache parts of the
   benchmark run on it; Serve adds processes and placement, not different logic.
 - Engines share one process and its two cores: throughput figures from here compare policies,
   not hardware.
@@ -14,14 +15,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rayfleet.serving.engine.async_engine import AsyncEngine, load_engine
+from rayfleet.serving.engine.async_engine import AsyncEngine
+from rayfleet.serving.engine.loading import load_engine
 from rayfleet.serving.experts.balancer import ExpertLoadBalancer
 from rayfleet.serving.kv.transfer import LocalTransport
-from rayfleet.serving.openai_api.metrics import ServingMetrics
-from rayfleet.serving.deploy.replica_client import LocalReplicaClient
-from rayfleet.serving.routing.router import Router, RouterCore
-from rayfleet.serving.routing.policy import RouterPolicy
 from rayfleet.serving.deploy.inference_service import InferenceService
+from rayfleet.serving.deploy.replica_client import LocalReplicaClient
+from rayfleet.serving.deploy.serving_metrics import ServingMetrics
+from rayfleet.serving.openai_api.app import build_openai_app
+from rayfleet.serving.routing.policy import RouterPolicy
+from rayfleet.serving.routing.router import Router, RouterCore
 from rayfleet.serving.spec import ServeSpec
 
 __all__ = ["LocalServing", "build_local"]
@@ -36,8 +39,6 @@ class LocalServing:
     service: InferenceService
 
     def app(self) -> Any:
-        from rayfleet.serving.openai_api.app import build_openai_app
-
         return build_openai_app(self.service, model_name=self.spec.model.served_name, http=self.spec.http)
 
     def shutdown(self) -> None:

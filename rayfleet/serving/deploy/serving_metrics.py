@@ -26,7 +26,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from rayfleet.serving.engine.async_engine import ReplicaState
+from rayfleet.serving.engine.replica_state import ReplicaState
 
 __all__ = ["ServingMetrics", "RayEngineMetrics", "FINISHED_REASONS", "finished_reason_label"]
 

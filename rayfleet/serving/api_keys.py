@@ -1,6 +1,9 @@
-"""Bearer API keys for the OpenAI app.
+"""Bearer API keys for every HTTP face of a served model: the built-in OpenAI app and the vLLM ingress.
 
 Design decisions:
+- Below every room (it imports nothing of ``serving``), so that ``openai_api`` and ``vllm``,
+  sibling rooms at the top of the ladder, share one check without importing each other, and
+  ``deployer`` makes a client key before either app exists.
 - Keys come from environment variables (by name) and/or a file of one key per line, read
   where the ingress runs (``resolve_api_keys``); the spec holds only their names and path, so
   a logged or dumped spec never carries a key.

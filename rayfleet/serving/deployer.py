@@ -1,6 +1,9 @@
 """``deploy(spec)``: put a ``ServeSpec`` on the connected fleet; used by the CLI and the SDK.
 
 Design decisions:
+- The top of the serving ladder, beside the Serve shell (``serve_scaling_shell``): it picks the
+  application by engine, the built-in one (``openai_api.serve_app``) or Ray Serve LLM's
+  (``vllm.app``), so it sits above both rooms and nothing in ``serving`` imports it but the shell.
 - Works from a driver already connected to the fleet (``rayfleet.connect()`` /
   ``fleet.serve(spec)``): it never calls ``ray.init`` when Ray is initialized. Otherwise it
   connects to ``address`` (or the local fleet) the way the SDK does, with token auth.
@@ -145,16 +148,16 @@ def deploy(spec: ServeSpec | dict[str, Any] | str | Path, *, address: str | None
     serves. Raises ``SpecError`` for a bad spec and ``ServeDeployError`` if the app does not
     come up within ``timeout_s``."""
     spec = load_serve_spec(spec) if isinstance(spec, (str, Path)) else ServeSpec.parse(spec)
-    # API keys (``openai_api.auth``; a vLLM app's ingress is ``vllm.ingress``): a key is made
+    # API keys (``api_keys``; a vLLM app's ingress is ``vllm.ingress``): a key is made
     # when none is configured.
-    from rayfleet.serving.openai_api.auth import ensure_client_key
+    from rayfleet.serving.api_keys import ensure_client_key
 
     http, api_key = ensure_client_key(spec.http, app_name=spec.name)
     spec = spec.model_copy(update={"http": http})
     _ensure_connected(address)
     from ray import serve
 
-    from rayfleet.serving.deploy.deployments import build_app
+    from rayfleet.serving.openai_api.serve_app import build_app
     health_path = "/health"
     if spec.engine.kind == "vllm":  # Ray Serve LLM's app (rayfleet.serving.vllm), same deploy path
         from rayfleet.serving.vllm.app import HEALTH_PATH as health_path, build_vllm_app as build_app
