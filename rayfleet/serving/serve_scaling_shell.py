@@ -23,7 +23,7 @@ only gathers and acts, so it stays thin:
 The shell is a Ray actor (``num_cpus=0``, on the head node) so that it outlives a notebook
 cell but not the driver that started it. Its pure rules (the observation it reports, desired
 replicas, when a lent replica may be placed) are ``deploy.serve_scaling_rules``. It sits at the
-top of ``serving``, beside ``deployer``, because it serves either engine: a built-in pool's load
+top of ``serving``, above ``deployer``, because it serves either engine: a built-in pool's load
 comes from its ingress, a vLLM pool's from ``vllm.pool_load``.
 """
 

@@ -13,7 +13,8 @@ the layering just the same, it only fails later). The rules (also in docs/archit
    the SDK, the CLI or the demo, and they may import any area; every module inside ``models``,
    ``storage``, ``placement``, ``platform``, ``jobs`` and ``serving`` keeps rules 1-4 whatever its
    name (an area's ``cli.py`` or ``*_cli.py`` gets no exemption);
-6. no import cycle between modules.
+6. no import cycle between modules;
+7. inside ``serving`` a room imports only its own room and lower rooms (``SERVING_RANK``).
 
 A module's edge goes to the module it names (``from rayfleet.a import b`` names ``rayfleet.a.b``
 when that is a module, else ``rayfleet.a``); parent packages' ``__init__`` runs are not counted,
@@ -282,3 +283,102 @@ def test_checker_finds_a_cycle_through_a_lazy_import(tmp_path):
     modules, imports = collect_imports(_write(tmp_path, broken))
     assert import_cycles(modules, imports) == [["rayfleet.jobs.elastic", "rayfleet.jobs.launcher",
                                                 "rayfleet.jobs.worker"]]
+
+
+# -- rule 7: inside serving, a one-way ladder of rooms --------------------------------------------
+# A serving room imports only its own room and rooms of a lower rank (never a sibling of its rank),
+# so following a request's imports from ``deployer`` goes down and never climbs back. A room is
+# the name under ``rayfleet.serving`` (a subpackage, or a top-level module such as ``spec``); a
+# new room must be given a rank here (and a place in docs/architecture.md) before it is used.
+SERVING_RANK = {
+    "errors": 0, "api_keys": 0, "experts": 0,  # below every room: shared errors, API keys, EPLB
+    "engine": 1,  # one replica's engine core; owns what it publishes and the protocols it needs
+    "kv": 2, "routing": 2,  # KV tiers and transfer (implement the engine's connector); the router
+    "spec": 3,  # ServeSpec, the pydantic edge, maps onto engine/routing/experts configs
+    "deploy": 4,  # engine replicas on Serve, the request path, Serve autoscaling bounds
+    "openai_api": 5, "vllm": 5,  # the two HTTP faces and their Serve applications
+    "deployer": 6,  # deploy(spec): picks the app by engine (built-in or vLLM)
+    "serve_scaling_shell": 7,  # the shared autoscaler's Serve shell, over what deployer deployed
+}
+
+
+def _serving_room(module: str, package: str = "rayfleet") -> str | None:
+    """``rayfleet.serving.engine.x`` -> ``engine``; ``rayfleet.serving.spec`` -> ``spec``; None
+    outside serving and for the ``rayfleet.serving`` package itself (its names load lazily)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == [package, "serving"] else None
+
+
+def serving_ladder_violations(modules: set[str], imports: list[Import], package: str = "rayfleet",
+                              rank: dict[str, int] = SERVING_RANK) -> list[str]:
+    """Rule 7 broken, as ``importer:line -> target (...)`` lines: an import from a serving room to a
+    room of a higher or equal rank other than its own, or a serving room missing from ``rank``."""
+    out = [f"{m} (serving room {room!r} has no rank: add it to SERVING_RANK)" for m in modules
+           if (room := _serving_room(m, package)) is not None and room not in rank]
+    for imp in imports:
+        src = _serving_room(imp.importer, package)
+        own = _owned(imp.target, modules) if imp.target.split(".")[0] == package else None
+        dst = _serving_room(own, package) if own else None
+        if src is None or dst is None or src == dst or src not in rank or dst not in rank:
+            continue
+        if rank[dst] >= rank[src]:
+            out.append(f"{imp.importer}:{imp.line} -> {imp.target} (serving room {src} (rank {rank[src]}) "
+                       f"imports {dst} (rank {rank[dst]}): a room imports only its own and lower rooms)")
+    return sorted(set(out))
+
+
+def test_serving_is_a_one_way_ladder():
+    modules, imports = collect_imports(ROOT)
+    rooms = {r for m in modules if (r := _serving_room(m)) is not None}
+    assert {"engine", "kv", "routing", "deploy", "openai_api", "vllm"} <= rooms, rooms
+    broken = serving_ladder_violations(modules, imports)
+    assert not broken, "serving ladder broken:\n" + "\n".join(broken)
+
+
+LADDER = {
+    **CLEAN,
+    "serving/errors.py": "",
+    "serving/engine/replica_state.py": "from rayfleet.serving.errors import ReplicaError\n",
+    "serving/engine/llm.py": "from .replica_state import ReplicaState\n",
+    "serving/kv/__init__.py": "",
+    "serving/kv/transfer.py": "from rayfleet.serving.engine.replica_state import ReplicaState\n",
+    "serving/routing/__init__.py": "",
+    "serving/routing/router.py": "from ..engine import replica_state\n",
+    "serving/spec.py": "from rayfleet.serving.routing import router\n",
+    "serving/deploy/__init__.py": "",
+    "serving/deploy/service.py": "from rayfleet.serving.routing.router import Router\nfrom rayfleet.serving import spec\n",
+    "serving/openai_api/__init__.py": "",
+    "serving/openai_api/app.py": "def build():\n    from rayfleet.serving.deploy.service import Service\n",
+    "serving/vllm/__init__.py": "",
+    "serving/vllm/app.py": "from rayfleet.serving.deploy import service\n",
+    "serving/deployer.py": "def deploy():\n    from rayfleet.serving.openai_api import app\n    from ..vllm import app\n",
+}
+
+
+def test_ladder_checker_accepts_a_clean_ladder(tmp_path):
+    modules, imports = collect_imports(_write(tmp_path, LADDER))
+    assert serving_ladder_violations(modules, imports) == []
+    assert rule_violations(modules, imports) == [] and import_cycles(modules, imports) == []
+
+
+@pytest.mark.parametrize("rel, text, broken", [
+    # the engine climbing to the router that reads its snapshots (issue 26's engine -> routing)
+    ("serving/engine/llm.py", "from rayfleet.serving.routing.router import ReplicaSnapshot\n",
+     "serving room engine (rank 1) imports routing (rank 2)"),
+    # a lazy, relative import climbing two rungs (routing -> deploy)
+    ("serving/routing/router.py", "def poll():\n    from ..deploy.service import Client\n",
+     "serving room routing (rank 2) imports deploy (rank 4)"),
+    ("serving/deploy/service.py", "from rayfleet.serving.vllm import app\n",
+     "serving room deploy (rank 4) imports vllm (rank 5)"),
+    # siblings of one rank stay apart
+    ("serving/openai_api/app.py", "from rayfleet.serving.vllm.app import build\n",
+     "serving room openai_api (rank 5) imports vllm (rank 5)"),
+    ("serving/kv/transfer.py", "from rayfleet.serving.routing import router\n",
+     "serving room kv (rank 2) imports routing (rank 2)"),
+    # a room nobody placed on the ladder
+    ("serving/cache/pool.py", "from rayfleet.serving.engine import llm\n", "serving room 'cache' has no rank"),
+])
+def test_ladder_checker_finds_a_room_climbing(tmp_path, rel, text, broken):
+    modules, imports = collect_imports(_write(tmp_path, {**LADDER, rel: text}))
+    found = serving_ladder_violations(modules, imports)
+    assert len(found) == 1 and broken in found[0], found
