@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -79,7 +80,7 @@ def provenance_line(entry: dict, benchmark: str) -> str:
     before, after = machine.get("load_avg_before"), machine.get("load_avg_after")
     if before and after:
         parts.append(f"1-min load {before[0]:.1f} before, {after[0]:.1f} after")
-    args = " ".join(entry.get("params", {}).get("argv", []))
+    args = shlex.join(entry.get("params", {}).get("argv", []))
     parts.append(f"`python benchmarks/{benchmark}.py{' ' + args if args else ''}`")
     return f"<sub>Source: {where}; " + "; ".join(parts) + ".</sub>"
 
