@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rayfleet.jobs.spec import TrainJobSpec
+from rayfleet.jobs.train_job import LoopConfig, loop_config
 from rayfleet.jobs.train_state import TrainHooks, TrainSummary
 from rayfleet.placement.plan import ParallelPlan
 
@@ -52,18 +53,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, spec_dict: dict, runs: list[tuple[ParallelPlan, dict]],
+def _worker(rank: int, world_size: int, port: int, loop: LoopConfig, runs: list[tuple[ParallelPlan, dict]],
             out_dir: str, threads_per_rank: int, hooks: TrainHooks | None) -> None:
     from rayfleet.jobs.loop import train_worker
 
     torch.set_num_threads(threads_per_rank)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        spec = TrainJobSpec.model_validate(spec_dict)
         for index, (plan, options) in enumerate(runs):
             collected: list[dict[str, Any]] = []
             options = {"device": "cpu", **options}
-            summary = train_worker(spec, plan, report=collected.append, hooks=hooks, **options)
+            summary = train_worker(loop, plan, report=collected.append, hooks=hooks, **options)
             torch.save({"summary": summary, "metrics": collected}, os.path.join(out_dir, f"run{index}-rank{rank}.pt"))
         # No rank tears its connections down while a peer still completes its last exchange
         # (gloo aborts the peer's process when a connection closes under an in-flight send).
@@ -102,7 +102,8 @@ def run_local_many(spec: TrainJobSpec, runs: Sequence[tuple[ParallelPlan, dict[s
         raise RuntimeError("a default process group already exists in this process")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="rayfleet-local-") as out_dir:
-        args = (world_size, port, spec.model_dump(mode="json"), [(p, dict(o)) for p, o in runs], out_dir,
+        # the spec is cut into the loop's slice once, here; the ranks receive it pickled
+        args = (world_size, port, loop_config(spec), [(p, dict(o)) for p, o in runs], out_dir,
                 threads_per_rank, hooks)
         if in_process:
             threads = torch.get_num_threads()

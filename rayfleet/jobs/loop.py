@@ -1,6 +1,8 @@
 """The train loop run by every worker: build, parallelize, then step with exact loss averaging.
 
 Design decisions:
+- The loop reads only its slice of the job, a frozen ``train_job.LoopConfig`` (model config,
+  data, optimizer, schedule, precision), cut once from the validated spec in the driver.
 - Fixed order, as torchtitan: build on meta -> materialize from the job's seed (identical on
   every rank) -> FP8 converter (before any wrapper, so FSDP/TP shard the converted modules'
   unchanged parameters) -> ``parallelize_model`` -> AdamW. The loop never branches on FP8:
@@ -56,7 +58,7 @@ from rayfleet.jobs.train_metrics import expert_load_stats, mfu, model_flops_per_
 from rayfleet.jobs.optim import build_optimizer, lr_at, set_lr
 from rayfleet.jobs.spec import is_fp8_precision
 from rayfleet.jobs.train_job import LoopConfig
-from rayfleet.jobs.train_state import TrainHooks, TrainState, TrainSummary, capture_rng, restore_rng
+from rayfleet.jobs.train_state import HookChain, TrainHooks, TrainState, TrainSummary, capture_rng, restore_rng
 from rayfleet.models import MoELayer, build_model, materialize
 from rayfleet.models.fp8 import convert_to_fp8
 from rayfleet.placement.plan import ParallelPlan
@@ -108,29 +110,6 @@ class PolledFlag:
 
     def close(self) -> None:
         self._done.set()
-
-
-class _HookChain(TrainHooks):
-    """Several hooks called in order (a health monitor beside a checkpoint hook)."""
-
-    def __init__(self, hooks: Sequence[TrainHooks]) -> None:
-        self.hooks = list(hooks)
-
-    def on_start(self, **kwargs: Any) -> None:
-        for hook in self.hooks:
-            hook.on_start(**kwargs)
-
-    def before_step(self, step: int) -> None:
-        for hook in self.hooks:
-            hook.before_step(step)
-
-    def after_step(self, step: int, **kwargs: Any) -> None:
-        for hook in self.hooks:
-            hook.after_step(step, **kwargs)
-
-    def on_end(self, summary: TrainSummary, **kwargs: Any) -> None:
-        for hook in self.hooks:
-            hook.on_end(summary, **kwargs)
 
 
 def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -315,7 +294,7 @@ def train_worker(loop: LoopConfig, plan: ParallelPlan, *, report: Callable[[dict
     # Imported here so that this module's pure pieces (loss_scale, ...) import on their own.
     from rayfleet.jobs import parallel as par
 
-    hooks = _HookChain([h for h in hooks if h is not None]) if isinstance(hooks, (list, tuple)) else hooks or TrainHooks()
+    hooks = HookChain([h for h in hooks if h is not None]) if isinstance(hooks, (list, tuple)) else hooks or TrainHooks()
     ctx = par.build_parallel_context(plan, device=torch.device(device), a2a_overlap=loop.a2a_overlap,
                                      fp8_dispatch=loop.fp8_dispatch, misroute_experts=misroute_experts)
     run = _Run(loop, plan, ctx, loss_averaging=loss_averaging, par=par, grad_probe=grad_probe)

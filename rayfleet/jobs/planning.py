@@ -1,46 +1,42 @@
-"""Checks a job needs before any worker starts: the dataset, the plan, and whether it fits.
+"""The job side of planning: the dataset check, and the one translation of a spec into placement's terms.
 
 Design decisions:
-- Pure except for reading the dataset manifest (one small JSON file): the driver (CLI, SDK,
-  ``ray job submit`` entrypoint) calls :func:`validate_job` and only then asks Ray for
-  workers, so a bad spec costs milliseconds, not a worker-group start.
-- The planner reasons from shapes (:class:`rayfleet.placement.ModelSpec`); the job's
-  ``MoEConfig`` is translated once by :func:`model_spec_for` so memory estimates speak of the
-  very model the workers build (MLA is modelled as GQA, as ``MoEConfig`` does).
-- ``plan: auto`` runs the placement search on a capacity of ``world_size`` accelerators of
-  the named type (or the launcher's real :class:`FleetCapacity`, which may be mixed); an
-  explicit plan is completed (``dp`` from the world size, ``micro_batch_size`` from
-  ``grad_accum``), checked with :func:`validate_plan`, then priced by the memory model
-  against the accelerator's HBM. A plan that does not fit says how many accelerators the
-  states alone need, so the fix names a number.
+- Pure except for reading the dataset manifest (one small JSON file): the job's entry (CLI, SDK,
+  ``ray job submit`` entrypoint) calls :func:`validate_job` / :func:`check_dataset` once and only
+  then asks Ray for workers, so a bad spec costs milliseconds, not a worker-group start.
+- :func:`plan_inputs` is the only place a ``TrainJobSpec`` becomes placement's vocabulary: the
+  model's shapes (:class:`rayfleet.placement.ModelSpec`, MLA modelled as GQA as ``MoEConfig``
+  does, so memory estimates speak of the very model the workers build), the requested degrees
+  and the batch. Everything after it (the launcher, the elastic driver) holds the frozen
+  :class:`PlanInputs` and asks :func:`rayfleet.placement.resolve.resolve_plan` for a plan at a
+  world size; placement never sees a job spec.
+- ``plan: auto`` plans on a capacity of ``world_size`` accelerators of the named type (or the
+  caller's real :class:`FleetCapacity`, which may be mixed); the rules for explicit and
+  searched plans, and the memory check, are placement's (``placement/resolve.py``).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from rayfleet.errors import SpecError
 from rayfleet.jobs.spec import TrainJobSpec, is_fp8_precision
 from rayfleet.models.config import MoEConfig
-from rayfleet.placement.cost_model import GIB, balanced_plan, plan_memory
 from rayfleet.placement.cost_params import CostParams
 from rayfleet.placement.fleet_capacity import FleetCapacity
 from rayfleet.placement.model_spec import ModelSpec
-from rayfleet.placement.plan import ParallelPlan, validate_plan
-from rayfleet.placement.planner import SearchSpace, search_plans
-from rayfleet.platform.catalogue import get_accelerator
+from rayfleet.placement.plan import ParallelPlan
+from rayfleet.placement.resolve import PlanRequest, RequestedPlan, ResolvedPlan, homogeneous_capacity, resolve_plan
 from rayfleet.storage.tokens import TokenManifest, read_manifest
 
-__all__ = ["ResolvedJob", "model_spec_for", "check_dataset", "num_samples", "resolve_plan", "validate_job",
-           "capacity_for"]
+__all__ = ["ResolvedJob", "PlanInputs", "plan_inputs", "model_spec_for", "check_dataset", "num_samples", "job_plan",
+           "validate_job", "world_size_of"]
 
 
 @dataclass(frozen=True)
 class ResolvedJob:
-    """A spec checked against its dataset and fleet: what the launcher needs to start workers."""
+    """A spec checked against its dataset and fleet (the driver's pre-submit answer)."""
 
-    spec: TrainJobSpec
     config: MoEConfig
     plan: ParallelPlan
     manifest: TokenManifest
@@ -94,142 +90,70 @@ def check_dataset(spec: TrainJobSpec) -> TokenManifest:
     return manifest
 
 
-def capacity_for(accelerator: str, world_size: int) -> FleetCapacity:
-    """A homogeneous capacity of ``world_size`` accelerators (scale-up domain capped at it)."""
-    base = get_accelerator(accelerator)
-    return FleetCapacity(
-        accelerators={base.name: replace(base, scaleup_domain_size=_largest_divisor(world_size, base.scaleup_domain_size),
-                                         accelerators_per_node=min(base.accelerators_per_node, world_size))},
-        counts={base.name: world_size})
+@dataclass(frozen=True)
+class PlanInputs:
+    """A job's planning request in placement's terms, made once from its spec (:func:`plan_inputs`).
 
-
-def _largest_divisor(n: int, at_most: int) -> int:
-    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
-
-
-def _catalogue_entry(name: str):
-    try:
-        return get_accelerator(name)
-    except ValueError:
-        raise SpecError("plan.replica_accelerators", name, "is not in the accelerator catalogue",
-                        "name catalogue types (e.g. H100, P800)") from None
-
-
-def _explicit_plan(spec: TrainJobSpec, world_size: int) -> ParallelPlan:
-    p = spec.plan
-    assert p is not None
-    dp = p.dp
-    if dp is None:
-        if world_size % p.replica_size:
-            raise SpecError("plan", p.model_dump(exclude_none=True),
-                            f"tp*cp*pp = {p.replica_size} does not divide the {world_size} workers",
-                            "give degrees whose product divides resources.num_workers, or set plan.dp")
-        dp = world_size // p.replica_size
-    mbs = p.micro_batch_size
-    if mbs is None:
-        per_replica = spec.global_batch_size // dp if spec.global_batch_size % dp == 0 else 0
-        if p.replica_microbatches is None and spec.grad_accum is not None and per_replica % spec.grad_accum == 0 and per_replica:
-            mbs = per_replica // spec.grad_accum
-        else:
-            mbs = 1
-    return ParallelPlan(tp=p.tp, pp=p.pp, dp=dp, cp=p.cp, ep=p.ep, etp=p.etp, micro_batch_size=mbs,
-                        recompute=p.recompute, zero_stage=p.zero_stage,
-                        replica_microbatches=p.replica_microbatches, replica_accelerators=p.replica_accelerators)
-
-
-def _check_grad_accum(spec: TrainJobSpec, plan: ParallelPlan) -> None:
-    if spec.grad_accum is None or plan.replica_microbatches is not None:
-        return
-    if plan.dp * plan.micro_batch_size * spec.grad_accum != spec.global_batch_size:
-        raise SpecError("grad_accum", spec.grad_accum,
-                        f"dp={plan.dp} x micro_batch_size={plan.micro_batch_size} x grad_accum != "
-                        f"global_batch_size={spec.global_batch_size}",
-                        "drop grad_accum (it is derived from the plan) or make the product match")
-
-
-def _check_memory(spec: TrainJobSpec, model: ModelSpec, plan: ParallelPlan, capacity: FleetCapacity,
-                  params: CostParams) -> float:
-    if plan.replica_accelerators is not None:
-        accel = {t: capacity.accelerators.get(t) or _catalogue_entry(t) for t in set(plan.replica_accelerators)}
-    else:
-        accel = capacity.accelerators[next(iter(capacity.accelerators))]
-    slowest = accel if not isinstance(accel, dict) else min(accel.values(), key=lambda a: a.peak_tflops(model.precision))
-    mem, type_name, usable = plan_memory(model, balanced_plan(model, plan, slowest, params), accel, params=params)
-    if mem.total > usable:
-        per_param = params.param_bytes + params.grad_bytes + params.optimizer_bytes
-        total = spec.model.to_config().num_params().total
-        at_least = math.ceil(total * per_param / usable)
-        raise SpecError(
-            "plan", plan.describe(),
-            f"needs {mem.total / GIB:.1f} GiB per device (weights {mem.weights / GIB:.1f}, grads "
-            f"{mem.gradients / GIB:.1f}, optimizer {mem.optimizer / GIB:.1f}, activations "
-            f"{mem.activations / GIB:.1f}) but a {type_name} has {usable / GIB:.1f} GiB usable",
-            f"use more accelerators (weights, gradients and optimizer states alone need at least {at_least} "
-            f"{type_name}; set resources.num_workers), or a larger plan.ep / plan.pp"
-            f"{_other_levers(plan)} so that each device holds less")
-    return mem.total / GIB
-
-
-def _other_levers(plan: ParallelPlan) -> str:
-    levers = []
-    if plan.zero_stage < 3:
-        levers.append("plan.zero_stage: 3")
-    if plan.recompute != "full":
-        levers.append("plan.recompute: full")
-    if plan.micro_batch_size > 1:
-        levers.append("a smaller plan.micro_batch_size")
-    return f" (or {', '.join(levers)})" if levers else ""
-
-
-def resolve_plan(spec: TrainJobSpec, *, world_size: int, accelerator: str | None = None,
-                 capacity: FleetCapacity | None = None, params: CostParams = CostParams(),
-                 max_pp: int = 64) -> ParallelPlan:
-    """The plan the job runs with on ``world_size`` accelerators.
-
-    ``accelerator`` defaults to ``spec.resources.accelerator``; ``capacity`` (the launcher's real
-    fleet, possibly mixed) overrides both. ``plan: auto`` takes the planner's fastest plan that
-    satisfies ``grad_accum``; an explicit plan is completed and checked. Raises ``SpecError``.
+    ``num_workers`` is the spec's fixed size (``None``: from the plan, or the free fleet);
+    ``accelerator`` the type a homogeneous job runs on.
     """
-    return _resolve(spec, world_size=world_size, accelerator=accelerator, capacity=capacity, params=params,
-                    max_pp=max_pp)[0]
+
+    model: ModelSpec
+    accelerator: str
+    global_batch_size: int
+    grad_accum: int | None = None
+    explicit: RequestedPlan | None = None
+    num_workers: int | None = None
+
+    @property
+    def replica_size(self) -> int:
+        """Accelerators of one model replica (1 when the plan is searched)."""
+        return self.explicit.replica_size if self.explicit is not None else 1
+
+    @property
+    def accelerator_types(self) -> frozenset[str]:
+        """The kinds of accelerator the job runs on (a mixed plan names several)."""
+        mixed = self.explicit.replica_accelerators if self.explicit is not None else None
+        return frozenset(mixed or (self.accelerator,))
+
+    def request(self, world_size: int, *, params: CostParams = CostParams(), max_pp: int = 64) -> PlanRequest:
+        return PlanRequest(world_size=world_size, global_batch_size=self.global_batch_size,
+                           grad_accum=self.grad_accum, explicit=self.explicit, max_pp=max_pp, params=params)
 
 
-def _resolve(spec: TrainJobSpec, *, world_size: int, accelerator: str | None, capacity: FleetCapacity | None,
-             params: CostParams, max_pp: int) -> tuple[ParallelPlan, float]:
+def plan_inputs(spec: TrainJobSpec) -> PlanInputs:
+    """The one translation of a job spec into what placement plans from."""
+    p = spec.plan
+    explicit = None if p is None else RequestedPlan(
+        tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, etp=p.etp, micro_batch_size=p.micro_batch_size,
+        recompute=p.recompute, zero_stage=p.zero_stage, replica_microbatches=p.replica_microbatches,
+        replica_accelerators=p.replica_accelerators)
+    return PlanInputs(model=model_spec_for(spec), accelerator=spec.resources.accelerator,
+                      global_batch_size=spec.global_batch_size, grad_accum=spec.grad_accum, explicit=explicit,
+                      num_workers=spec.resources.num_workers)
+
+
+def world_size_of(inputs: PlanInputs) -> int | None:
+    """The job's size when it fixes one: ``resources.num_workers``, else the explicit plan's size."""
+    if inputs.num_workers is not None:
+        return inputs.num_workers
+    if inputs.explicit is not None and inputs.explicit.dp is not None:
+        return inputs.explicit.replica_size * inputs.explicit.dp
+    return None
+
+
+def job_plan(inputs: PlanInputs, *, world_size: int, accelerator: str | None = None,
+             capacity: FleetCapacity | None = None, params: CostParams = CostParams(),
+             max_pp: int = 64) -> ResolvedPlan:
+    """The plan the job runs with on ``world_size`` accelerators (``placement.resolve_plan``).
+
+    ``accelerator`` defaults to the job's; ``capacity`` (a real fleet, possibly mixed) overrides
+    both. Raises ``SpecError``.
+    """
     if world_size < 1:
         raise SpecError("resources.num_workers", world_size, "must be at least 1", "ask for one or more workers")
-    model = model_spec_for(spec)
-    capacity = capacity or capacity_for(accelerator or spec.resources.accelerator, world_size)
-    if spec.plan is not None:
-        plan = _explicit_plan(spec, world_size)
-        validate_plan(plan, model, world_size=world_size, scaleup_domain_size=None)
-        _check_grad_accum(spec, plan)
-        return plan, _check_memory(spec, model, plan, capacity, params)
-    # Pipeline parallelism only when no pipeline-free plan fits: PP adds bubbles and a
-    # different step structure, and at small scale the cost model's latency terms favour it
-    # for reasons that do not hold on real hardware.
-    # The trainer runs TP, EP, DP (FSDP2) and PP: no context or expert-tensor split. Pipeline
-    # parallelism only when no pipeline-free plan fits: PP adds bubbles, and at small scale the
-    # cost model's latency terms favour it for reasons that do not hold on real hardware.
-    trainable = SearchSpace(max_pp=1, zero_stage=3, context_parallel=(1,), expert_tp_options="1")
-    result = search_plans(model, capacity, top_k=8, params=params, space=trainable)
-    if not result.ranked and max_pp > 1:
-        result = search_plans(model, capacity, top_k=8, params=params, space=replace(trainable, max_pp=max_pp))
-    for ranked in result.ranked:
-        plan = replace(ranked.plan, stage_starts=None) if ranked.plan.pp == 1 else ranked.plan
-        if spec.grad_accum is not None and plan.replica_microbatches is None:
-            per_replica = spec.global_batch_size // plan.dp
-            if per_replica % spec.grad_accum:
-                continue
-            plan = replace(plan, micro_batch_size=per_replica // spec.grad_accum)
-        return plan, ranked.peak_memory_gib
-    memory = [r.reason for r in result.rejected if r.reason.startswith("memory")]
-    reasons = (f"{len(memory)} shapes run out of memory, e.g. {memory[0]}" if memory
-               else result.rejected[0].reason if result.rejected else "no shape fits the batch")
-    gbs = spec.global_batch_size
-    raise SpecError("plan", "auto", f"no parallel plan fits {world_size} {'/'.join(capacity.counts)} ({reasons})",
-                    f"use more accelerators (resources.num_workers), a global_batch_size divisible by the data-parallel "
-                    f"degree (now {gbs}), or an explicit plan with a larger ep/pp")
+    capacity = capacity or homogeneous_capacity(accelerator or inputs.accelerator, world_size)
+    return resolve_plan(inputs.model, inputs.request(world_size, params=params, max_pp=max_pp), capacity)
 
 
 def validate_job(spec: TrainJobSpec, *, world_size: int | None = None, accelerator: str | None = None,
@@ -238,14 +162,12 @@ def validate_job(spec: TrainJobSpec, *, world_size: int | None = None, accelerat
 
     ``world_size`` defaults to ``resources.num_workers``, else the explicit plan's size.
     """
+    inputs = plan_inputs(spec)
     if world_size is None:
-        world_size = spec.resources.num_workers
-    if world_size is None and spec.plan is not None and spec.plan.dp is not None:
-        world_size = spec.plan.replica_size * spec.plan.dp
+        world_size = world_size_of(inputs)
     if world_size is None:
         raise SpecError("resources.num_workers", None, "is needed to plan the job", "set resources.num_workers")
     manifest = check_dataset(spec)
-    plan, peak = _resolve(spec, world_size=world_size, accelerator=accelerator, capacity=capacity,
-                          params=params, max_pp=64)
-    return ResolvedJob(spec=spec, config=spec.model.to_config(), plan=plan, manifest=manifest,
-                       num_samples=num_samples(manifest, spec.data.seq_len), peak_memory_gib=peak)
+    resolved = job_plan(inputs, world_size=world_size, accelerator=accelerator, capacity=capacity, params=params)
+    return ResolvedJob(config=spec.model.to_config(), plan=resolved.plan, manifest=manifest,
+                       num_samples=num_samples(manifest, spec.data.seq_len), peak_memory_gib=resolved.peak_memory_gib)

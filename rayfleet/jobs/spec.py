@@ -7,7 +7,7 @@ Design decisions:
 - Every validation failure surfaces as :class:`rayfleet.errors.SpecError` naming the dotted
   field (``plan.ep``, ``model.config.dim``), the value and the fix, whether the spec came from
   ``from_yaml``, ``model_validate`` or the constructor: pydantic's ``ValidationError`` is
-  translated once here, so users never see two error shapes.
+  translated once (:mod:`rayfleet.jobs.spec_errors`), so users never see two error shapes.
 - Checks that need only the spec run at construction (names, ranges, batch arithmetic that
   does not depend on the fleet). Checks that need I/O or the fleet (the dataset's manifest,
   the plan against the accelerators' memory) live in :mod:`rayfleet.jobs.planning` and run
@@ -17,14 +17,13 @@ Design decisions:
 
 from __future__ import annotations
 
-import types
-import typing
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
 
 from rayfleet.errors import SpecError
+from rayfleet.jobs.spec_errors import split_spec_error, to_spec_error
 from rayfleet.models.config import PRESETS, MoEConfig, preset
 from rayfleet.models.fp8.recipes import RECIPES
 from rayfleet.platform.catalogue import accelerator_names, get_accelerator
@@ -41,13 +40,6 @@ PRECISIONS: tuple[str, ...] = ("fp32", "bf16", *sorted(RECIPES))
 def is_fp8_precision(precision: str) -> bool:
     """True when ``precision`` names an FP8 recipe (GEMMs in FP8, the rest in BF16)."""
     return precision in RECIPES
-
-
-def _split_spec_error(err: SpecError) -> tuple[str, str]:
-    """(why, fix) of a SpecError, recovered from its fixed message shape ``f=v: why. Fix: fix``."""
-    body = str(err).split(": ", 1)[-1]
-    why, _, fix = body.partition(". Fix: ")
-    return why, fix
 
 
 class _Section(BaseModel):
@@ -85,7 +77,7 @@ class ModelSection(_Section):
         try:
             self.to_config()
         except SpecError as err:
-            why, fix = _split_spec_error(err)
+            why, fix = split_spec_error(err)
             raise SpecError(f"model.config.{err.field}", err.value, why, fix) from None
         except TypeError as err:
             raise SpecError("model.config", self.config, str(err), "give values of the right type") from None
@@ -253,14 +245,14 @@ class TrainJobSpec(_Section):
         try:
             super().__init__(**data)
         except ValidationError as err:
-            raise _to_spec_error(err, data) from None
+            raise to_spec_error(err, data, root=TrainJobSpec) from None
 
     @classmethod
     def model_validate(cls, obj: Any, **kwargs: Any) -> "TrainJobSpec":  # type: ignore[override]
         try:
             return super().model_validate(obj, **kwargs)
         except ValidationError as err:
-            raise _to_spec_error(err, obj) from None
+            raise to_spec_error(err, obj, root=cls) from None
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "TrainJobSpec":
@@ -363,47 +355,3 @@ class TrainJobSpec(_Section):
                 raise SpecError("resources.num_workers", res.num_workers,
                                 f"plan tp*cp*pp*dp = {world} accelerators",
                                 f"set num_workers: {world} or change the plan's degrees")
-
-
-# -- pydantic error -> SpecError -----------------------------------------------------------------
-
-def _section_class(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    """The pydantic model class that owns the last key of ``loc`` (to list its fields)."""
-    cls: type[BaseModel] | None = root
-    for key in loc[:-1]:
-        if cls is None or not isinstance(key, str) or key not in cls.model_fields:
-            return None
-        cls = _model_in(cls.model_fields[key].annotation)
-    return cls
-
-
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        for arg in typing.get_args(annotation):
-            found = _model_in(arg)
-            if found is not None:
-                return found
-    return None
-
-
-def _to_spec_error(err: ValidationError, data: Any) -> SpecError:
-    first = err.errors()[0]
-    cause = (first.get("ctx") or {}).get("error")
-    if isinstance(cause, SpecError):
-        return cause
-    loc = tuple(first["loc"])
-    field = ".".join(str(p) for p in loc) or "job"
-    kind = first["type"]
-    if kind == "extra_forbidden":
-        owner = _section_class(TrainJobSpec, loc)
-        allowed = sorted(owner.model_fields) if owner is not None else []
-        return SpecError(field, first.get("input"), "is not a field of this section",
-                         f"remove it (allowed here: {', '.join(allowed)})")
-    if kind == "missing":
-        return SpecError(field, None, "is required", f"add `{loc[-1]}:` (see examples/jobs/*.yaml)")
-    message = first["msg"]
-    if isinstance(cause, Exception):
-        message = str(cause)
-    return SpecError(field, first.get("input"), message, "see examples/jobs/*.yaml for valid values")

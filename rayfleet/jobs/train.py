@@ -15,8 +15,10 @@ from typing import Any, Sequence
 import yaml
 
 from rayfleet.errors import RayfleetError, SpecError
-from rayfleet.jobs.training_run import decode_spec
+from rayfleet.jobs.planning import check_dataset
 from rayfleet.jobs.spec import TrainJobSpec
+from rayfleet.jobs.train_job import train_job
+from rayfleet.jobs.training_run import decode_spec
 
 __all__ = ["load_spec", "apply_overrides", "main"]
 
@@ -60,11 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         spec = load_spec(args.job, overrides=args.set, spec_b64=args.spec_b64)
+        # The job's edge: the spec was validated by load_spec and its dataset is checked here, once;
+        # from here on the job travels as frozen slices (train_job), never as the spec.
+        check_dataset(spec)
         from rayfleet.jobs.elastic.formation import run_training
         from rayfleet.platform.connection import connect
 
         connect()
-        final = run_training(spec, storage_path=args.storage_path, max_failures=args.max_failures)
+        final = run_training(train_job(spec), storage_path=args.storage_path, max_failures=args.max_failures)
     except RayfleetError as exc:
         print(f"rayfleet train: error: {exc}", file=sys.stderr, flush=True)
         return 2

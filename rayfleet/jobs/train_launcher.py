@@ -1,9 +1,11 @@
-"""Run a ``TrainJobSpec`` on the fleet: plan → layout → Ray Train ``TorchTrainer`` on that layout.
+"""Run a training job on the fleet: plan → layout → Ray Train ``TorchTrainer`` on that layout.
 
 Design decisions:
 - Everything that can fail on the user's input (spec, dataset, plan against memory, fleet too
   small) is checked in the driver before the trainer starts, so a bad job never reserves an
-  accelerator (``prepare_launch`` is pure given the observed fleet).
+  accelerator (``prepare_launch`` is pure given the observed fleet). The spec and its dataset
+  were checked once at the job's edge; here the job is its slices (``train_job``): the launcher
+  plans from ``PlanInputs`` and hands the workers the loop and checkpoint slices, pickled.
 - Workers go where the layout says. Ray Train takes one ``label_selector`` per worker, which
   pins each worker's node (``rayfleet.io/node``); the accelerator index on that node is what
   Ray hands out, so on an idle node bundle order equals rail order. Ray Train then numbers
@@ -26,18 +28,19 @@ import os
 import threading
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from rayfleet.errors import RayfleetError, SpecError
-from rayfleet.jobs.spec import TrainJobSpec
+from rayfleet.jobs.planning import PlanInputs, job_plan, world_size_of
+from rayfleet.jobs.train_job import CheckpointSettings, LoopConfig, TrainJob
 from rayfleet.placement.layout import Layout, build_layout
 from rayfleet.placement.plan import ParallelPlan
 from rayfleet.platform import labels as L
 from rayfleet.platform.catalogue import get_accelerator
 from rayfleet.platform.topology import AcceleratorSlot, FleetTopology
 
-__all__ = ["TrainLaunch", "prepare_launch", "scaling_options", "reservation_bundles", "accelerator_reservation",
+__all__ = ["TrainLaunch", "prepare_launch", "prepare_formation", "scaling_options", "reservation_bundles", "accelerator_reservation",
            "observe_fleet", "fit_once", "default_storage_path", "driver_node_actor_options"]
 
 RESERVATION_PREFIX = "rayfleet:train:"
@@ -60,9 +63,9 @@ def driver_node_actor_options() -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class TrainLaunch:
-    """What the driver decided before starting any worker."""
+    """What the driver decided before starting any worker: job ``name``, its plan and layout."""
 
-    spec: TrainJobSpec
+    name: str
     plan: ParallelPlan
     layout: Layout
 
@@ -73,40 +76,41 @@ class TrainLaunch:
     def describe(self) -> str:
         nodes = ", ".join(f"{n}×{sum(1 for s in self.layout.rank_to_slot if s.node == n)}"
                           for n in self.layout.nodes())
-        return f"{self.spec.name}: {self.plan.describe()} on {self.layout.world_size} workers ({nodes})"
+        return f"{self.name}: {self.plan.describe()} on {self.layout.world_size} workers ({nodes})"
 
 
-def prepare_launch(spec: TrainJobSpec, topology: FleetTopology, *, held: set[AcceleratorSlot] = frozenset(),
-                   cordoned: set[str] = frozenset()) -> TrainLaunch:
-    """Plan and lay out ``spec`` on the free part of ``topology`` (pure).
+def prepare_launch(planning: PlanInputs, topology: FleetTopology, *, name: str, world_size: int | None = None,
+                   held: set[AcceleratorSlot] = frozenset(), cordoned: set[str] = frozenset()) -> TrainLaunch:
+    """Plan and lay out job ``name`` on the free part of ``topology`` (pure).
+
+    ``world_size`` (an elastic formation's size) overrides the job's own (``resources.num_workers``,
+    else the explicit plan's size, else every free accelerator).
 
     Raises:
-        SpecError: the dataset is missing, the plan does not fit, or the fleet lacks the
-            accelerators (naming the spec field that fixes it).
+        SpecError: the plan does not fit, or the fleet lacks the accelerators (naming the spec
+            field that fixes it).
     """
-    from rayfleet.jobs.planning import check_dataset, resolve_plan
-
-    check_dataset(spec)
-    accelerator = spec.resources.accelerator
-    # a mixed plan (``plan.replica_accelerators``) runs on every kind it names
-    kinds = set(spec.plan.replica_accelerators or ()) if spec.plan is not None else set()
-    kinds = kinds or {accelerator}
+    accelerator = planning.accelerator
+    kinds = planning.accelerator_types  # a mixed plan (``plan.replica_accelerators``) runs on every kind it names
     free = sum(1 for n in topology.nodes if n.name not in cordoned and n.accelerator_type in kinds
                for s in n.slots if s not in held)
-    if spec.resources.num_workers is not None:
-        world = spec.resources.num_workers
-    elif spec.plan is not None and spec.plan.dp is not None:
-        world = spec.plan.replica_size * spec.plan.dp
-    else:
+    world = world_size if world_size is not None else world_size_of(planning)
+    if world is None:
         world = free
     if world > free:
         raise SpecError("resources.num_workers", world,
                         f"the fleet has {free} free {'/'.join(sorted(kinds))} accelerators",
                         "lower resources.num_workers (or the plan's degrees), or add/uncordon nodes")
-    plan = resolve_plan(spec, world_size=world, accelerator=accelerator)
+    plan = job_plan(planning, world_size=world, accelerator=accelerator).plan
     layout = build_layout(plan, topology, held=held, cordoned=cordoned,
                           accelerator_type=None if plan.replica_accelerators else accelerator)
-    return TrainLaunch(spec=spec, plan=plan, layout=layout)
+    return TrainLaunch(name=name, plan=plan, layout=layout)
+
+
+def prepare_formation(job: TrainJob, topology: FleetTopology, *, world_size: int | None = None,
+                      held: set[AcceleratorSlot] = frozenset(), cordoned: set[str] = frozenset()) -> TrainLaunch:
+    """:func:`prepare_launch` for the elastic driver (``FormationRuntime.prepare``)."""
+    return prepare_launch(job.planning, topology, name=job.name, world_size=world_size, held=held, cordoned=cordoned)
 
 
 def scaling_options(launch: TrainLaunch) -> dict[str, Any]:
@@ -194,7 +198,7 @@ def accelerator_reservation(launch: TrainLaunch, *, timeout_s: float = RESERVATI
         return
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    group = placement_group([b for b, _ in bundles], strategy="PACK", name=RESERVATION_PREFIX + launch.spec.name,
+    group = placement_group([b for b, _ in bundles], strategy="PACK", name=RESERVATION_PREFIX + launch.name,
                             bundle_label_selector=[s for _, s in bundles])
     try:
         if not group.wait(timeout_s):
@@ -251,9 +255,10 @@ class _MetricsPrinter:
                 self.on_step(row)
 
 
-def fit_once(spec: TrainJobSpec, launch: TrainLaunch, *, run_dir: str, max_failures: int, log,
-             stop_signal: Any = None, on_trainer_start=None, on_step=None) -> dict[str, Any]:
+def fit_once(launch: TrainLaunch, *, loop: LoopConfig, checkpoint: CheckpointSettings | None, run_dir: str,
+             max_failures: int, log, stop_signal: Any = None, on_trainer_start=None, on_step=None) -> dict[str, Any]:
     """One Ray Train ``fit`` of ``launch``; returns the last metrics (raises the run's error).
+    ``loop`` / ``checkpoint``: the job's slices every worker runs with (pickled, not re-validated).
     ``on_step(metrics)`` is called in the driver for every step rank 0 reports."""
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -263,7 +268,7 @@ def fit_once(spec: TrainJobSpec, launch: TrainLaunch, *, run_dir: str, max_failu
 
     log(f"rayfleet train: {launch.describe()}")
     metrics_queue = Queue(actor_options=driver_node_actor_options())
-    config = {"spec": spec.to_dict(), "plan": asdict(launch.plan), "slots": launch.slots,
+    config = {"loop": loop, "checkpoint": checkpoint, "plan": launch.plan, "slots": launch.slots,
               "run_dir": run_dir, "metrics_queue": metrics_queue, "stop_signal": stop_signal}
     trainer = TorchTrainer(
         train_loop_per_worker,

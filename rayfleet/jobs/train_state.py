@@ -18,7 +18,7 @@ Design decisions:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +26,7 @@ import torch
 
 from rayfleet.placement.plan import ParallelPlan
 
-__all__ = ["TrainState", "TrainHooks", "TrainSummary", "StateFn", "LoadFn", "capture_rng", "restore_rng"]
+__all__ = ["TrainState", "TrainHooks", "HookChain", "TrainSummary", "StateFn", "LoadFn", "capture_rng", "restore_rng"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,29 @@ class TrainHooks:
 
     def on_end(self, summary: "TrainSummary", *, state_fn: StateFn) -> None:
         """After the last step (or a stop), before the final model is saved."""
+
+
+class HookChain(TrainHooks):
+    """Several hooks called in order (a health monitor beside a checkpoint hook)."""
+
+    def __init__(self, hooks: Sequence[TrainHooks]) -> None:
+        self.hooks = list(hooks)
+
+    def on_start(self, **kwargs: Any) -> None:
+        for hook in self.hooks:
+            hook.on_start(**kwargs)
+
+    def before_step(self, step: int) -> None:
+        for hook in self.hooks:
+            hook.before_step(step)
+
+    def after_step(self, step: int, **kwargs: Any) -> None:
+        for hook in self.hooks:
+            hook.after_step(step, **kwargs)
+
+    def on_end(self, summary: TrainSummary, **kwargs: Any) -> None:
+        for hook in self.hooks:
+            hook.on_end(summary, **kwargs)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,9 @@
 """The function every Ray Train worker runs: re-rank, then the train loop, reporting each step.
 
 Design decisions:
+- Workers take the job as the driver cut it (``train_job``): the loop's ``LoopConfig`` and the
+  checkpoint hook's ``CheckpointSettings``, frozen dataclasses pickled in ``train_loop_config``,
+  and the ``ParallelPlan``. The spec was validated once, at the job's edge: nothing here parses it.
 - Ray Train has initialized the default process group (gloo on CPU, NCCL on GPU) before this
   runs; ``rerank_process_group`` rebuilds it so that ``dist.get_rank()`` is the layout rank.
 - Reporting per step goes three ways from rank 0: a ``RAYFLEET_METRICS`` log line (what
@@ -23,6 +26,7 @@ import os
 from typing import Any
 
 from rayfleet.errors import SpecError
+from rayfleet.jobs.train_job import CheckpointSettings
 
 __all__ = ["THREADS_ENV", "cpu_threads_per_worker", "train_loop_per_worker"]
 
@@ -46,21 +50,17 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     from rayfleet.jobs.health.policy import SlowRankPolicy
     from rayfleet.jobs.loop import PolledFlag, train_worker
     from rayfleet.jobs.train_metrics import MetricsWriter, ReportPacer, StepStream, write_run_plot
-    from rayfleet.jobs.spec import TrainJobSpec
-    from rayfleet.placement.plan import ParallelPlan
-
     slots, assignment = _join_worker_group(config)
     rank = dist.get_rank()
-    spec = TrainJobSpec.model_validate(config["spec"])
-    plan = ParallelPlan.from_dict(config["plan"])
+    loop, plan = config["loop"], config["plan"]
     writer = MetricsWriter(os.path.join(config["run_dir"], "metrics")) if rank == 0 else None
-    hooks = _checkpoint_hook(spec, config, slots=slots, rank=rank)
+    hooks = _checkpoint_hook(config["checkpoint"], run_dir=config["run_dir"], slots=slots, rank=rank)
     health = HealthMonitor(slow_rank_policy=SlowRankPolicy(),
                            hang_timeout_s=float(os.environ.get("RAYFLEET_HANG_TIMEOUT_S", "120")),
                            on_decision=_decision_recorder(os.path.basename(config["run_dir"].rstrip("/")), slots)
                            if rank == 0 else None)
     announced = [False]
-    stream = StepStream(_metric_sinks(config, job=spec.name, writer=writer) if rank == 0 else [])
+    stream = StepStream(_metric_sinks(config, job=loop.name, writer=writer) if rank == 0 else [])
     # Metrics reach the driver, Parquet and Prometheus through ``stream``; Ray Train's report only
     # feeds its dashboard, and each one holds a cross-rank barrier through an actor (seen in a
     # py-spy profile: ~1% of a 0.12 s step when due every second). Every 30 s of steps is plenty;
@@ -84,7 +84,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     stop_signal = config.get("stop_signal")  # elastic jobs: the driver asks all ranks to stop to re-form
     should_stop = PolledFlag(lambda: ray.get(stop_signal.should_stop.remote())) if stop_signal is not None else None
     try:
-        train_worker(spec, plan, report=report, hooks=[health, hooks], should_stop=should_stop)
+        train_worker(loop, plan, report=report, hooks=[health, hooks], should_stop=should_stop)
     finally:
         if should_stop is not None:
             should_stop.close()
@@ -145,7 +145,7 @@ def _metric_sinks(config: dict[str, Any], *, job: str, writer: Any) -> list:
     return [to_driver, writer.write, lambda row: export_ray_metrics(row, job=job)]
 
 
-def _checkpoint_hook(spec: Any, config: dict[str, Any], *, slots: list, rank: int):
+def _checkpoint_hook(ck: CheckpointSettings | None, *, run_dir: str, slots: list, rank: int):
     """Flash checkpoints + health policies for a job with a ``checkpoint`` section, else None.
 
     Snapshots go to the node's shared memory (owned by its snapshot actor, so they outlive this
@@ -153,14 +153,13 @@ def _checkpoint_hook(spec: Any, config: dict[str, Any], *, slots: list, rank: in
     On a worker-group restart (same run), each rank restores from its snapshot, else storage.
     Rank 0 records each loss decision with the fleet controller (slow ranks: ``HealthMonitor``).
     """
-    if spec.checkpoint is None:
+    if ck is None:
         return None
     from rayfleet.jobs.checkpoint.hook import FlashCheckpointHook
     from rayfleet.jobs.health.policy import LossAnomalyPolicy
 
-    ck = spec.checkpoint
-    run_name = os.path.basename(config["run_dir"].rstrip("/"))
-    uri = ck.uri or os.path.join(config["run_dir"], "checkpoints")
+    run_name = os.path.basename(run_dir.rstrip("/"))
+    uri = ck.uri or os.path.join(run_dir, "checkpoints")
     on_decision = _decision_recorder(run_name, slots) if rank == 0 else None
     return FlashCheckpointHook(job=run_name, snapshot_every=ck.every_n_steps, persist_every=ck.persist_every,
                                checkpoint_uri=uri, keep=ck.keep, use_node_actor=True,

@@ -130,7 +130,7 @@ class FlashCheckpointer:
         self._commit_future: Future | None = None
         self._persist_future: Future | None = None
         self._persist_lock = threading.Lock()
-        self._last_snapshot: tuple[int, int, dict[int, _DTensorMeta], Any] | None = None  # step, slot, metas, spec
+        self._last_snapshot: tuple[int, int, dict[int, _DTensorMeta], Any] | None = None  # step, slot, metas, treespec
         self._last_persisted_step: int | None = None
 
     # -- taking snapshots ------------------------------------------------------------------------
@@ -150,7 +150,7 @@ class FlashCheckpointer:
         wait_s = 0.0
         if persist:
             wait_s = self._wait_persist()
-        leaves, spec = pytree.tree_flatten(dict(state.sharded))
+        leaves, treespec = pytree.tree_flatten(dict(state.sharded))
         tensors, metas, objects = {}, {}, {}
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, DTensor):
@@ -160,7 +160,7 @@ class FlashCheckpointer:
                 tensors[str(i)] = leaf
             else:
                 objects[i] = leaf
-        payload = {"objects": objects, "rank_local": dict(state.rank_local), "treespec": str(spec)}
+        payload = {"objects": objects, "rank_local": dict(state.rank_local), "treespec": str(treespec)}
         if self.store is None:  # storage only: persist synchronously from the live state
             if persist:
                 self._save(step, state.sharded, dict(state.rank_local))
@@ -171,21 +171,21 @@ class FlashCheckpointer:
         pending = self.store.write(step, tensors, payload)
         blocking = time.perf_counter() - start
         self.stats.blocking_s.append(blocking)
-        self._last_snapshot = (step, pending.slot, metas, spec)
-        self._commit_future = self._commit_pool.submit(self._commit, pending, metas, spec, persist)
+        self._last_snapshot = (step, pending.slot, metas, treespec)
+        self._commit_future = self._commit_pool.submit(self._commit, pending, metas, treespec, persist)
         return SnapshotEvent(step, blocking, self.store.num_allocations > allocations, persist, wait_s)
 
-    def _commit(self, pending: PendingSnapshot, metas: dict, spec: Any, persist: bool) -> None:
+    def _commit(self, pending: PendingSnapshot, metas: dict, treespec: pytree.TreeSpec, persist: bool) -> None:
         self.store.commit(pending)
         if persist:
             self.store.pin_slot(pending.slot)  # before the next write can choose it
-            self._persist_future = self._persist_pool.submit(self._persist_slot, pending, metas, spec)
+            self._persist_future = self._persist_pool.submit(self._persist_slot, pending, metas, treespec)
 
-    def _persist_slot(self, pending: PendingSnapshot, metas: dict, spec: Any) -> None:
+    def _persist_slot(self, pending: PendingSnapshot, metas: dict, treespec: pytree.TreeSpec) -> None:
         try:
             snap = self.store.load(pending.slot, verify=False)
             assert snap is not None and snap.step == pending.step, "a pinned slot changed under the persister"
-            sharded = self._tree_from_snapshot(snap, metas, spec)
+            sharded = self._tree_from_snapshot(snap, metas, treespec)
             self._save(snap.step, sharded, snap.objects["rank_local"])
         finally:
             self.store.unpin_slot(pending.slot)
@@ -201,17 +201,17 @@ class FlashCheckpointer:
         return info
 
     @staticmethod
-    def _tree_from_snapshot(snap: RestoredSnapshot, metas: dict, spec: Any) -> Any:
+    def _tree_from_snapshot(snap: RestoredSnapshot, metas: dict, treespec: pytree.TreeSpec) -> Any:
         objects = snap.objects["objects"]
         leaves = []
-        for i in range(spec.num_leaves):
+        for i in range(treespec.num_leaves):
             if i in metas:
                 leaves.append(_dtensor_over(snap.tensors[str(i)], metas[i]))
             elif str(i) in snap.tensors:
                 leaves.append(snap.tensors[str(i)])
             else:
                 leaves.append(objects[i])
-        return pytree.tree_unflatten(leaves, spec)
+        return pytree.tree_unflatten(leaves, treespec)
 
     def _wait_commit(self, timeout: float | None = None) -> None:
         if self._commit_future is not None:
@@ -243,10 +243,10 @@ class FlashCheckpointer:
         self._wait_persist()
         if self.checkpoint_uri is None or self._last_snapshot is None:
             return self._last_persisted_step
-        last_step, slot, metas, spec = self._last_snapshot
+        last_step, slot, metas, treespec = self._last_snapshot
         if self._last_persisted_step != last_step:
             self.store.pin_slot(slot)
-            self._persist_slot(PendingSnapshot(slot, last_step, (), 0, b""), metas, spec)
+            self._persist_slot(PendingSnapshot(slot, last_step, (), 0, b""), metas, treespec)
         return self._last_persisted_step
 
     def close(self) -> None:

@@ -37,6 +37,7 @@ from typing import Any, Callable, Protocol
 
 from rayfleet.errors import RayfleetError, SpecError
 from rayfleet.jobs.elastic.policy import DriverState, FormationEnd, after_formation, size_formation
+from rayfleet.jobs.train_job import TrainJob
 
 __all__ = ["ElasticDriver", "FormationRuntime", "FormationOutcome", "Transition", "MAX_FORMATIONS"]
 
@@ -67,8 +68,9 @@ class FormationRuntime(Protocol):
     def observe(self) -> tuple:
         """(topology, slots held by other work, cordoned node names) of the live fleet."""
 
-    def prepare(self, spec: Any, topology: Any, *, held: set, cordoned: set) -> Any:
-        """Plan and lay out ``spec`` on the free fleet (``train_launcher.prepare_launch``)."""
+    def prepare(self, job: TrainJob, topology: Any, *, world_size: int | None, held: set, cordoned: set) -> Any:
+        """Plan and lay out ``job`` at ``world_size`` (``None``: its own) on the free fleet
+        (``train_launcher.prepare_formation``)."""
 
     def run(self, launch: Any, *, run_dir: str, watch: bool, on_start: Callable[[Any], None],
             on_step: Callable[[dict], None] | None) -> FormationOutcome:
@@ -85,13 +87,13 @@ class FormationRuntime(Protocol):
 
 
 class ElasticDriver:
-    """Runs ``spec`` to completion through as many formations as the fleet requires (see module doc)."""
+    """Runs ``job`` to completion through as many formations as the fleet requires (see module doc)."""
 
-    def __init__(self, spec: Any, runtime: FormationRuntime, *, job_dir: str, shell: Any = None,
+    def __init__(self, job: TrainJob, runtime: FormationRuntime, *, job_dir: str, shell: Any = None,
                  log: Callable[[str], None] = print, max_formations: int = MAX_FORMATIONS) -> None:
-        self.spec, self.runtime, self.job_dir, self.shell, self.log = spec, runtime, job_dir, shell, log
+        self.job, self.runtime, self.job_dir, self.shell, self.log = job, runtime, job_dir, shell, log
         self.max_formations = max_formations
-        self.elastic = spec.resources.elastic is not None and spec.checkpoint is not None
+        self.elastic = job.is_elastic
         self.state = DriverState.SCHEDULING
         self.transitions: list[Transition] = []
         self.formation = -1  # index of the current (or last) formation
@@ -139,7 +141,7 @@ class ElasticDriver:
         shell = self.shell
         if self.formation + 1 >= self.max_formations:
             self._fail(RayfleetError(
-                f"elastic job {self.spec.name} re-formed {self.max_formations} times without finishing; the "
+                f"elastic job {self.job.name} re-formed {self.max_formations} times without finishing; the "
                 "fleet's capacity is flapping. Fix: stabilize the fleet or narrow resources.elastic"),
                 f"{self.max_formations} formations")
             return
@@ -148,7 +150,7 @@ class ElasticDriver:
             return
         self.version = shell.version if shell is not None else 0
         try:
-            launch = size_formation(self.spec, self.runtime.observe(), prepare=self.runtime.prepare,
+            launch = size_formation(self.job, self.runtime.observe(), prepare=self.runtime.prepare,
                                     lent=shell.lent_slots() if shell is not None else (),
                                     max_size=shell.target_size if shell is not None else None)
         except SpecError as err:
@@ -178,7 +180,7 @@ class ElasticDriver:
             on_step=shell.on_step if shell is not None else None)
         self.last.update(outcome.metrics)
         resized = shell.between() is not None if shell is not None else False
-        target, reason = after_formation(step=int(self.last.get("step", 0)), steps=self.spec.steps,
+        target, reason = after_formation(step=int(self.last.get("step", 0)), steps=self.job.steps,
                                          end=outcome.end, resized=resized, failed=outcome.error is not None)
         if target is DriverState.ERRORED:
             self._fail(outcome.error, f"formation {self.formation} failed: {outcome.error!r}")

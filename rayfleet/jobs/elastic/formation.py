@@ -24,6 +24,7 @@ import time
 from typing import Any, Callable
 
 from rayfleet.jobs.elastic.driver import ElasticDriver, FormationOutcome
+from rayfleet.jobs.train_job import TrainJob
 from rayfleet.jobs.elastic.policy import EndKind, FormationEnd, free_accelerators, watch_formation
 from rayfleet.platform import labels as L
 from rayfleet.platform.fleet_events import record_fleet_event
@@ -104,9 +105,9 @@ def remove_orphan_placement_groups(log: Callable[[str], None]) -> int:
 class _Watcher:
     """Watches the fleet during one formation and ends it (see module doc)."""
 
-    def __init__(self, spec: Any, launch: Any, stop_signal: Any, log: Callable[[str], None],
+    def __init__(self, job: TrainJob, launch: Any, stop_signal: Any, log: Callable[[str], None],
                  grows_itself: Callable[[], bool]) -> None:
-        self.spec, self.launch, self.stop_signal, self.log, self.grows_itself = spec, launch, stop_signal, log, grows_itself
+        self.job, self.launch, self.stop_signal, self.log, self.grows_itself = job, launch, stop_signal, log, grows_itself
         self.end: FormationEnd | None = None
         # Set by the formation's first step: only then do its workers hold their accelerators, so
         # the live free counts ``_free_if_regrown`` reads no longer show them as free too (seen
@@ -127,7 +128,7 @@ class _Watcher:
         from rayfleet.jobs.train_launcher import observe_fleet
 
         topology, held, cordoned = observe_fleet()  # held: by live counts, this formation's own too
-        accelerator = self.spec.resources.accelerator
+        accelerator = self.job.accelerator
         kind = {n.name: n.accelerator_type for n in topology.nodes}
         mine = {(s.node, s.index) for s in self.launch.layout.rank_to_slot
                 if s.node not in cordoned and kind.get(s.node) == accelerator}
@@ -136,14 +137,14 @@ class _Watcher:
     def _run(self) -> None:
         import ray
 
-        elastic, layout = self.spec.resources.elastic, self.launch.layout
+        elastic, layout = self.job.elastic, self.launch.layout
         while not self._halt.wait(WATCH_INTERVAL_S):
             try:
                 alive = {n["Labels"].get(L.NODE) for n in ray.nodes() if n.get("Alive")}
                 end = watch_formation(
                     layout_nodes=layout.nodes(), alive_nodes=alive, size=layout.world_size,
                     min_workers=elastic.min_workers, max_workers=elastic.max_workers,
-                    replica_size=self.spec.plan.replica_size if self.spec.plan is not None else 1,
+                    replica_size=self.job.replica_size,
                     free_if_regrown=self._free_if_regrown if self.grows_itself() and self.stepping.is_set() else None)
                 if end is None:
                     continue
@@ -162,18 +163,18 @@ class _Watcher:
 class RayFormations:
     """The driver's side effects on a live Ray cluster (``FormationRuntime``)."""
 
-    def __init__(self, spec: Any, *, max_failures: int, log: Callable[[str], None], shell: Any = None) -> None:
-        self.spec, self.max_failures, self.log, self.shell = spec, max_failures, log, shell
+    def __init__(self, job: TrainJob, *, max_failures: int, log: Callable[[str], None], shell: Any = None) -> None:
+        self.job, self.max_failures, self.log, self.shell = job, max_failures, log, shell
 
     def observe(self) -> tuple:
         from rayfleet.jobs.train_launcher import observe_fleet
 
         return observe_fleet()
 
-    def prepare(self, spec: Any, topology: Any, *, held: set, cordoned: set) -> Any:
-        from rayfleet.jobs.train_launcher import prepare_launch
+    def prepare(self, job: TrainJob, topology: Any, *, world_size: int | None, held: set, cordoned: set) -> Any:
+        from rayfleet.jobs.train_launcher import prepare_formation
 
-        return prepare_launch(spec, topology, held=held, cordoned=cordoned)
+        return prepare_formation(job, topology, world_size=world_size, held=held, cordoned=cordoned)
 
     def run(self, launch: Any, *, run_dir: str, watch: bool, on_start: Callable[[Any], None],
             on_step: Callable[[dict], None] | None) -> FormationOutcome:
@@ -184,7 +185,7 @@ class RayFormations:
         actor = ray.remote(ElasticSignal).options(**driver_node_actor_options()).remote() if watch else None
         stop_signal = _SignalRef(actor) if actor is not None else None
         shell = self.shell
-        watcher = _Watcher(self.spec, launch, stop_signal, self.log,
+        watcher = _Watcher(self.job, launch, stop_signal, self.log,
                            grows_itself=lambda: shell is None or not shell.manages_growth) if watch else None
 
         def started(_launch: Any) -> None:
@@ -197,7 +198,8 @@ class RayFormations:
                 on_step(row)
 
         try:
-            metrics = fit_once(self.spec, launch, run_dir=run_dir, max_failures=self.max_failures, log=self.log,
+            metrics = fit_once(launch, loop=self.job.loop, checkpoint=self.job.checkpoint, run_dir=run_dir,
+                               max_failures=self.max_failures, log=self.log,
                                stop_signal=actor, on_trainer_start=started if watcher else None,
                                on_step=stepped if watcher else on_step)
         except Exception as exc:  # noqa: BLE001 - the driver decides (node lost: re-plan; else: fail)
@@ -215,7 +217,7 @@ class RayFormations:
         remove_orphan_placement_groups(self.log)
 
     def record(self, kind: str, cause: str, detail: dict) -> None:
-        record_fleet_event(f"job:{self.spec.name}", kind, cause, detail)
+        record_fleet_event(f"job:{self.job.name}", kind, cause, detail)
 
     def pause(self, seconds: float) -> None:
         time.sleep(seconds)
@@ -224,9 +226,10 @@ class RayFormations:
 TRAIN_CONTROLLER_POLL_S = "0.5"
 
 
-def run_training(spec: Any, *, storage_path: str | None = None, max_failures: int | None = None,
+def run_training(job: TrainJob, *, storage_path: str | None = None, max_failures: int | None = None,
                  log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Plan, lay out and train ``spec`` on the connected cluster; returns the last metrics.
+    """Plan, lay out and train ``job`` (a validated spec's slices, ``train_job``) on the connected
+    cluster; returns the last metrics.
 
     An elastic job (``resources.elastic`` + ``checkpoint``) is re-formed by the driver when a
     node of its layout is lost (smaller plan, checkpoint resharded), when capacity returns
@@ -236,7 +239,7 @@ def run_training(spec: Any, *, storage_path: str | None = None, max_failures: in
     from rayfleet.jobs.elastic.training_shell import TrainingShell
 
     if max_failures is None:  # restarts only make sense when there is a snapshot to resume from
-        max_failures = spec.checkpoint.max_failures if spec.checkpoint is not None else 0
+        max_failures = job.checkpoint.max_failures if job.checkpoint is not None else 0
     # Ray Train's controller (which takes this from the driver's environment) polls its workers
     # every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s by default: a formation's end, a worker group's
     # start and a failure are each seen up to one poll late, and a resize or lend waits for two of
@@ -244,12 +247,10 @@ def run_training(spec: Any, *, storage_path: str | None = None, max_failures: in
     # value the job's environment sets wins.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", TRAIN_CONTROLLER_POLL_S)
     storage = storage_path or default_storage_path()
-    job_dir = os.path.join(storage, f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if spec.checkpoint is not None and spec.checkpoint.uri is None:
+    job_dir = os.path.join(storage, f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if job.checkpoint is not None and job.checkpoint.uri is None:
         # one checkpoint location for every re-formation of the job
-        spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(
-            update={"uri": os.path.join(job_dir, "checkpoints")})})
-    elastic = spec.resources.elastic is not None and spec.checkpoint is not None
-    shell = TrainingShell.attach(spec, log) if elastic else None
-    runtime = RayFormations(spec, max_failures=max_failures, log=log, shell=shell)
-    return ElasticDriver(spec, runtime, job_dir=job_dir, shell=shell, log=log).run()
+        job = job.with_checkpoint_uri(os.path.join(job_dir, "checkpoints"))
+    shell = TrainingShell.attach(job, log) if job.is_elastic else None
+    runtime = RayFormations(job, max_failures=max_failures, log=log, shell=shell)
+    return ElasticDriver(job, runtime, job_dir=job_dir, shell=shell, log=log).run()

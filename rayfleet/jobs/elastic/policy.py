@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterable, Mapping
 
 from rayfleet.errors import SpecError
+from rayfleet.jobs.train_job import TrainJob
 
 __all__ = [
     "choose_world_size", "free_accelerators", "size_formation", "replica_slots", "FormationEnd", "EndKind",
@@ -64,31 +65,31 @@ def slots_in_use(topology: Any, free_by_node: Mapping[str, float]) -> set:
     return held
 
 
-def size_formation(spec: Any, observed: tuple, *, prepare: Callable[..., Any], lent: Iterable = (),
+def size_formation(job: TrainJob, observed: tuple, *, prepare: Callable[..., Any], lent: Iterable = (),
                    max_size: int | None = None) -> Any:
-    """The largest launch of ``spec`` the observed fleet holds (elastic), else its fixed size.
+    """The largest launch of ``job`` the observed fleet holds (elastic), else its fixed size.
 
-    ``observed``: ``(topology, held slots, cordoned nodes)``; ``prepare(spec, topology, held=,
-    cordoned=)`` plans one size (``train_launcher.prepare_launch``, pure); ``lent``: slots the
-    autoscaler lent away (planned around); ``max_size``: the autoscaler's target size.
+    ``observed``: ``(topology, held slots, cordoned nodes)``; ``prepare(job, topology,
+    world_size=, held=, cordoned=)`` plans one size (``train_launcher.prepare_formation``, pure;
+    ``world_size=None``: the job's own size); ``lent``: slots the autoscaler lent away (planned
+    around); ``max_size``: the autoscaler's target size.
 
     Raises:
         SpecError: not even ``resources.elastic.min_workers`` fit (naming the last plan's error).
     """
     topology, held, cordoned = observed
     held = set(held) | set(lent)
-    elastic = spec.resources.elastic
+    elastic = job.elastic
     if elastic is None:
-        return prepare(spec, topology, held=held, cordoned=cordoned)
-    replica = spec.plan.replica_size if spec.plan is not None else 1
+        return prepare(job, topology, world_size=None, held=held, cordoned=cordoned)
+    replica = job.replica_size
     top = elastic.max_workers if max_size is None else max(elastic.min_workers, min(max_size, elastic.max_workers))
-    free = free_accelerators(topology, accelerator=spec.resources.accelerator, held=held, cordoned=cordoned)
+    free = free_accelerators(topology, accelerator=job.accelerator, held=held, cordoned=cordoned)
     size = choose_world_size(free, min_workers=elastic.min_workers, max_workers=top, replica_size=replica)
     last_error: SpecError | None = None
     while size is not None and size >= elastic.min_workers:
-        sized = spec.model_copy(update={"resources": spec.resources.model_copy(update={"num_workers": size})})
         try:
-            return prepare(sized, topology, held=held, cordoned=cordoned)
+            return prepare(job, topology, world_size=size, held=held, cordoned=cordoned)
         except SpecError as err:  # e.g. the batch does not split over this many replicas: try smaller
             last_error = err
             size -= replica

@@ -25,6 +25,7 @@ import time
 from typing import Any, Callable
 
 from rayfleet.jobs.elastic.policy import replica_slots
+from rayfleet.jobs.train_job import TrainJob
 from rayfleet.platform.autoscaler.shell import AutoscalerShellBase, RayChannel, ShellChannel
 from rayfleet.platform.autoscaler.types import Decision, GrowTraining, ShrinkTraining, TrainingObservation
 from rayfleet.platform.queues import JobClass
@@ -39,11 +40,11 @@ class TrainingShell(AutoscalerShellBase):
 
     observation_type = TrainingObservation
 
-    def __init__(self, spec: Any, channel: ShellChannel, log: Callable[[str], None], *,
+    def __init__(self, job: TrainJob, channel: ShellChannel, log: Callable[[str], None], *,
                  interval_s: float = REPORT_INTERVAL_S) -> None:
-        super().__init__(channel, inbox=spec.name, subject=f"job:{spec.name}", interval_s=interval_s, log=log,
+        super().__init__(channel, inbox=job.name, subject=f"job:{job.name}", interval_s=interval_s, log=log,
                          thread_name="rayfleet-autoscaler-shell")
-        self.spec = spec
+        self.job = job
         self.target_size: int | None = None  # None: as large as the fleet holds
         self.version = 0  # decisions taken so far
         self.manages_growth = False
@@ -60,7 +61,7 @@ class TrainingShell(AutoscalerShellBase):
         self._snapshot = (0, 0.0)  # (step, wall time) of the newest flash snapshot
 
     @classmethod
-    def attach(cls, spec: Any, log: Callable[[str], None]) -> "TrainingShell | None":
+    def attach(cls, job: TrainJob, log: Callable[[str], None]) -> "TrainingShell | None":
         """A started shell, or ``None`` on a plain Ray cluster (no fleet controller to report to)."""
         import ray
 
@@ -71,7 +72,7 @@ class TrainingShell(AutoscalerShellBase):
             ray.get(controller.ping.remote(), timeout=10)
         except Exception:  # noqa: BLE001 - no controller: nobody to report to
             return None
-        return cls(spec, RayChannel(controller), log).start()
+        return cls(job, RayChannel(controller), log).start()
 
     # -- called by the driver -------------------------------------------------------------------
     def lent_slots(self) -> tuple:
@@ -102,7 +103,7 @@ class TrainingShell(AutoscalerShellBase):
 
     def on_step(self, metrics: dict) -> None:
         step = int(metrics.get("step", 0))
-        every = self.spec.checkpoint.every_n_steps if self.spec.checkpoint is not None else 0
+        every = self.job.checkpoint.every_n_steps if self.job.checkpoint is not None else 0
         with self._lock:
             if every and step % every == 0:
                 self._snapshot = (step, time.time())
@@ -147,7 +148,8 @@ class TrainingShell(AutoscalerShellBase):
             self._stop_formation(self._stop_pending)
 
     def observe(self) -> TrainingObservation | None:
-        elastic = self.spec.resources.elastic
+        job, elastic = self.job, self.job.elastic
+        assert elastic is not None  # a shell is attached to elastic jobs only
         with self._lock:
             launch = self._launch
             if launch is None and self.target_size is None:
@@ -164,10 +166,9 @@ class TrainingShell(AutoscalerShellBase):
                 size, nodes = self.target_size or 0, ()
             snap_step, snap_at = self._snapshot
             return TrainingObservation(
-                job_id=self.spec.name, queue=self.spec.queue, accelerator_type=self.spec.resources.accelerator,
+                job_id=job.name, queue=job.queue, accelerator_type=job.accelerator,
                 job_class=JobClass.ELASTIC, size=size, min_size=elastic.min_workers, max_size=elastic.max_workers,
-                replica_size=self.spec.plan.replica_size if self.spec.plan is not None else 1,
-                replica_nodes=nodes, priority=self.spec.priority, admitted_size=self._admitted or size,
+                replica_size=job.replica_size, replica_nodes=nodes, priority=job.priority, admitted_size=self._admitted or size,
                 last_snapshot_step=snap_step, last_snapshot_at_s=snap_at, resizing=resizing)
 
     # -- helpers ------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The elastic driver's state machine, driven with a fake ``fit`` (no Ray).
 
-Everything but the Train run is real: specs, the planner (``prepare_launch`` on a
+Everything but the Train run is real: jobs cut from specs, the planner (``prepare_formation`` on a
 ``FleetTopology``), the elastic policy, the training shell, and for the autoscaler cases the
 shared autoscaler's service and policy (in process, through ``LocalChannel``). The fake ``fit``
 reports steps like rank 0 does, stops after the step in which the formation's stop signal was
@@ -19,8 +19,9 @@ from rayfleet.errors import RayfleetError, SpecError
 from rayfleet.jobs.elastic.driver import ElasticDriver, FormationOutcome
 from rayfleet.jobs.elastic.policy import DriverState as S, EndKind, FormationEnd
 from rayfleet.jobs.elastic.formation import ElasticSignal
-from rayfleet.jobs.train_launcher import prepare_launch
 from rayfleet.jobs.spec import TrainJobSpec
+from rayfleet.jobs.train_job import TrainJob, train_job
+from rayfleet.jobs.train_launcher import prepare_formation
 from rayfleet.jobs.elastic.training_shell import TrainingShell
 from rayfleet.platform.autoscaler.service import SharedAutoscaler
 from rayfleet.platform.autoscaler.shell import LocalChannel
@@ -48,8 +49,8 @@ class FakeFleet:
     def observe(self) -> tuple:
         return FleetTopology(tuple(self.nodes)), set(), set()
 
-    def prepare(self, spec, topology, *, held, cordoned):
-        return prepare_launch(spec, topology, held=held, cordoned=cordoned)
+    def prepare(self, job, topology, *, world_size, held, cordoned):
+        return prepare_formation(job, topology, world_size=world_size, held=held, cordoned=cordoned)
 
     def run(self, launch, *, run_dir, watch, on_start, on_step) -> FormationOutcome:
         self.runs.append((launch.layout.world_size, run_dir, watch))
@@ -98,11 +99,11 @@ def lose(name: str) -> Callable:
 
 
 @pytest.fixture()
-def spec(job_dict, tmp_path) -> TrainJobSpec:
-    return TrainJobSpec.model_validate({
+def spec(job_dict, tmp_path) -> TrainJob:
+    return train_job(TrainJobSpec.model_validate({
         **job_dict, "name": "elastic-unit", "steps": STEPS,
         "resources": {"accelerator": "H100", "elastic": {"min_workers": 2, "max_workers": 4}},
-        "checkpoint": {"every_n_steps": 2, "uri": str(tmp_path / "ckpt")}})
+        "checkpoint": {"every_n_steps": 2, "uri": str(tmp_path / "ckpt")}}))
 
 
 def states(driver: ElasticDriver) -> list[str]:
@@ -110,7 +111,8 @@ def states(driver: ElasticDriver) -> list[str]:
 
 
 def test_a_fixed_size_job_runs_one_unwatched_formation(job_dict, tmp_path):
-    spec = TrainJobSpec.model_validate({**job_dict, "steps": STEPS, "resources": {"accelerator": "H100", "num_workers": 2}})
+    spec = train_job(TrainJobSpec.model_validate({**job_dict, "steps": STEPS,
+                                                  "resources": {"accelerator": "H100", "num_workers": 2}}))
     fleet, lines = FakeFleet([node("n0"), node("n1")], [fit()]), []
     driver = ElasticDriver(spec, fleet, job_dir=str(tmp_path / "job"), log=lines.append)
     assert driver.run() == {"step": STEPS}
@@ -242,10 +244,10 @@ def test_a_job_preempted_whole_by_the_policy_is_grown_back_by_it_on_the_next_ste
     grown back. Here the real policy preempts the job (at its minimum) for Serve, Serve gives
     the accelerators back, and the next controller step grows the job back (despite the default
     600 s resize cooldown, which bounds restarts of running jobs, not of paused ones)."""
-    spec = TrainJobSpec.model_validate({
+    spec = train_job(TrainJobSpec.model_validate({
         **job_dict, "name": "elastic-unit", "steps": STEPS,
         "resources": {"accelerator": "H100", "elastic": {"min_workers": 4, "max_workers": 4}},
-        "checkpoint": {"every_n_steps": 2, "uri": str(tmp_path / "ckpt")}})
+        "checkpoint": {"every_n_steps": 2, "uri": str(tmp_path / "ckpt")}}))
     free = {"n0": 0, "n1": 0, "s0": 0}
     autoscaler = SharedAutoscaler(free_accelerators=lambda: (dict(free), {n: "H100" for n in free}),
                                   request_nodes=lambda decision: None, record=lambda *event: None)

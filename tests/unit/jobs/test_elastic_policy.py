@@ -9,8 +9,10 @@ from rayfleet.jobs.elastic.policy import (
     DriverState, EndKind, FormationEnd, after_formation, choose_world_size, replica_slots, size_formation,
     watch_formation,
 )
-from rayfleet.jobs.train_launcher import prepare_launch
+from rayfleet.jobs.planning import plan_inputs
 from rayfleet.jobs.spec import TrainJobSpec
+from rayfleet.jobs.train_job import TrainJob, train_job
+from rayfleet.jobs.train_launcher import prepare_formation, prepare_launch
 from rayfleet.platform.topology import AcceleratorSlot, FleetTopology, NodeTopology
 
 
@@ -32,35 +34,35 @@ def fleet(*sizes: int) -> FleetTopology:
 
 
 @pytest.fixture()
-def elastic_spec(job_dict) -> TrainJobSpec:
-    return TrainJobSpec.model_validate({**job_dict, "resources": {"accelerator": "H100",
-                                                                  "elastic": {"min_workers": 2, "max_workers": 4}}})
+def elastic_spec(job_dict) -> TrainJob:
+    return train_job(TrainJobSpec.model_validate({**job_dict, "resources": {
+        "accelerator": "H100", "elastic": {"min_workers": 2, "max_workers": 4}}}))
 
 
 def test_size_formation_takes_the_largest_size_the_free_fleet_holds(elastic_spec) -> None:
-    launch = size_formation(elastic_spec, (fleet(2, 2), set(), set()), prepare=prepare_launch)
+    launch = size_formation(elastic_spec, (fleet(2, 2), set(), set()), prepare=prepare_formation)
     assert launch.layout.world_size == 4
     # one node's accelerators held by other work, one cordoned: what is left
-    launch = size_formation(elastic_spec, (fleet(2, 2, 2), {AcceleratorSlot("n0", 0)}, {"n1"}), prepare=prepare_launch)
+    launch = size_formation(elastic_spec, (fleet(2, 2, 2), {AcceleratorSlot("n0", 0)}, {"n1"}), prepare=prepare_formation)
     assert launch.layout.world_size == 3 and "n1" not in launch.layout.nodes()
 
 
 def test_size_formation_plans_around_lent_slots_and_the_autoscalers_target(elastic_spec) -> None:
     lent = (AcceleratorSlot("n1", 0), AcceleratorSlot("n1", 1))
-    launch = size_formation(elastic_spec, (fleet(2, 2), set(), set()), prepare=prepare_launch, lent=lent)
+    launch = size_formation(elastic_spec, (fleet(2, 2), set(), set()), prepare=prepare_formation, lent=lent)
     assert launch.layout.world_size == 2 and set(launch.layout.nodes()) == {"n0"}
-    assert size_formation(elastic_spec, (fleet(2, 2), set(), set()), prepare=prepare_launch,
+    assert size_formation(elastic_spec, (fleet(2, 2), set(), set()), prepare=prepare_formation,
                           max_size=2).layout.world_size == 2
 
 
 def test_size_formation_retries_smaller_when_a_size_does_not_plan(elastic_spec) -> None:
     tried = []
 
-    def prepare(spec, topology, *, held, cordoned):
-        tried.append(spec.resources.num_workers)
-        if spec.resources.num_workers == 4:  # e.g. the batch does not split over 4 replicas
+    def prepare(job, topology, *, world_size, held, cordoned):
+        tried.append(world_size)
+        if world_size == 4:  # e.g. the batch does not split over 4 replicas
             raise SpecError("global_batch_size", 6, "does not split over 4 replicas", "use a multiple of 4")
-        return prepare_launch(spec, topology, held=held, cordoned=cordoned)
+        return prepare_formation(job, topology, world_size=world_size, held=held, cordoned=cordoned)
 
     assert size_formation(elastic_spec, (fleet(4), set(), set()), prepare=prepare).layout.world_size == 3
     assert tried == [4, 3]
@@ -68,13 +70,13 @@ def test_size_formation_retries_smaller_when_a_size_does_not_plan(elastic_spec) 
 
 def test_size_formation_names_the_field_when_not_even_the_minimum_fits(elastic_spec) -> None:
     with pytest.raises(SpecError, match="resources.elastic.min_workers.*minimum formation"):
-        size_formation(elastic_spec, (fleet(1), set(), set()), prepare=prepare_launch)
+        size_formation(elastic_spec, (fleet(1), set(), set()), prepare=prepare_formation)
 
 
 def test_replica_slots_groups_ranks_by_their_dp_coordinate(job_dict) -> None:
     spec = TrainJobSpec.model_validate({**job_dict, "plan": {"dp": 2, "tp": 2},
                                         "resources": {"accelerator": "H100", "num_workers": 4}})
-    launch = prepare_launch(spec, fleet(2, 2))
+    launch = prepare_launch(plan_inputs(spec), fleet(2, 2), name=spec.name)
     slots = replica_slots(launch.layout)
     assert [len(r) for r in slots] == [2, 2]
     assert sorted(s for r in slots for s in r) == sorted(launch.layout.rank_to_slot)

@@ -8,10 +8,16 @@ from pathlib import Path
 import pytest
 
 from rayfleet.errors import SpecError
-from rayfleet.jobs.planning import check_dataset, model_spec_for, resolve_plan, validate_job
+from rayfleet.jobs.planning import check_dataset, job_plan, model_spec_for, plan_inputs, validate_job
 from rayfleet.jobs.spec import TrainJobSpec
+from rayfleet.placement.plan import ParallelPlan
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[3] / "examples" / "jobs").glob("*.yaml"))
+
+
+def plan_of(spec: TrainJobSpec, *, world_size: int, accelerator: str | None = None) -> ParallelPlan:
+    """The plan the job would run with (the one translation, then placement's resolve_plan)."""
+    return job_plan(plan_inputs(spec), world_size=world_size, accelerator=accelerator).plan
 
 
 def _with(base: dict, path: str, value) -> dict:
@@ -27,7 +33,7 @@ def _with(base: dict, path: str, value) -> dict:
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_jobs_load_and_plan(path: Path) -> None:
     spec = TrainJobSpec.from_yaml(path)
-    plan = resolve_plan(spec, world_size=spec.resources.num_workers)
+    plan = plan_of(spec, world_size=spec.resources.num_workers)
     assert plan.world_size == spec.resources.num_workers
     assert TrainJobSpec.model_validate(spec.to_dict()) == spec  # round trip, plan "auto" included
 
@@ -107,7 +113,7 @@ def test_vocabulary_larger_than_model(job_dict) -> None:
 def test_auto_plan_for_tiny_is_dp_or_small_ep(job_dict) -> None:
     spec = TrainJobSpec.model_validate(job_dict)
     for world in (1, 2, 4):
-        plan = resolve_plan(spec, world_size=world, accelerator="H100")
+        plan = plan_of(spec, world_size=world, accelerator="H100")
         assert plan.world_size == world and plan.tp == 1 and plan.pp == 1
         assert plan.dp == world and plan.ep <= world
     resolved = validate_job(spec)
@@ -119,23 +125,23 @@ def test_deepseek_v3_on_8_h100_does_not_fit(job_dict) -> None:
            "global_batch_size": 64, "resources": {"accelerator": "H100", "num_workers": 8}}
     explicit = TrainJobSpec.model_validate({**big, "plan": {"ep": 8}})
     with pytest.raises(SpecError) as info:
-        resolve_plan(explicit, world_size=8)
+        plan_of(explicit, world_size=8)
     message = str(info.value)
     assert info.value.field == "plan" and "GiB" in message
     assert "more accelerators" in message and "plan.ep" in message and "plan.pp" in message
     with pytest.raises(SpecError) as auto:
-        resolve_plan(TrainJobSpec.model_validate(big), world_size=8)
+        plan_of(TrainJobSpec.model_validate(big), world_size=8)
     assert auto.value.field == "plan" and "more accelerators" in str(auto.value)
 
 
 def test_explicit_plan_must_fill_the_workers(job_dict) -> None:
     spec = TrainJobSpec.model_validate({**job_dict, "plan": {"dp": 2, "ep": 2}, "resources": {"num_workers": 2}})
-    assert resolve_plan(spec, world_size=2).ep == 2
+    assert plan_of(spec, world_size=2).ep == 2
     with pytest.raises(SpecError) as info:
-        resolve_plan(spec, world_size=4)
+        plan_of(spec, world_size=4)
     assert info.value.field == "plan"
     with pytest.raises(SpecError) as info:  # 3 experts-groups cannot split 4 experts
-        resolve_plan(TrainJobSpec.model_validate({**job_dict, "global_batch_size": 6, "plan": {"ep": 3},
+        plan_of(TrainJobSpec.model_validate({**job_dict, "global_batch_size": 6, "plan": {"ep": 3},
                                                   "resources": {"num_workers": 3}}), world_size=3)
     assert info.value.field == "plan.ep"
 
@@ -143,9 +149,9 @@ def test_explicit_plan_must_fill_the_workers(job_dict) -> None:
 def test_grad_accum_derives_micro_batch(job_dict) -> None:
     spec = TrainJobSpec.model_validate({**job_dict, "plan": {"dp": 2}, "grad_accum": 2,
                                         "resources": {"num_workers": 2}})
-    assert resolve_plan(spec, world_size=2).micro_batch_size == 2
+    assert plan_of(spec, world_size=2).micro_batch_size == 2
     auto = TrainJobSpec.model_validate({**job_dict, "grad_accum": 4})
-    plan = resolve_plan(auto, world_size=2)
+    plan = plan_of(auto, world_size=2)
     assert plan.dp * plan.micro_batch_size * 4 == 8
 
 
@@ -170,5 +176,5 @@ def test_splits_the_trainer_does_not_run_are_refused_at_the_spec(job_dict, field
 def test_auto_plan_is_always_one_the_trainer_runs(job_dict, workers) -> None:
     spec = TrainJobSpec.model_validate({**job_dict, "global_batch_size": 64,
                                         "resources": {"num_workers": workers}})
-    plan = resolve_plan(spec, world_size=workers)
+    plan = plan_of(spec, world_size=workers)
     assert (plan.cp, plan.etp) == (1, 1) and plan.world_size == workers

@@ -1,0 +1,236 @@
+"""Plan resolution, in one place: the plan a job runs with, explicit or searched, checked against memory.
+
+``resolve_plan(model, request, capacity)`` is the single door from "a job asks for this" to "run
+this :class:`ParallelPlan`". It takes placement's own frozen types only -- the model's shapes
+(:class:`ModelSpec`), a :class:`PlanRequest` (the parallelism fields a job asks for) and the
+fleet's :class:`FleetCapacity` -- and returns a frozen :class:`ResolvedPlan`. Nothing here knows a
+job spec: ``rayfleet.jobs.planning`` translates its ``TrainJobSpec`` into a request once.
+
+Worked example (the unit test ``tests/unit/placement/test_resolve.py`` runs it): the ``tiny``
+model at 64 tokens, 8 sequences a step, on 4 H100s.
+
+1. Explicit plan ``ep=2`` (``dp`` open): ``dp = 4 / (tp*cp*pp) = 4``; ``micro_batch_size`` from
+   ``grad_accum`` (``8 / 4 / 2 = 1``) when given, else 1; :func:`validate_plan` checks the
+   degrees against the model; the memory model prices the fullest device against usable HBM.
+2. The same request on an accelerator too small for it raises ``SpecError("plan", "<plan>",
+   "needs X GiB per device ... but a T has Y GiB usable", "use more accelerators (... at least N
+   T ...)")``: the field, the value and the fix.
+3. No explicit plan: the search (TP, EP, DP with ZeRO-3, no CP/ETP -- what the trainer runs)
+   ranks the shapes; the fastest that honours ``grad_accum`` wins. Pipeline parallelism is tried
+   only when no pipeline-free plan fits: PP adds bubbles, and at small scale the cost model's
+   latency terms favour it for reasons that do not hold on real hardware.
+
+Errors name the job spec's fields (``plan``, ``grad_accum``, ``resources.num_workers``): a
+request mirrors those fields one to one, and users only ever write the spec.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+from rayfleet.errors import SpecError
+from rayfleet.placement.cost_model import GIB, balanced_plan, plan_memory
+from rayfleet.placement.cost_params import CostParams
+from rayfleet.placement.fleet_capacity import FleetCapacity
+from rayfleet.placement.memory_model import MemoryBreakdown
+from rayfleet.placement.model_spec import ModelSpec
+from rayfleet.placement.plan import ParallelPlan, validate_plan
+from rayfleet.placement.planner import search_plans
+from rayfleet.placement.search_space import SearchSpace
+from rayfleet.platform.catalogue import AcceleratorSpec, get_accelerator
+
+__all__ = ["RequestedPlan", "PlanRequest", "ResolvedPlan", "resolve_plan", "homogeneous_capacity"]
+
+# The trainer runs TP, EP, DP (FSDP2) and PP: no context or expert-tensor split.
+TRAINABLE_SPACE = SearchSpace(max_pp=1, zero_stage=3, context_parallel=(1,), expert_tp_options="1")
+
+
+@dataclass(frozen=True)
+class RequestedPlan:
+    """Explicit degrees as a job asked for them; ``dp`` / ``micro_batch_size`` ``None`` = derive."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    micro_batch_size: int | None = None
+    recompute: str = "none"
+    zero_stage: int = 3
+    replica_microbatches: tuple[int, ...] | None = None
+    replica_accelerators: tuple[str, ...] | None = None
+
+    @property
+    def replica_size(self) -> int:
+        return self.tp * self.cp * self.pp
+
+    def given(self) -> dict:
+        """The fields that were set (what an error quotes as the value)."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a job asks of placement: a world size, its batch, and an explicit plan or none (search).
+
+    ``global_batch_size`` counts sequences per optimizer step; ``grad_accum`` (optional) fixes the
+    micro-batches per DP replica; ``max_pp`` bounds the fallback pipeline search.
+    """
+
+    world_size: int
+    global_batch_size: int
+    grad_accum: int | None = None
+    explicit: RequestedPlan | None = None
+    max_pp: int = 64
+    params: CostParams = CostParams()
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    """The plan to run, its fullest device's memory (GiB) and, for a searched plan, why others lost.
+
+    ``memory`` is the breakdown of an explicit plan's fullest device (``None`` for a searched plan,
+    whose peak comes from the search's own pricing); ``rejected`` holds the search's reasons.
+    """
+
+    plan: ParallelPlan
+    peak_memory_gib: float
+    searched: bool
+    memory: MemoryBreakdown | None = None
+    rejected: tuple[str, ...] = ()
+
+
+def homogeneous_capacity(accelerator: str, world_size: int) -> FleetCapacity:
+    """A capacity of ``world_size`` accelerators of one type (scale-up domain and node capped at it)."""
+    base = get_accelerator(accelerator)
+    return FleetCapacity(
+        accelerators={base.name: replace(base, scaleup_domain_size=_largest_divisor(world_size, base.scaleup_domain_size),
+                                         accelerators_per_node=min(base.accelerators_per_node, world_size))},
+        counts={base.name: world_size})
+
+
+def resolve_plan(model: ModelSpec, request: PlanRequest, capacity: FleetCapacity) -> ResolvedPlan:
+    """The plan ``request`` runs with on ``capacity`` (pure).
+
+    An explicit plan is completed (``dp``, ``micro_batch_size``), validated and priced against
+    memory; without one, the fastest trainable plan of the search is taken.
+
+    Raises:
+        SpecError: a degree that does not divide the world size, a plan the model cannot run, a
+            ``grad_accum`` the plan contradicts, a plan that does not fit memory, or no plan at all
+            (each naming the field, the value and the fix).
+    """
+    world_size = request.world_size
+    if world_size < 1:
+        raise SpecError("resources.num_workers", world_size, "must be at least 1", "ask for one or more workers")
+    if request.explicit is not None:
+        plan = _complete(request)
+        validate_plan(plan, model, world_size=world_size, scaleup_domain_size=None)
+        _check_grad_accum(request, plan)
+        memory, gib = _check_memory(model, plan, capacity, request.params)
+        return ResolvedPlan(plan=plan, peak_memory_gib=gib, searched=False, memory=memory)
+    return _searched(model, request, capacity)
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
+def _complete(request: PlanRequest) -> ParallelPlan:
+    p, world_size, gbs = request.explicit, request.world_size, request.global_batch_size
+    assert p is not None
+    dp = p.dp
+    if dp is None:
+        if world_size % p.replica_size:
+            raise SpecError("plan", p.given(),
+                            f"tp*cp*pp = {p.replica_size} does not divide the {world_size} workers",
+                            "give degrees whose product divides resources.num_workers, or set plan.dp")
+        dp = world_size // p.replica_size
+    mbs = p.micro_batch_size
+    if mbs is None:
+        per_replica = gbs // dp if gbs % dp == 0 else 0
+        if p.replica_microbatches is None and request.grad_accum is not None and per_replica \
+                and per_replica % request.grad_accum == 0:
+            mbs = per_replica // request.grad_accum
+        else:
+            mbs = 1
+    return ParallelPlan(tp=p.tp, pp=p.pp, dp=dp, cp=p.cp, ep=p.ep, etp=p.etp, micro_batch_size=mbs,
+                        recompute=p.recompute, zero_stage=p.zero_stage,
+                        replica_microbatches=p.replica_microbatches, replica_accelerators=p.replica_accelerators)
+
+
+def _check_grad_accum(request: PlanRequest, plan: ParallelPlan) -> None:
+    grad_accum, gbs = request.grad_accum, request.global_batch_size
+    if grad_accum is None or plan.replica_microbatches is not None:
+        return
+    if plan.dp * plan.micro_batch_size * grad_accum != gbs:
+        raise SpecError("grad_accum", grad_accum,
+                        f"dp={plan.dp} x micro_batch_size={plan.micro_batch_size} x grad_accum != "
+                        f"global_batch_size={gbs}",
+                        "drop grad_accum (it is derived from the plan) or make the product match")
+
+
+def _catalogue_entry(name: str) -> AcceleratorSpec:
+    try:
+        return get_accelerator(name)
+    except ValueError:
+        raise SpecError("plan.replica_accelerators", name, "is not in the accelerator catalogue",
+                        "name catalogue types (e.g. H100, P800)") from None
+
+
+def _check_memory(model: ModelSpec, plan: ParallelPlan, capacity: FleetCapacity,
+                  params: CostParams) -> tuple[MemoryBreakdown, float]:
+    if plan.replica_accelerators is not None:
+        accel = {t: capacity.accelerators.get(t) or _catalogue_entry(t) for t in set(plan.replica_accelerators)}
+    else:
+        accel = capacity.accelerators[next(iter(capacity.accelerators))]
+    slowest = accel if not isinstance(accel, dict) else min(accel.values(), key=lambda a: a.peak_tflops(model.precision))
+    mem, type_name, usable = plan_memory(model, balanced_plan(model, plan, slowest, params), accel, params=params)
+    if mem.total > usable:
+        per_param = params.param_bytes + params.grad_bytes + params.optimizer_bytes
+        at_least = math.ceil(model.total_params() * per_param / usable)
+        raise SpecError(
+            "plan", plan.describe(),
+            f"needs {mem.total / GIB:.1f} GiB per device (weights {mem.weights / GIB:.1f}, grads "
+            f"{mem.gradients / GIB:.1f}, optimizer {mem.optimizer / GIB:.1f}, activations "
+            f"{mem.activations / GIB:.1f}) but a {type_name} has {usable / GIB:.1f} GiB usable",
+            f"use more accelerators (weights, gradients and optimizer states alone need at least {at_least} "
+            f"{type_name}; set resources.num_workers), or a larger plan.ep / plan.pp"
+            f"{_other_levers(plan)} so that each device holds less")
+    return mem, mem.total / GIB
+
+
+def _other_levers(plan: ParallelPlan) -> str:
+    levers = []
+    if plan.zero_stage < 3:
+        levers.append("plan.zero_stage: 3")
+    if plan.recompute != "full":
+        levers.append("plan.recompute: full")
+    if plan.micro_batch_size > 1:
+        levers.append("a smaller plan.micro_batch_size")
+    return f" (or {', '.join(levers)})" if levers else ""
+
+
+def _searched(model: ModelSpec, request: PlanRequest, capacity: FleetCapacity) -> ResolvedPlan:
+    params, grad_accum, gbs = request.params, request.grad_accum, request.global_batch_size
+    result = search_plans(model, capacity, top_k=8, params=params, space=TRAINABLE_SPACE)
+    if not result.ranked and request.max_pp > 1:  # pipelines only when nothing pipeline-free fits
+        result = search_plans(model, capacity, top_k=8, params=params,
+                              space=replace(TRAINABLE_SPACE, max_pp=request.max_pp))
+    rejected = tuple(r.reason for r in result.rejected)
+    for ranked in result.ranked:
+        plan = replace(ranked.plan, stage_starts=None) if ranked.plan.pp == 1 else ranked.plan
+        if grad_accum is not None and plan.replica_microbatches is None:
+            per_replica = gbs // plan.dp
+            if per_replica % grad_accum:
+                continue
+            plan = replace(plan, micro_batch_size=per_replica // grad_accum)
+        return ResolvedPlan(plan=plan, peak_memory_gib=ranked.peak_memory_gib, searched=True, rejected=rejected)
+    memory = [r for r in rejected if r.startswith("memory")]
+    reasons = (f"{len(memory)} shapes run out of memory, e.g. {memory[0]}" if memory
+               else rejected[0] if rejected else "no shape fits the batch")
+    raise SpecError("plan", "auto", f"no parallel plan fits {request.world_size} {'/'.join(capacity.counts)} ({reasons})",
+                    f"use more accelerators (resources.num_workers), a global_batch_size divisible by the data-parallel "
+                    f"degree (now {gbs}), or an explicit plan with a larger ep/pp")
