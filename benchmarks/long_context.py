@@ -105,8 +105,7 @@ async def measure(actors, *, lengths, repeats, preset_name) -> list[dict]:
 
     from rayfleet.models import preset
     from rayfleet.serving.routing.long_prefill import LongPrefillPolicy, key_cost_for
-    from rayfleet.serving.engine.replica_state import ReplicaId
-    from rayfleet.serving.engine.replica_state import ReplicaSnapshot
+    from rayfleet.serving.engine.replica_state import ReplicaId, ReplicaSnapshot
     from rayfleet.serving.engine.sampling import SamplingParams
     from rayfleet.serving.routing.split_prefill import split_prefill
 

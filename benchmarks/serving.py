@@ -91,9 +91,8 @@ def router_decision_time(*, num_replicas: int = 64, num_blocks: int = 100_000, t
                          prompt_tokens: int = 8192) -> dict:
     from rayfleet.serving.engine.block_hash import hash_full_blocks, root_block_hash
     from rayfleet.serving.routing.prefix_index import PrefixIndex
-    from rayfleet.serving.engine.replica_state import ReplicaId
+    from rayfleet.serving.engine.replica_state import ReplicaId, ReplicaSnapshot
     from rayfleet.serving.routing.router import RouterCore
-    from rayfleet.serving.engine.replica_state import ReplicaSnapshot
     from rayfleet.serving.routing.policy import RouterPolicy
 
     rng = random.Random(0)

@@ -1,18 +1,22 @@
-"""rayfleet.serving: the inference side of the fleet, in rooms (each module opens with its
-design decisions):
+"""rayfleet.serving: the inference side of the fleet, in rooms on a one-way ladder: a room
+imports only its own room and lower ones (``tests/unit/test_layering.py``, rule 7). Bottom to
+top (each module opens with its design decisions):
 
+- ``errors``, ``api_keys`` and ``experts/`` (expert-parallel load balancing, EPLB): below every room;
 - ``engine/``: the engine core of one replica (block hashes, block pool, KV manager, scheduler,
-  model runner, ``LLMEngine``, ``AsyncEngine``); no Ray;
-- ``kv/``: KV handoff between prefill and decode, host-memory and disk tiers, the global KV index;
-- ``routing/``: prefix index, routing policy, the router, long-prompt split prefill;
-- ``experts/``: expert-parallel load balancing (EPLB) inside an engine replica;
-- ``deploy/``: Serve deployments, ``deploy(spec)``, the request path, the in-process stack,
-  the shared autoscaler's Serve shell;
-- ``openai_api/``: the OpenAI-compatible FastAPI app and Prometheus metrics;
-- ``spec`` (``ServeSpec``) and ``cli`` (``rayfleet serve``).
+  model runner, ``LLMEngine``, ``AsyncEngine``), what it publishes (snapshots, the chunk stream)
+  and the KV connector protocols it needs; no Ray;
+- ``kv/`` (KV handoff between prefill and decode, host-memory and disk tiers, the global KV
+  index) and ``routing/`` (prefix index, routing policy, the router, long-prompt split prefill);
+- ``spec`` (``ServeSpec``);
+- ``deploy/``: engine replicas on Serve, the request path (``InferenceService``), metrics,
+  Serve autoscaling bounds;
+- ``openai_api/`` (the OpenAI-compatible app, its Serve ingress, the in-process stack) and
+  ``vllm/`` (the same API through Ray Serve LLM);
+- ``deployer`` (``deploy(spec)``) and ``serve_scaling_shell`` (the shared autoscaler's Serve shell).
 
-Only ``deploy`` needs Ray Serve; the names below are the engine core's public face, imported
-on first use.
+Only ``deploy`` and the rooms above it need Ray Serve; the names below are the engine core's
+public face, imported on first use.
 """
 
 # Loaded on first use (PEP 562): `rayfleet serve --help` and the CLI must not pay for torch.

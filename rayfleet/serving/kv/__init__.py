@@ -4,5 +4,7 @@
 ``host_pool`` and ``tiers`` are a node's host-memory and disk tiers below the engine pool;
 ``global_index`` says which block hash lives where; ``tier_policy`` (pure) decides what to load
 and prefetch; ``tier_connector`` joins an engine's pool to the tiers; ``tier_actors`` are their
-Ray shells (one host-pool actor per node, one index actor per fleet).
+Ray shells (one host-pool actor per node, one index actor per fleet). ``transfer`` and
+``tier_connector`` implement the engine's protocols (``engine.kv_connector``); the engine never
+imports this room.
 """

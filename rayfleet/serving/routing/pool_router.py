@@ -26,10 +26,9 @@ from typing import Any, Literal
 
 from rayfleet.errors import SpecError
 from rayfleet.serving.routing.hash_log import HashSetMirror
-from rayfleet.serving.engine.replica_state import ReplicaSnapshot
+from rayfleet.serving.engine.replica_state import ReplicaSnapshot, ReplicaId
 from rayfleet.serving.routing.policy import RouterPolicy
 from rayfleet.serving.routing.prefix_index import PrefixIndex
-from rayfleet.serving.engine.replica_state import ReplicaId
 from rayfleet.serving.routing.recent_work import DecayedMean, PrefixWorkLedger, RecentWorkLedger
 
 __all__ = ["Mode", "RouteHint", "PoolRouterCore", "ROUTING_STATS_KEYS"]

@@ -32,10 +32,9 @@ from pathlib import Path
 
 from rayfleet.errors import SpecError
 from rayfleet.serving.engine.block_hash import BlockHash, hash_block, root_block_hash
-from rayfleet.serving.engine.replica_state import ReplicaSnapshot
+from rayfleet.serving.engine.replica_state import ReplicaSnapshot, ReplicaId
 from rayfleet.serving.routing.policy import RouterPolicy
 from rayfleet.serving.routing.prefix_index import PrefixIndex
-from rayfleet.serving.engine.replica_state import ReplicaId
 from rayfleet.serving.routing.recent_work import DecayedMean, PrefixWorkLedger, RecentWorkLedger
 
 __all__ = ["TraceRequest", "ReplayResult", "read_mooncake_trace", "chain_block_hashes", "replay_routing",

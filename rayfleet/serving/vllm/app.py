@@ -1,7 +1,7 @@
 """Build the Ray Serve LLM application of an ``engine: vllm`` spec; ``serve deploy`` support.
 
 ``build_vllm_app(spec)`` is what ``rayfleet serve`` and ``fleet.serve()`` run (through
-``deploy.deployer``); ``app_builder`` is the ``import_path`` of the config that
+``serving.deployer``); ``app_builder`` is the ``import_path`` of the config that
 ``rayfleet serve X.yaml --serve-config`` prints, so ``serve deploy`` builds the same app from
 the same spec. The arguments come from ``config`` (pure); this module only calls ``ray.serve.llm``.
 """

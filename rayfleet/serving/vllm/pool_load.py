@@ -1,6 +1,6 @@
 """A vLLM pool's load for the shared autoscaler, from vLLM's own metrics.
 
-The autoscaler's Serve shell (``serving.deploy.autoscale_shell``) reports, every tick, a pool's
+The autoscaler's Serve shell (``serving.serve_scaling_shell``) reports, every tick, a pool's
 requests in flight, its queue, its TTFT p95 over a window and its KV usage. The built-in engine's
 ingress measures these itself; a Ray Serve LLM app has no such ingress, so for ``engine: vllm``
 they come from the engines: ``vllm:num_requests_running`` / ``vllm:num_requests_waiting``

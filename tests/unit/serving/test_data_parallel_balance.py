@@ -9,9 +9,8 @@ import random
 
 from rayfleet.serving.engine.block_hash import hash_full_blocks, root_block_hash
 from rayfleet.serving.routing.long_prefill import LongPrefillPolicy
-from rayfleet.serving.engine.replica_state import ReplicaId
+from rayfleet.serving.engine.replica_state import ReplicaId, ReplicaSnapshot
 from rayfleet.serving.routing.router import RouterCore
-from rayfleet.serving.engine.replica_state import ReplicaSnapshot
 
 BS = 16
 NAMES = ["colocated-0", "colocated-1", "colocated-2"]

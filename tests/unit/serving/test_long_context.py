@@ -16,8 +16,7 @@ from rayfleet.serving.engine.llm_engine import LLMEngine
 from rayfleet.serving.routing.long_prefill import (LongPrefillPolicy, SpanPrefill, key_cost_for, span_costs,
                                            split_prefill_in_process)
 from rayfleet.serving.openai_api.in_process import build_local
-from rayfleet.serving.engine.replica_state import ReplicaId
-from rayfleet.serving.engine.replica_state import ReplicaSnapshot
+from rayfleet.serving.engine.replica_state import ReplicaId, ReplicaSnapshot
 from rayfleet.serving.engine.sampling import SamplingParams
 
 BS = 16

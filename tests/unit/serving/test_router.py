@@ -7,9 +7,8 @@ from collections import Counter
 
 from rayfleet.serving.engine.block_hash import hash_full_blocks, root_block_hash
 from rayfleet.serving.engine.block_pool import KVCacheEvent
-from rayfleet.serving.engine.replica_state import ReplicaId
+from rayfleet.serving.engine.replica_state import ReplicaId, ReplicaSnapshot
 from rayfleet.serving.routing.router import RouterCore
-from rayfleet.serving.engine.replica_state import ReplicaSnapshot
 from rayfleet.serving.routing.policy import RouterPolicy
 
 BLOCK = 4

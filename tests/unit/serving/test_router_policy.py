@@ -14,8 +14,7 @@ from rayfleet.errors import SpecError
 from rayfleet.serving.engine.block_hash import BlockHash, hash_full_blocks, root_block_hash
 from rayfleet.serving.engine.block_pool import KVCacheEvent
 from rayfleet.serving.routing.prefix_index import PrefixIndex
-from rayfleet.serving.engine.replica_state import ReplicaId
-from rayfleet.serving.engine.replica_state import ReplicaSnapshot
+from rayfleet.serving.engine.replica_state import ReplicaId, ReplicaSnapshot
 from rayfleet.serving.routing.policy import RouterPolicy
 
 ROOT = root_block_hash(model_id="tiny")

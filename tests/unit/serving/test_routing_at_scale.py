@@ -10,10 +10,9 @@ import pytest
 
 from rayfleet.errors import SpecError
 from rayfleet.serving.engine.block_hash import hash_full_blocks, root_block_hash
-from rayfleet.serving.engine.replica_state import ReplicaSnapshot
+from rayfleet.serving.engine.replica_state import ReplicaSnapshot, ReplicaId
 from rayfleet.serving.routing.policy import RouterPolicy
 from rayfleet.serving.routing.prefix_index import PrefixIndex
-from rayfleet.serving.engine.replica_state import ReplicaId
 from rayfleet.serving.routing.recent_work import RecentWorkLedger
 from rayfleet.serving.routing.router import RouterCore
 from rayfleet.serving.routing.trace_replay import (TraceRequest, infinite_cache_bound, chain_block_hashes,

@@ -10,10 +10,9 @@ import pytest
 
 from rayfleet.errors import SpecError
 from rayfleet.serving.engine.block_hash import hash_full_blocks, root_block_hash
-from rayfleet.serving.engine.replica_state import ReplicaSnapshot
+from rayfleet.serving.engine.replica_state import ReplicaSnapshot, ReplicaId
 from rayfleet.serving.routing.policy import RouterPolicy
 from rayfleet.serving.routing.prefix_index import PrefixIndex
-from rayfleet.serving.engine.replica_state import ReplicaId
 
 BLOCK = 32
 VLLM = RouterPolicy(decode_weight=1 / BLOCK, marginal_overload_at_home=True)
