@@ -1,6 +1,9 @@
 """Metrics of a served model: the app's ``/metrics`` and Ray's metrics, with vLLM's names.
 
 Design decisions:
+- In ``deploy``, beside their writers: the request path (``InferenceService``) records each
+  request's latencies here and the engine replicas (``EngineReplica``) their counters; the
+  OpenAI app only serves the text (``GenerationService.metrics_text``), so it never imports this.
 - Two sinks for the same observations. ``/metrics`` (Prometheus text from a private
   ``prometheus_client`` registry per ingress, so several apps or tests in one process do not
   collide) names them like vLLM with ``rayfleet:`` for ``vllm:``. Ray's metrics

@@ -8,7 +8,7 @@ Design decisions:
 - Blocks are immutable (a hash names a prefix's content), so putting a hash already held only
   marks it recently used; the tiers are inclusive (a block loaded into an engine stays here, so
   evicting it from the engine again costs no copy).
-- One pool per node, shared by every engine replica on the node (``kv_tier_actors`` wraps it
+- One pool per node, shared by every engine replica on the node (``tier_actors`` wraps it
   in a named actor per node): replicas on one node then share one prefix cache in host memory.
 """
 

@@ -19,7 +19,7 @@ Design decisions:
   the run at that block; the request recomputes the rest. The connector drops what it learned
   from the index (``discard``/``remove_location``), so the index heals itself.
 - ``node``/``peers`` are ``NodeKVStore``s: ``NodeKVTiers`` in one process, or a client of the
-  node's actor (``kv_tier_actors.RemoteNodeKVTiers``) on a fleet.
+  node's actor (``tier_actors.RemoteNodeKVTiers``) on a fleet.
 """
 
 from __future__ import annotations

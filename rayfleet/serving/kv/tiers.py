@@ -4,7 +4,7 @@ Design decisions:
 - ``NodeKVTiers`` composes the pure ``HostKVPool`` and the storage layer's ``DiskKVStore`` and
   carries out the write-back rule: a block evicted from a tier goes to the next one (engine ->
   host via ``put_many``, host -> disk here, disk -> dropped). It is the object behind the
-  per-node Ray actor (``kv_tier_actors``) and, in one process, what tests and the benchmark
+  per-node Ray actor (``tier_actors``) and, in one process, what tests and the benchmark
   share between engines "on one node".
 - Inclusive tiers: a disk hit is promoted into host memory (it is about to be used) and stays
   on disk; a host block evicted to disk that disk already holds is only touched. Re-evictions

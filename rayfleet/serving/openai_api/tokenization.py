@@ -2,7 +2,7 @@
 
 Design decisions:
 - Two implementations of one small interface (``ServedTokenizer``), picked by
-  ``served_tokenizer(tok)`` from what the engine replica reports (``InferenceService.tokenizer``):
+  ``served_tokenizer(tok)`` from what the engine replica reports (``GenerationService.tokenizer``):
   the byte tokenizer of presets and training checkpoints, and a Hugging Face tokenizer
   (``rayfleet.models.hf.HFTokenizer``, duck-typed: this package imports nothing of ``jobs`` and
   needs no ``tokenizers`` import of its own).
