@@ -43,10 +43,11 @@ demo: setup
 # Unit tests (no Ray) and cluster tests (one shared local fleet) in one session; the
 # `ray up cluster.yaml` integration test owns its own cluster, so it runs alone afterwards.
 # tests/vllm starts its own small fleet, so it runs after the cluster tier has released its own.
-test: setup vllm
-	$(PY) -m pytest tests/unit tests/cluster tests/gpu -q
-	$(PY) -m pytest tests/vllm -q
-	$(PY) -m pytest tests/integration -q
+# scripts/test_tiers.py runs the three sessions below in order and prints each tier's time (and
+# the install's) at the end: unit + cluster + gpu, then vllm, then integration.
+test:
+	@start=$$(date +%s); $(MAKE) --no-print-directory setup vllm && \
+		$(PY) scripts/test_tiers.py --install-seconds $$(( $$(date +%s) - start ))
 
 test-unit: setup
 	$(PY) -m pytest tests/unit -q

@@ -1,0 +1,143 @@
+"""Run the test suite tier by tier (what ``make test`` runs) and print each tier's time at the end.
+
+Why a script and not three Makefile lines: the suite's budget (under 40 minutes from a fresh
+clone on 2 cores) is only kept if every run shows where its time went. Each pytest session is
+timed on the wall clock, and inside a session the time of each test directory is summed from
+pytest's JUnit report (setup + call + teardown, so a session fixture's start is charged to the
+first test that needs it). The slowest tests are listed too.
+
+Sessions, in order (why they are separate: see the Makefile):
+
+1. ``tests/unit tests/cluster tests/gpu`` (the cluster tier's fleet is session-scoped);
+2. ``tests/vllm`` (its own small fleet, after the first one is gone);
+3. ``tests/integration`` (each test owns a Ray cluster and runs alone).
+
+Every session runs even if an earlier one failed (a red tier should not hide the others' times);
+the exit status is the first non-zero one. The last line is the plain summary
+``suite: N passed, N failed, N skipped``. Times are also written as JSON to
+``$RAYFLEET_TEST_TIMES`` (default ``.pytest-times.json``, ignored by git).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+SESSIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("unit+cluster+gpu", ("tests/unit", "tests/cluster", "tests/gpu")),
+    ("vllm", ("tests/vllm",)),
+    ("integration", ("tests/integration",)),
+)
+
+
+@dataclass
+class TestTime:
+    name: str
+    seconds: float
+
+
+@dataclass
+class SessionResult:
+    name: str
+    paths: tuple[str, ...]
+    exit_code: int
+    wall_s: float
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    dir_to_seconds: dict[str, float] = field(default_factory=dict)
+    slowest: list[TestTime] = field(default_factory=list)
+
+
+def _tier_of(classname: str, file_attr: str | None) -> str:
+    """``tests/cluster/...`` -> ``cluster``: the directory under ``tests/`` a test case lives in."""
+    path = (file_attr or classname.replace(".", "/")).replace("\\", "/")
+    parts = path.split("/")
+    if "tests" in parts and parts.index("tests") + 1 < len(parts):
+        return parts[parts.index("tests") + 1]
+    return parts[0] if parts else "?"
+
+
+def read_junit(path: Path, result: SessionResult, *, top: int) -> None:
+    """Fill counts, per-directory seconds and the slowest tests from a pytest JUnit report."""
+    if not path.exists():  # pytest died before writing it (e.g. a collection crash)
+        return
+    cases = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        seconds = float(case.get("time") or 0.0)
+        tier = _tier_of(case.get("classname", ""), case.get("file"))
+        result.dir_to_seconds[tier] = result.dir_to_seconds.get(tier, 0.0) + seconds
+        outcome = {child.tag for child in case}
+        if outcome & {"failure", "error"}:
+            result.failed += 1
+        elif "skipped" in outcome:
+            result.skipped += 1
+        else:
+            result.passed += 1
+        cases.append(TestTime(name=f"{case.get('classname', '')}::{case.get('name', '')}", seconds=seconds))
+    result.slowest = sorted(cases, key=lambda t: -t.seconds)[:top]
+
+
+def run_session(name: str, paths: tuple[str, ...], *, extra: list[str], top: int) -> SessionResult:
+    with tempfile.TemporaryDirectory(prefix="rayfleet-junit-") as tmp:
+        junit = Path(tmp) / "junit.xml"
+        argv = [sys.executable, "-m", "pytest", *paths, "-q", f"--junitxml={junit}",
+                "-o", "junit_family=xunit1", *extra]
+        print(f"\n== {name}: {' '.join(argv[1:])}", flush=True)
+        start = time.monotonic()
+        code = subprocess.call(argv, cwd=REPO)
+        result = SessionResult(name=name, paths=paths, exit_code=code, wall_s=time.monotonic() - start)
+        read_junit(junit, result, top=top)
+    return result
+
+
+def render(results: list[SessionResult], *, install_s: float | None) -> str:
+    lines = ["", "== suite timings (wall clock, this run)", f"{'session':<20} {'tier':<12} {'minutes':>8}  result"]
+    if install_s is not None:
+        lines.append(f"{'install':<20} {'':<12} {install_s / 60:>8.1f}")
+    for r in results:
+        verdict = "ok" if r.exit_code == 0 else f"exit {r.exit_code}"
+        lines.append(f"{r.name:<20} {'(session)':<12} {r.wall_s / 60:>8.1f}  {verdict}: "
+                     f"{r.passed} passed, {r.failed} failed, {r.skipped} skipped")
+        for tier, seconds in sorted(r.dir_to_seconds.items()):
+            lines.append(f"{'':<20} {tier:<12} {seconds / 60:>8.1f}")
+    total = sum(r.wall_s for r in results) + (install_s or 0.0)
+    lines.append(f"{'total':<20} {'':<12} {total / 60:>8.1f}")
+    lines.append("slowest tests:")
+    slowest = sorted((t for r in results for t in r.slowest), key=lambda t: -t.seconds)[:15]
+    lines += [f"  {t.seconds:7.1f}s  {t.name}" for t in slowest]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", choices=[s[0] for s in SESSIONS],
+                        help="run only this session (repeatable)")
+    parser.add_argument("--install-seconds", type=float, default=None,
+                        help="the install step's time, to show it in the table (the Makefile passes it)")
+    parser.add_argument("--top", type=int, default=15, help="how many of the slowest tests to list")
+    parser.add_argument("pytest_args", nargs="*", help="passed to every pytest session (after --)")
+    args = parser.parse_args(argv)
+    results = [run_session(name, paths, extra=args.pytest_args, top=args.top)
+               for name, paths in SESSIONS if not args.only or name in args.only]
+    print(render(results, install_s=args.install_seconds))
+    out = Path(os.environ.get("RAYFLEET_TEST_TIMES", REPO / ".pytest-times.json"))
+    out.write_text(json.dumps({"install_s": args.install_seconds, "sessions": [asdict(r) for r in results]},
+                              indent=1))
+    passed, failed, skipped = (sum(getattr(r, k) for r in results) for k in ("passed", "failed", "skipped"))
+    print(f"suite: {passed} passed, {failed} failed, {skipped} skipped")
+    return next((r.exit_code for r in results if r.exit_code != 0), 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""scripts/test_tiers.py: the per-tier times ``make test`` prints are read right from pytest's report."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("test_tiers_script", REPO / "scripts" / "test_tiers.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" tests="4">
+<testcase classname="tests.unit.test_a" name="test_fast" file="tests/unit/test_a.py" time="0.5"/>
+<testcase classname="tests.cluster.test_b" name="test_fleet" file="tests/cluster/test_b.py" time="120.0"/>
+<testcase classname="tests.cluster.test_b" name="test_broken" file="tests/cluster/test_b.py" time="30.0">
+  <failure message="boom">boom</failure></testcase>
+<testcase classname="tests.gpu.test_c" name="test_cuda" file="tests/gpu/test_c.py" time="0.0">
+  <skipped message="no CUDA"/></testcase>
+</testsuite></testsuites>
+"""
+
+
+def test_junit_report_gives_counts_per_tier_seconds_and_the_slowest(tmp_path):
+    tiers = _module()
+    path = tmp_path / "junit.xml"
+    path.write_text(JUNIT)
+    result = tiers.SessionResult(name="unit+cluster+gpu", paths=("tests/unit",), exit_code=1, wall_s=200.0)
+    tiers.read_junit(path, result, top=2)
+    assert (result.passed, result.failed, result.skipped) == (2, 1, 1)
+    assert result.dir_to_seconds == {"unit": 0.5, "cluster": 150.0, "gpu": 0.0}
+    assert [t.seconds for t in result.slowest] == [120.0, 30.0]
+    table = tiers.render([result], install_s=60.0)
+    assert "cluster" in table and "2.5" in table and "exit 1" in table  # 150 s = 2.5 min
+
+
+def test_a_session_that_wrote_no_report_counts_nothing(tmp_path):
+    tiers = _module()
+    result = tiers.SessionResult(name="vllm", paths=("tests/vllm",), exit_code=2, wall_s=3.0)
+    tiers.read_junit(tmp_path / "missing.xml", result, top=5)
+    assert (result.passed, result.failed, result.dir_to_seconds) == (0, 0, {})
