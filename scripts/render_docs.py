@@ -86,7 +86,7 @@ def provenance_line(entry: dict, benchmark: str) -> str:
 
 
 def _value(v) -> str:
-    return "n/a" if v is None else f"{v:.4g}"
+    return "n/a" if v is None else f"{v:.6g}"
 
 
 def render(source: str, ledger: Path = LEDGER) -> str:
