@@ -296,6 +296,12 @@ def _check_stages(plan: ParallelPlan, model: ModelSpec) -> None:
         raise SpecError("plan.dualpipe", plan.dualpipe, f"DualPipeV needs pp > 1, vpp = 1 and two chunks of layers "
                         f"a rank (2*pp <= num_layers={num_layers}; pp={plan.pp}, vpp={plan.vpp})",
                         "use dualpipe=false, or a pipeline with vpp=1 and fewer stages")
+    if plan.dualpipe and plan.replica_microbatches is None \
+            and plan.num_microbatches(model.global_batch_sequences) < 2 * plan.pp:
+        m = plan.num_microbatches(model.global_batch_sequences)
+        raise SpecError("plan.dualpipe", plan.dualpipe, f"DualPipeV needs at least 2*pp = {2 * plan.pp} micro-batches "
+                        f"per replica; this plan has {m} (global_batch_sequences / (dp * micro_batch_size))",
+                        "use dualpipe=false, fewer stages, a smaller micro_batch_size or dp, or a larger global batch")
     if plan.pp > num_layers:
         raise SpecError("plan.pp", plan.pp, f"more pipeline stages than layers ({num_layers})",
                         f"use pp <= {num_layers}")

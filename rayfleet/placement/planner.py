@@ -39,6 +39,7 @@ from rayfleet.placement.cost_params import CostParams
 from rayfleet.placement.fleet_capacity import FleetCapacity
 from rayfleet.placement.mixed_fleet import mixed_fleet_search
 from rayfleet.placement.model_spec import ModelSpec
+from rayfleet.placement.pipeline_schedule import dualpipe_possible, interleaving_possible, pipeline_seconds
 from rayfleet.placement.plan import ParallelPlan, validate_plan
 from rayfleet.placement.search_results import JobSize, PlanSearchResult, RankedPlan, Rejection
 from rayfleet.placement.search_bounds import (_Candidate, _fits_by_vpp, _ladder, _refine, _refined_step_bound,
@@ -88,7 +89,9 @@ def _candidates(model: ModelSpec, accel: AcceleratorSpec, lo: int, hi: int, spac
                 work = _work_per_sequence(model, core, accel, params, max(space.micro_batch_sizes))
             vmax = max(_vpps(model, pp, space))
             if space.dualpipe and pp > 1 and 2 * pp <= model.num_layers:
-                vmax = max(vmax, 2)  # DualPipeV halves the fill/drain as two virtual stages do
+                # DualPipeV's bubble, (pp - 1)(t + B - 3W) / 2, has no floor as simple as
+                # interleaving's: bound its fill/drain by zero
+                vmax = math.inf
             for dp in dps:
                 num_shapes += 1
                 cand = _Candidate(core, pp, dp, work, gbs / dp, vmax)
@@ -108,7 +111,8 @@ def _configurations(model: ModelSpec, plan: ParallelPlan, fits: list[tuple[int, 
     """:func:`_virtual_stage_choices`, plus DualPipeV at the rungs that fit without virtual
     stages when ``dualpipe`` allows it (same memory as 1F1B; priced directly)."""
     out = _virtual_stage_choices(model, plan, fits, ladder, accel, params, exhaustive)
-    if dualpipe and plan.pp > 1 and 2 * plan.pp <= model.num_layers:
+    m = plan.num_microbatches(model.global_batch_sequences)
+    if dualpipe and dualpipe_possible(m, plan.pp) and 2 * plan.pp <= model.num_layers:
         plain = [rungs for v, rungs in fits if v == 1]
         if plain:
             out += [_with_rung(plan, ladder[r], dualpipe=True) for r in (plain[0] if exhaustive else plain[0][:1])]
@@ -153,9 +157,8 @@ def _step_at_vpp(one: PlanCost, model: ModelSpec, vpp: int, params: CostParams) 
     m = one.plan.num_microbatches(model.global_batch_sequences)
     stages = [t - exposed_p2p(step.pp_send_s, vb, c, params) + exposed_p2p(step.pp_send_s, vpp, c, params)
               for t, c in zip(step.stage_microbatch_s, step.stage_compute_s)]
-    slow_b, slow = max(step.stage_microbatch_s), max(stages)
-    before = m * slow_b + (sum(step.stage_microbatch_s) - slow_b) / vb
-    return step.total - before + m * slow + (sum(stages) - slow) / vpp
+    before = pipeline_seconds(step.stage_microbatch_s, num_microbatches=m, vpp=vb)
+    return step.total - before + pipeline_seconds(stages, num_microbatches=m, vpp=vpp)
 
 
 def _best_of(model: ModelSpec, accel: AcceleratorSpec, cand: _Candidate, space: SearchSpace, params: CostParams,
@@ -186,13 +189,16 @@ def _best_of(model: ModelSpec, accel: AcceleratorSpec, cand: _Candidate, space: 
         for recompute in space.recompute[lightest:]:
             if not exhaustive:  # this micro-batch and recompute's own work bound (heavier only adds)
                 work = _work(model, c, accel, params, mbs, recompute)[0]
-                step = work * (cand.sequences + mbs * (cand.pp - 1) / cand.vpp_max) / cand.pp
+                step = cand.pipeline_floor(work, mbs)
                 if step * (cand.world if objective == "throughput" else 1) >= min(
                         cutoff, _key(best, objective)[0] if best else cutoff) or step * cand.world > accel_s_cap:
                     bounded = True
                     break
             plan = split.but(recompute=recompute)
-            fits = [(vpp, rungs) for vpp, rungs in _fits_by_vpp(model, plan, _vpps(model, cand.pp, space), ladder,
+            # Megatron interleaves only a full pipeline (m >= pp): see pipeline_schedule
+            vpps = _vpps(model, cand.pp, space) if interleaving_possible(
+                model.global_batch_sequences // (cand.dp * mbs), cand.pp) else [1]
+            fits = [(vpp, rungs) for vpp, rungs in _fits_by_vpp(model, plan, vpps, ladder,
                                                                  usable, params, first_only=not exhaustive) if rungs]
             if not fits:
                 reason = reason or f"memory: does not fit {usable / GIB:.1f} GiB usable on {accel.name}"

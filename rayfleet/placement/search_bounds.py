@@ -40,14 +40,22 @@ class _Candidate:
     dp: int
     work_per_sequence: float  # seconds, whole model on one device, at the best micro-batch
     sequences: float  # per replica per step
-    vpp_max: int
+    vpp_max: float  # the most fill/drain speed-up any schedule gets (inf where DualPipeV may run)
 
     @property
     def world(self) -> int:
         return self.core.tp * self.core.cp * self.pp * self.dp
 
+    def pipeline_floor(self, work_per_sequence: float, mbs: int) -> float:
+        """No pipeline of this candidate at micro-batch ``mbs`` (or larger) runs faster: equal
+        stages of ``work_per_sequence * mbs / pp`` through ``pipeline_seconds``' formula (1), with
+        the most virtual stages where interleaving runs (``m >= pp``) and none elsewhere (with
+        ``m < pp`` the two branches of (1) agree at ``vpp = 1``: ``(m + pp - 1) * t``)."""
+        vpp = self.vpp_max if self.sequences / mbs >= self.pp else 1
+        return work_per_sequence * (self.sequences + mbs * (self.pp - 1) / vpp) / self.pp
+
     def step_bound(self, mbs: int) -> float:
-        return self.work_per_sequence * (self.sequences + mbs * (self.pp - 1) / self.vpp_max) / self.pp
+        return self.pipeline_floor(self.work_per_sequence, mbs)
 
     def key_bound(self, objective: Objective, mbs: int) -> float:
         return self.step_bound(mbs) * (self.world if objective == "throughput" else 1)
@@ -209,7 +217,7 @@ def _refined_step_bound(model: ModelSpec, accel: AcceleratorSpec, cand: _Candida
     pipeline = math.inf
     for recompute, mbs in zip(space.recompute[need.lightest_recompute:], need.largest_mbs):
         work, prefix = _work(model, cand.core, accel, params, mbs, recompute)
-        pipeline = min(pipeline, max(work * (cand.sequences + mbs_min * (cand.pp - 1) / cand.vpp_max) / cand.pp,
+        pipeline = min(pipeline, max(cand.pipeline_floor(work, mbs_min),
                                      cand.sequences * prefix[fullest]))
     zero = _ladder(space)[need.lightest_rung][0]
     return pipeline + _zero_floor(model, accel, cand, zero, params, max(need.largest_mbs))

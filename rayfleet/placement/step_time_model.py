@@ -1,12 +1,12 @@
 """Predicted training step time of a plan on one accelerator type.
 
 Design decisions:
-- Work is priced per layer and per micro-batch on one device, then assembled into a 1F1B
-  pipeline: ``m * max_s T_s + (sum_s T_s - max_s T_s) / vpp`` (the slowest stage sets the pace;
-  fill/drain passes once through the other stages, ``vpp`` times faster with interleaved virtual
-  stages -- twice with DualPipe -- which send ``vpp`` times as often but hide the sends behind
-  the stage's compute), followed by the DP gradient reduction (partly hidden behind the last
-  backward) and the optimizer step (HBM-bound).
+- Work is priced per layer and per micro-batch on one device, then assembled into a pipeline
+  by :func:`rayfleet.placement.pipeline_schedule.pipeline_seconds` (1F1B, interleaved, DualPipeV;
+  with fewer micro-batches than stages the step is at least the sum of the stages), followed by
+  the DP gradient reduction (partly hidden behind the last backward) and the optimizer step
+  (HBM-bound). Interleaved virtual stages send ``vpp`` times as often but hide the sends behind
+  the stage's compute.
 - ZeRO-2 reduce-scatters gradients every micro-batch and ZeRO-3 (FSDP) also all-gathers the
   weights for its forward and its backward; prefetching hides them behind that micro-batch's
   compute (``dp_overlap_fraction`` of it), so only the excess is on the critical path.
@@ -48,6 +48,7 @@ from rayfleet.placement.ep_overlap import (LayerHalves, cross_domain_share, ep_e
                                            ep_overlap_possible, layer_halves)
 from rayfleet.placement.memory_model import ParamCounts, layer_param_counts, num_moe_layers
 from rayfleet.placement.model_spec import ModelSpec
+from rayfleet.placement.pipeline_schedule import pipeline_seconds
 from rayfleet.placement.plan import ParallelPlan
 from rayfleet.platform.catalogue import AcceleratorSpec
 
@@ -64,6 +65,9 @@ class LayerTime:
     tp_comm: float
     ep_comm: float
     cp_comm: float
+    # the part of backward_compute that computes weight gradients (DualPipe's W): one pass of the
+    # forward GEMMs plus folding them into the main grads
+    weight_grad_compute: float = 0.0
 
     @property
     def total(self) -> float:
@@ -204,7 +208,7 @@ def layer_time(model: ModelSpec, plan: ParallelPlan, layer: int, accel: Accelera
         # forward passes K/V around the ring once, backward passes K/V and dK/dV
         steps = 3 * (plan.cp - 1)
         cp_comm = (1 - params.cp_overlap_fraction) * steps * (cp_link.latency_s + kv_bytes / cp_link.bytes_per_s)
-    return LayerTime(compute, backward, tp_comm, ep_comm, cp_comm)
+    return LayerTime(compute, backward, tp_comm, ep_comm, cp_comm, weight_grad_compute=fwd_gemm + wgrad)
 
 
 def layer_times(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorSpec,
@@ -303,16 +307,16 @@ def estimate_step_time(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorS
         ep_c = sum(t.ep_comm * n for t, n in kinds)
         cp_c = sum(t.cp_comm * n for t, n in kinds)
         bwd = sum(t.backward_compute * n for t, n in kinds)
+        wgt = sum(t.weight_grad_compute * n for t, n in kinds)
         p2p = exposed_p2p(send, plan.vpp, comp, params, dualpipe=plan.dualpipe) if plan.pp > 1 else 0.0
         stage_t.append(comp + tp_c + ep_c + cp_c + p2p)
-        parts.append((comp, tp_c, ep_c, cp_c, bwd))
+        parts.append((comp, tp_c, ep_c, cp_c, bwd, wgt))
         p2ps.append(p2p)
 
     slowest = max(range(plan.pp), key=stage_t.__getitem__)
-    # fill/drain: once through the other stages, vpp times faster interleaved; DualPipe's
-    # bidirectional schedule halves it ((pp/2 - 1) chunk pairs, DeepSeek-V3 table 2)
-    pipeline = m * stage_t[slowest] + (sum(stage_t) - stage_t[slowest]) / (2 if plan.dualpipe else plan.vpp)
-    comp, tp_c, ep_c, cp_c, _ = parts[slowest]
+    pipeline = pipeline_seconds(stage_t, num_microbatches=m, vpp=plan.vpp, dualpipe=plan.dualpipe,
+                                stage_backward_s=[p[4] for p in parts], stage_weight_grad_s=[p[5] for p in parts])
+    comp, tp_c, ep_c, cp_c, *_ = parts[slowest]
     steady = m * stage_t[slowest]
 
     tail = 0.0
