@@ -58,8 +58,12 @@ def test_chunked_prefill_and_decode_equal_the_full_forward(model):
         for b, (toks, _) in enumerate(chunks):
             if len(toks):
                 got[b].append(out[b, :1])
+    # The model is float64 but RMSNorm, RoPE and the router compute in fp32 (as HF does), and an
+    # fp32 row reduction may sum in a different order for a [B, S] padded batch than for one
+    # sequence (vector width, alignment): 1.6e-8 was measured on one CPU, 0 on another. A wrong
+    # block table, position or cache write moves the logits by O(1e-1), far outside this.
     for b in range(2):
-        torch.testing.assert_close(torch.cat(got[b]), full[b], rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(torch.cat(got[b]), full[b], rtol=1e-6, atol=1e-6)
 
 
 @torch.no_grad()
