@@ -5,6 +5,11 @@
     rayfleet plan deepseek-v3 --fleet H100:10000 --max-accelerators 2048 --objective throughput
     rayfleet plan deepseek-v3 --nodes 128 --accelerator H100 --racks 8
     rayfleet plan model.yaml --fleet H100:64,P800:64          # mixed fleet
+    rayfleet plan deepseek-v3 --fleet H100:2048 --plan tp=1,pp=16,ep=64,vpp=1,recompute=selective
+
+``--plan`` prices one given plan (fields of ``ParallelPlan``: tp, pp, dp, cp, ep, etp, mbs, vpp,
+recompute, zero, adam, acts, dualpipe, ...; ``dp`` defaults to the fleet over tp*cp*pp) instead
+of searching; it reports the same table, or why the plan cannot run.
 
 The fleet is what is free: the plan takes as many accelerators as its objective wants --
 ``fastest`` (default: the fastest step that keeps ``--min-scaling-efficiency`` of the best
@@ -48,6 +53,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="also consider DeepSeek's DualPipe schedule (DualPipeV layout) for pipelines")
     p.add_argument("--min-scaling-efficiency", type=float, default=0.8,
                    help="with 'fastest': keep at least this share of the best tokens/s per accelerator (0-1)")
+    p.add_argument("--plan", default=None, metavar="FIELD=VALUE,...",
+                   help="price this plan instead of searching, e.g. 'tp=1,pp=16,ep=64,recompute=selective'")
     p.add_argument("--layout", action="store_true", help="also print plan 1's rank -> accelerator layout")
     p.set_defaults(func=handle_plan)
 
@@ -79,6 +86,8 @@ def handle_plan(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise SpecError("--top", args.top, "must be at least 1", "pass --top 1 or more")
     model = load_model_spec(args.model)
+    if args.plan is not None:
+        return _price_given_plan(model, args)
     if args.exact is not None:
         goal = JobGoal.exactly(args.exact)
     else:
@@ -106,3 +115,83 @@ def handle_plan(args: argparse.Namespace) -> int:
         print(f"layout of plan 1 ({result.ranked[0].plan.describe()}):")
         print(format_layout(layout, topology))
     return 0
+
+
+# --plan names: the ParallelPlan field, or a short alias the plan table prints
+_ALIASES = {"mbs": "micro_batch_size", "zero": "zero_stage", "adam": "optimizer_dtype", "acts": "activation_dtype"}
+
+
+def parse_plan_text(text: str, *, num_accelerators: int):
+    """``"tp=1,pp=16,ep=64"`` -> a :class:`ParallelPlan`; ``dp`` defaults to
+    ``num_accelerators / (tp * cp * pp)``. Raises :class:`SpecError` naming the item, why it is
+    wrong and the fix."""
+    from dataclasses import fields
+
+    from rayfleet.placement.plan import ParallelPlan
+
+    kinds = {f.name: type(getattr(ParallelPlan(), f.name)) for f in fields(ParallelPlan)}
+    values: dict = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, raw = item.partition("=")
+        name = _ALIASES.get(key.strip(), key.strip())
+        if not sep or name not in kinds:
+            raise SpecError("--plan", item, "is not FIELD=VALUE with a ParallelPlan field",
+                            f"use fields among {', '.join(sorted(set(kinds) | set(_ALIASES)))}")
+        kind, raw = kinds[name], raw.strip()
+        try:
+            if kind is bool:
+                if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(raw)
+                values[name] = raw.lower() in ("true", "1", "yes")
+            elif kind is int:
+                values[name] = int(raw)
+            elif kind is str:
+                values[name] = raw
+            else:  # tuples (stage_starts, layer_tp, ...): colon-separated
+                values[name] = tuple(int(x) for x in raw.split(":"))
+        except ValueError:
+            raise SpecError("--plan", item, f"{name} takes a {'bool' if kind is bool else 'number' if kind is int else 'colon-separated list'}",
+                            f"write e.g. {name}={'true' if kind is bool else '2' if kind is int else '0:16:32'}") from None
+    if "dp" not in values:
+        width = values.get("tp", 1) * values.get("cp", 1) * values.get("pp", 1)
+        if num_accelerators % width:
+            raise SpecError("--plan", text, f"tp*cp*pp = {width} does not divide the fleet's {num_accelerators} "
+                            "accelerators, so dp cannot be derived", "give dp=N, or a fleet that tp*cp*pp divides")
+        values["dp"] = num_accelerators // width
+    return ParallelPlan(**values)
+
+
+def _price_given_plan(model, args: argparse.Namespace) -> int:
+    """Price ``--plan`` on the fleet's accelerator type: the ranked-plan table with one row, or
+    the reason it cannot run (invalid degrees, or memory). 0 when it fits, 1 when not."""
+    from rayfleet.placement.cost_model import GIB, evaluate_plan
+    from rayfleet.placement.fleet_capacity import fleet_capacity_of
+    from rayfleet.placement.plan import even_stage_starts, validate_plan
+    from rayfleet.placement.plan_tables import format_plans
+    from rayfleet.placement.search_results import PlanSearchResult, RankedPlan, Rejection
+
+    capacity = fleet_capacity_of(args.fleet or f"{args.accelerator}:{(args.nodes or 8) * 8}", num_racks=args.racks)
+    types = [t for t, n in capacity.counts.items() if n]
+    if len(types) != 1:
+        raise SpecError("--fleet", args.fleet, "--plan prices one accelerator type", "give a fleet of one type")
+    accel = capacity.accelerators[types[0]]
+    plan = parse_plan_text(args.plan, num_accelerators=capacity.counts[types[0]])
+    head = f"given plan {plan.describe()} on {plan.world_size:,} x {accel.name}"
+    if plan.world_size > capacity.counts[types[0]]:
+        print(f"{head}: note: larger than the fleet's {capacity.counts[types[0]]:,}")
+    # stages unset: checked on any split, then balanced by the cost model (as the search does)
+    probe = plan.but(stage_starts=even_stage_starts(model.num_layers, plan.pp)) \
+        if plan.stage_starts is None and plan.pp <= model.num_layers else plan
+    validate_plan(probe, model, scaleup_domain_size=accel.scaleup_domain_size)  # raises SpecError with the fix
+    cost = evaluate_plan(model, plan, accel)
+    fits = cost.memory.total <= cost.usable_memory_bytes
+    ranked = (RankedPlan(1, cost.plan, cost),) if fits else ()
+    rejected = () if fits else (Rejection(plan.describe(), f"memory: needs {cost.memory.total / GIB:.1f} GiB on stage "
+                                          f"{cost.memory.stage} > {cost.usable_memory_bytes / GIB:.1f} GiB usable on "
+                                          f"{accel.name}. Fix: more recompute, a higher zero stage, more pp/ep, "
+                                          "or a smaller micro-batch"),)
+    print(format_plans(PlanSearchResult(ranked, rejected, 1, 0), model, fleet=head))
+    if not fits:  # still show what it would cost, so a user can compare with the search
+        print(f"  priced anyway: step {cost.step_time_s:.3f} s, MFU {100 * cost.mfu:.1f}%, "
+              f"bottleneck {cost.step.bottleneck}")
+    return 0 if fits else 1

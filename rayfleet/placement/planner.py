@@ -41,6 +41,7 @@ from rayfleet.placement.mixed_fleet import mixed_fleet_search
 from rayfleet.placement.model_spec import ModelSpec
 from rayfleet.placement.pipeline_schedule import dualpipe_possible, interleaving_possible, pipeline_seconds
 from rayfleet.placement.plan import ParallelPlan, validate_plan
+from rayfleet.placement.search_dead_ends import size_dead_ends
 from rayfleet.placement.search_results import JobSize, PlanSearchResult, RankedPlan, Rejection
 from rayfleet.placement.search_bounds import (_Candidate, _fits_by_vpp, _ladder, _refine, _refined_step_bound,
                                               _static_bytes_floor, _vpps, _with_rung, _work, _work_per_sequence)
@@ -278,6 +279,9 @@ def _homogeneous(model: ModelSpec, capacity: FleetCapacity, goal: JobGoal, *, to
         raise SpecError("min_accelerators", lo, f"the fleet has only {free} free {name}",
                         "lower min_accelerators or free more of the fleet")
     cands, rejected, num_shapes = _candidates(model, accel, lo, hi, space, params)
+    if not cands and not rejected:  # no shape at all: say which rule ruled out which shape
+        rejected = size_dead_ends(model, accel.scaleup_domain_size, lo, hi, space)
+        num_shapes = len(rejected)
     cap = math.inf
     if goal.min_mfu > 0:
         cap = model.global_batch_tokens * 3 * model.model_forward_flops_per_token() / (

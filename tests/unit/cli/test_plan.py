@@ -73,3 +73,47 @@ def test_dualpipe_is_opt_in_and_shown(capsys) -> None:
     assert "DualPipe" not in capsys.readouterr().out
     assert _run(argv + ["--dualpipe"]) == 0
     assert "PP8+DualPipe" in capsys.readouterr().out
+
+
+def test_exact_size_without_any_shape_explains_every_dead_end(capsys) -> None:
+    """Regression: --exact 10000 printed '0 shapes considered' and no reason. 10,000 = 2^4 * 5^4
+    and DeepSeek-V3's batch of 8192 sequences allows only power-of-two DP, so PP would need the
+    factor 625 > 61 layers: every shape is ruled out by the batch or the layer count, and the
+    nearest sizes that have a shape are offered."""
+    assert _run(["plan", "deepseek-v3", "--fleet", "H100:10000", "--exact", "10000"]) == 1
+    out = capsys.readouterr().out
+    assert "0 shapes considered" not in out
+    assert "x batch" in out and "x layers" in out and "9,984 or 10,240" in out
+
+
+@pytest.mark.parametrize("size", [10_000, 100_000])
+def test_search_api_returns_the_reasons_at_large_exact_sizes(size: int) -> None:
+    from rayfleet.placement.fleet_capacity import fleet_capacity_of
+    from rayfleet.placement.model_spec import preset
+    from rayfleet.placement.planner import search_plans
+    from rayfleet.placement.search_space import JobGoal
+
+    result = search_plans(preset("deepseek-v3"), fleet_capacity_of(f"H100:{size}"), goal=JobGoal.exactly(size))
+    assert not result.ranked and result.rejected and result.num_shapes == len(result.rejected)
+    assert all(r.reason.split(":")[0] in ("batch", "layers", "size", "experts") and "Fix:" in r.reason
+               for r in result.rejected)
+
+
+def test_given_plan_is_priced_with_the_search_table(capsys) -> None:
+    argv = ["plan", "deepseek-v3", "--fleet", "H100:2048", "--plan",
+            "tp=1,pp=16,ep=64,recompute=selective,adam=bf16,acts=fp8"]
+    assert _run(argv) == 0
+    out = capsys.readouterr().out
+    assert "given plan TP1 PP16 DP128" in out and _column(out, "PPxVP") == ["PP16"] and _column(out, "EP") == ["EP64"]
+    # the same plan without recompute does not fit: the reason and the price are both shown
+    assert _run(argv[:-1] + ["tp=1,pp=16,ep=64,adam=bf16,acts=fp8"]) == 1
+    out = capsys.readouterr().out
+    assert "memory: needs" in out and "priced anyway" in out
+
+
+@pytest.mark.parametrize("text, message", [("tp=1,pq=16", "pq=16"), ("tp=two", "takes a number"),
+                                           ("tp=3", "does not divide the fleet"), ("ep=7", "plan.ep")])
+def test_given_plan_errors_name_the_field_and_the_fix(text: str, message: str) -> None:
+    with pytest.raises(SpecError, match=message) as err:
+        _run(["plan", "deepseek-v3", "--fleet", "H100:2048", "--plan", text])
+    assert "Fix:" in str(err.value)
