@@ -3,9 +3,11 @@
 Design decisions:
 - One frozen record per accelerator type, with units in the field names (TFLOP/s, GiB, GB/s), so
   the cost model never guesses a unit. Link figures are *per accelerator, one direction*.
-- NVIDIA figures are the vendors' published dense (no sparsity) SXM numbers. Kunlun P800 and
-  Ascend 910B figures are from public reports and press material and are marked ``approximate``;
-  they are good enough to rank plans, not to quote.
+- NVIDIA and AMD figures are the vendors' published dense (no sparsity) numbers, cited per entry.
+  Datasheets quote link bandwidth both directions together; the catalogue stores half. HBM is
+  the datasheet's GB figure used as GiB (a 7% optimistic rounding every entry shares, so plans
+  rank alike). Kunlun P800, Ascend 910B and H20 figures are from public reports and press
+  material and are marked ``approximate``; they are good enough to rank plans, not to quote.
 - ``ray_resource`` is the Ray resource name the accelerator is declared as ("GPU", Ray's native
   "NPU" for Ascend, a custom "XPU" for Kunlun), so mixed fleets schedule by type.
 """
@@ -88,13 +90,59 @@ CATALOGUE: dict[str, AcceleratorSpec] = {
             intra_node_link_gbps=300.0, nic_gbps=25.0,
             accelerators_per_node=8, scaleup_domain_size=8,
         ),
+        # NVIDIA H800 SXM5 (China export variant of H100): H100 SXM compute and memory, NVLink
+        # cut to 400 GB/s both directions (NVIDIA H800 datasheet; DeepSeek-V3 report sec. 3.1:
+        # 8 GPUs per node on NVLink/NVSwitch, 400 Gb/s InfiniBand per GPU).
+        AcceleratorSpec(
+            name="H800", vendor="NVIDIA", ray_resource="GPU",
+            peak_bf16_tflops=989.0, peak_fp8_tflops=1979.0,
+            hbm_gib=80.0, hbm_bandwidth_gbps=3350.0,
+            intra_node_link_gbps=200.0, nic_gbps=50.0,
+            accelerators_per_node=8, scaleup_domain_size=8,
+        ),
+        # NVIDIA HGX H20 (China export variant): 148 TFLOP/s BF16 / 296 FP8 dense, 96 GB HBM3 at
+        # 4.0 TB/s, NVLink 900 GB/s both directions -- NVIDIA's partner spec sheet as reported
+        # publicly (no public datasheet on nvidia.com), hence approximate; 400 Gb/s NIC per GPU.
+        AcceleratorSpec(
+            name="H20", vendor="NVIDIA", ray_resource="GPU",
+            peak_bf16_tflops=148.0, peak_fp8_tflops=296.0,
+            hbm_gib=96.0, hbm_bandwidth_gbps=4000.0,
+            intra_node_link_gbps=450.0, nic_gbps=50.0,
+            accelerators_per_node=8, scaleup_domain_size=8,
+            approximate=True,
+        ),
+        # NVIDIA HGX/DGX B200: per GPU 2.25 PFLOP/s BF16 and 4.5 FP8 dense (half the sparse
+        # figures of the HGX B200 spec table), 180 GB HBM3e (DGX B200: 1,440 GB, 64 TB/s for 8),
+        # NVLink 5 at 1.8 TB/s both directions, 8 GPUs per NVLink domain, one 400 Gb/s
+        # ConnectX-7 per GPU (DGX B200 datasheet).
         AcceleratorSpec(
             name="B200", vendor="NVIDIA", ray_resource="GPU",
             peak_bf16_tflops=2250.0, peak_fp8_tflops=4500.0,
             hbm_gib=180.0, hbm_bandwidth_gbps=8000.0,
+            intra_node_link_gbps=900.0, nic_gbps=50.0,
+            accelerators_per_node=8, scaleup_domain_size=8,
+        ),
+        # NVIDIA GB200 NVL72: 72 Blackwell GPUs in one NVLink domain (18 compute trays of 4);
+        # per GPU 2.5 PFLOP/s BF16 and 5 FP8 dense (rack: 180 / 360 PFLOP/s dense of the 360 /
+        # 720 sparse on the GB200 NVL72 page), ~186 GB HBM3e (13.4 TB / 72) at 8 TB/s, NVLink 5
+        # 1.8 TB/s both directions; 800 Gb/s scale-out per GPU assumed (ConnectX-8 trays).
+        AcceleratorSpec(
+            name="GB200", vendor="NVIDIA", ray_resource="GPU",
+            peak_bf16_tflops=2500.0, peak_fp8_tflops=5000.0,
+            hbm_gib=186.0, hbm_bandwidth_gbps=8000.0,
             intra_node_link_gbps=900.0, nic_gbps=100.0,
-            # GB200 NVL72: 18 compute trays of 4 GPUs share one NVLink domain.
             accelerators_per_node=4, scaleup_domain_size=72,
+        ),
+        # AMD Instinct MI300X (OAM): 1307.4 TFLOP/s BF16 and 2614.9 FP8 dense, 192 GB HBM3 at
+        # 5.3 TB/s (AMD MI300X datasheet); 7 Infinity Fabric links of 128 GB/s both directions
+        # to the 7 peers of an 8-GPU platform (896 GB/s aggregate: 448 one way -- all-to-all
+        # sees it, a ring only its two neighbours' links); one 400 Gb/s NIC per GPU.
+        AcceleratorSpec(
+            name="MI300X", vendor="AMD", ray_resource="GPU",
+            peak_bf16_tflops=1307.4, peak_fp8_tflops=2614.9,
+            hbm_gib=192.0, hbm_bandwidth_gbps=5300.0,
+            intra_node_link_gbps=448.0, nic_gbps=50.0,
+            accelerators_per_node=8, scaleup_domain_size=8,
         ),
         AcceleratorSpec(
             name="P800", vendor="Kunlunxin", ray_resource="XPU",

@@ -140,7 +140,7 @@ def test_super_node_fleet_allows_tp_beyond_a_server() -> None:
     assert any(r.plan.tp > 8 for r in result.ranked)
 
 
-@pytest.mark.parametrize("fleet", ["H100:20000", "P800:1000", "H100:64,P800:64", "P800:72", "B200:1000"])
+@pytest.mark.parametrize("fleet", ["H100:20000", "P800:1000", "H100:64,P800:64", "P800:72", "GB200:1000"])
 def test_capacity_from_a_fleet_string_matches_the_built_topology(fleet: str) -> None:
     assert fleet_capacity_of(fleet) == fleet_capacity(parse_fleet(fleet))
 
