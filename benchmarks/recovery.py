@@ -65,6 +65,9 @@ for the fleet (it also cuts *detect*).
     python benchmarks/recovery.py --steps 16 --kills 1 --health-check-interval-s 0.5
 
 Writes benchmarks/results/recovery.json; prints the table last.
+
+Over 400 lines: the baseline run, the kill schedule and the per-failure accounting must read the
+same metrics rows in one process; split, they would each need the cluster and the job again.
 """
 
 from __future__ import annotations

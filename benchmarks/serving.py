@@ -46,6 +46,9 @@ start-up again.
 Writes ``benchmarks/results/serving.json`` (``--json``) and, beside it, ``serving_latency.png``: the
 TTFT and inter-token latency distributions (CDFs) of every configuration; prints a table last. Everything runs on this machine's
 CPUs (fake GPUs only decide placement): compare rows within one run, not across machines.
+
+Over 400 lines: its parts (router decision time, trace replays, the live Serve runs) share one
+local cluster start and one results table, and ``make bench`` runs one script per benchmark.
 """
 
 from __future__ import annotations

@@ -71,6 +71,9 @@ parameters are not to change after results are seen):
   bound, share of it, load average) and ``--json``. "rayfleet beats PCA" means a higher hit rate
   and a lower TTFT p99 in this run; one run per router on a shared machine (PCA's multiturn hit
   rate moved 0.774-0.787 over two default-regime runs) makes differences of that size noise.
+
+Over 400 lines: three app deployments on one cluster, compared in one table; its pure parts
+(replays, hit bound) already moved to ``benchmarks/_vllm_replay.py``.
 """
 
 from __future__ import annotations
