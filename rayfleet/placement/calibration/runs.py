@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -48,13 +49,19 @@ class _RunInput(BaseModel):
     precision: str
     plan: _PlanInput
     tokens_per_s_per_gpu: float
+    routing: Literal["n/a", "forced_balance", "token_drop", "dropless"] = "n/a"
     fit: bool = False
 
 
 @dataclass(frozen=True)
 class PublishedRun:
     """One published measurement: ``plan`` (recompute left to the model) of ``model`` on
-    ``plan.world_size`` accelerators of type ``hardware`` ran at ``tokens_per_s_per_gpu``."""
+    ``plan.world_size`` accelerators of type ``hardware`` ran at ``tokens_per_s_per_gpu``.
+
+    ``routing`` is how the MoE router placed tokens in that run, as its source states it:
+    ``forced_balance`` (the router forced an even load: what the cost model assumes),
+    ``token_drop`` (a capacity factor capped each expert's load), ``dropless`` (every token
+    routed, loads as the router chose them: slower than balanced), ``n/a`` for dense models."""
 
     id: str
     source: str
@@ -63,6 +70,7 @@ class PublishedRun:
     plan: ParallelPlan
     tokens_per_s_per_gpu: float
     fit: bool
+    routing: str = "n/a"
 
     @property
     def num_gpus(self) -> int:
@@ -105,6 +113,10 @@ def load_published_runs(path: str | Path = PUBLISHED_RUNS_PATH) -> tuple[Publish
             why_fix = str(err).split(": ", 1)[-1]
             why, _, fix = why_fix.rpartition(". Fix: ")
             raise SpecError(f"runs[{i}] ({run.id}).{err.field}", err.value, why, fix) from None
+        if model.is_moe == (run.routing == "n/a"):
+            raise SpecError(f"runs[{i}] ({run.id}).routing", run.routing,
+                            "MoE runs state their routing (forced_balance, token_drop, dropless); dense runs have none",
+                            "label the row as its source does")
         out.append(PublishedRun(run.id, run.source, get_accelerator(run.hardware).name, model, plan,
-                                run.tokens_per_s_per_gpu, run.fit))
+                                run.tokens_per_s_per_gpu, run.fit, run.routing))
     return tuple(out)

@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 
 from rayfleet.errors import SpecError
-from rayfleet.placement.calibration import (PUBLISHED_RUNS_PATH, explain_gap, fit_efficiency, load_published_runs,
+from rayfleet.placement.calibration import (CORE_FITTED_FIELDS, PRE_CALIBRATION, PUBLISHED_RUNS_PATH,
+                                            cold_leave_one_out, explain_gap, fit_efficiency, load_published_runs,
                                             predict_run, rank_published_plan)
 from rayfleet.placement.cost_params import CostParams
 
@@ -28,7 +29,20 @@ RUNS = load_published_runs()
 # DeepSeek-V3 closed when the EP overlap paired each all-to-all with the compute piece Megatron's
 # combined 1F1B step runs it beside (test_cost_model.py); Qwen3-30B when the FP32 main-grad
 # accumulation of local experts was priced (test_wgrad_accumulation.py).
-KNOWN_RANKING_GAPS: frozenset[str] = frozenset({"mbridge-qwen3-235b-a22b-h100"})
+# The held-out Qwen3-235B rows (the 25.09 token-drop run of the same plan, and the four
+# Megatron-MoE-ModelZoo BF16 plans) share that gap: the model's favourite is an EP8/EP16 shape with
+# CP2 that nobody published; the overlapped EP32 run comes closest (+8%).
+KNOWN_RANKING_GAPS: frozenset[str] = frozenset({
+    "mbridge-qwen3-235b-a22b-h100", "mbridge-qwen3-235b-a22b-h100-25.09", "modelzoo-qwen3-235b-ep32-deepep-h100",
+    "modelzoo-qwen3-235b-ep32-deepep-overlap-h100", "modelzoo-qwen3-235b-fsdp-ep8-h100",
+    "modelzoo-qwen3-235b-tp4-ep8-deepep-h100"})
+# Held-out rows the fitted model mispredicts by more than 15% (issue 27 asked for them to be
+# added, not fitted away): the 25.09 token-drop Qwen3-235B run is 24% slower than the 25.11 run
+# of the same plan the fit uses (+26%); the ModelZoo's dropless EP32 and FSDP EP8 runs are faster
+# than the model says (-22% to -34%; another code branch, recompute the model does not offer).
+KNOWN_PREDICTION_MISSES: frozenset[str] = frozenset({
+    "mbridge-qwen3-235b-a22b-h100-25.09", "modelzoo-qwen3-235b-ep32-deepep-h100",
+    "modelzoo-qwen3-235b-ep32-deepep-overlap-h100", "modelzoo-qwen3-235b-fsdp-ep8-h100"})
 
 
 def test_table_has_the_required_runs_and_sources() -> None:
@@ -44,7 +58,44 @@ def test_table_has_the_required_runs_and_sources() -> None:
 @pytest.mark.parametrize("run", RUNS, ids=[r.id for r in RUNS])
 def test_predicted_throughput_within_15_percent(run) -> None:
     prediction = predict_run(run)
-    assert abs(prediction.error) <= 0.15, (run.id, prediction.tokens_per_s_per_gpu, run.tokens_per_s_per_gpu)
+    assert run.fit <= (run.id not in KNOWN_PREDICTION_MISSES)  # a fit row may not miss
+    assert (abs(prediction.error) <= 0.15) == (run.id not in KNOWN_PREDICTION_MISSES), (
+        run.id, prediction.tokens_per_s_per_gpu, run.tokens_per_s_per_gpu)
+
+
+def test_rows_are_faithful_to_their_sources() -> None:
+    """Every MoE row states its routing; where two tables disagree on one plan both numbers stay
+    (never only the higher); at least 8 MoE rows from at least two public sources."""
+    moe = [r for r in RUNS if r.model.is_moe]
+    assert all(r.routing in ("forced_balance", "token_drop", "dropless") for r in moe)
+    assert all(r.routing == "n/a" for r in RUNS if not r.model.is_moe)
+    assert len(moe) >= 8 and len({r.source.split(" ")[0] for r in moe}) >= 2
+    by_id = {r.id: r for r in RUNS}
+    assert by_id["mbridge-qwen3-30b-a3b-h100"].routing == "token_drop"
+    both = [by_id["mbridge-qwen3-235b-a22b-h100"], by_id["mbridge-qwen3-235b-a22b-h100-25.09"]]
+    assert [r.plan for r in both][0] == both[1].plan and {r.tokens_per_s_per_gpu for r in both} == {1575, 1204}
+    assert sum(r.fit for r in both) == 1
+
+
+def test_routing_label_is_checked(tmp_path) -> None:
+    text = PUBLISHED_RUNS_PATH.read_text().replace("routing: token_drop", "routing: n/a", 1)
+    (tmp_path / "runs.yaml").write_text(text)
+    with pytest.raises(SpecError, match="routing"):
+        load_published_runs(tmp_path / "runs.yaml")
+
+
+def test_leave_one_out_is_cold_and_blind_to_the_left_out_model() -> None:
+    """Regression: leave-one-out started from the all-data optimum, so a coordinate search could
+    stop where it began. Each fit now starts from PRE_CALIBRATION and never sees the model left out
+    (the 25.11 Llama-3 70B row is predicted without the 25.09 row of the same plan)."""
+    dense = [r for r in RUNS if not r.model.is_moe]
+    loo = cold_leave_one_out(dense, fields=["gemm_efficiency"], rounds=1)
+    for run, out in zip(dense, loo):
+        assert run.id == out.run_id and all(by.split("-h100")[0] != run.id.split("-h100")[0] for by in out.fitted_on)
+        others = [r for r in dense if r.fit and r.model.name != run.model.name]
+        cold = fit_efficiency(others, PRE_CALIBRATION, fields=["gemm_efficiency"], rounds=1)
+        assert out.error == pytest.approx(predict_run(run, cold).error)
+    assert PRE_CALIBRATION != CostParams() and len(CORE_FITTED_FIELDS) < sum(r.fit for r in RUNS) / 2
 
 
 @pytest.mark.parametrize("run", RUNS, ids=[r.id for r in RUNS])
