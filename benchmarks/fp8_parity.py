@@ -10,7 +10,7 @@ Writes ``benchmarks/results/fp8_parity.json`` (``--json``) and ``fp8_parity_loss
 prints a table last.
 
     python benchmarks/fp8_parity.py            # full: 300 steps, 3 seeds (~10-15 min, 2 cores)
-    python benchmarks/fp8_parity.py --quick    # smoke: 12 steps, 1 seed (runs every variant; no verdict)
+    python benchmarks/fp8_parity.py --quick    # smoke: 6 steps of 4 x 64 tokens, 1 seed (every variant; no verdict)
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def plot(curves: dict[str, dict[int, list[float]]], path: Path) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke run: 12 steps, 1 seed")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 6 steps of 4 x 64 tokens, 1 seed")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
@@ -175,7 +175,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=RESULTS / "fp8_parity.json", help="results; the PNG goes beside it")
     args = parser.parse_args()
     if args.quick:  # every variant runs end to end; too few steps for parity to mean anything
-        args.steps, args.seeds = 12, 1
+        args.steps, args.seeds, args.batch, args.seq_len = 6, 1, 4, 64
     # One thread for the smoke run: on a busy 2-core machine two threads ran 4x slower (spinning).
     args.threads = args.threads or (1 if args.quick else 2)
     torch.set_num_threads(args.threads)
