@@ -214,6 +214,7 @@ def test_elastic_job_shrinks_on_node_loss_and_grows_back(local_fleet, dataset, t
         local_fleet.fleet.add_node(extra[1])
         wait_until(lambda: "formation 2 with 4 workers" in run.logs() or run.status() != "RUNNING",
                    timeout_s=400, interval_s=1.0, what="the job grown back to 4 workers")
+        assert run.status() == "RUNNING" and _losses(run), (run.status(), run.logs()[-6000:])
         regrown = max(_losses(run))
         wait_until(lambda: max(_losses(run)) >= regrown + 2 or run.status() != "RUNNING",
                    timeout_s=180, interval_s=0.5, what="steps at 4 workers")

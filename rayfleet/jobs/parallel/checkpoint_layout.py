@@ -38,7 +38,7 @@ def to_checkpoint_layout(model_sd: dict[str, Any], optim_sd: dict[str, Any], ctx
     def wrap(value: Any) -> Any:
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
             return value
-        return DTensor.fromlocal_tensor(local_tensor(value), mesh, (Shard(0), edp), run_check=False)
+        return DTensor.from_local(local_tensor(value), mesh, (Shard(0), edp), run_check=False)
 
     for key in _expert_keys(model_sd):
         model_sd[key] = wrap(model_sd[key])
@@ -59,7 +59,7 @@ def from_checkpoint_layout(model_sd: dict[str, Any], optim_sd: dict[str, Any], m
         param = params.get(key)
         local = value.to_local()
         if isinstance(param, DTensor):
-            return DTensor.fromlocal_tensor(local, param.device_mesh, param.placements, run_check=False)
+            return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
         return local
 
     for key in _expert_keys(model_sd):

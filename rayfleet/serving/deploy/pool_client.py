@@ -31,6 +31,7 @@ from typing import Any
 
 from rayfleet.serving.deploy.replica_client import ServeReplicaClient
 from rayfleet.serving.engine.replica_state import ReplicaState
+from rayfleet.serving.engine.replica_output import GenerationChunk
 from rayfleet.serving.engine.block_hash import hash_full_blocks, root_block_hash
 from rayfleet.serving.errors import ReplicaUnavailableError
 from rayfleet.serving.routing.router import RoutePlan, RouteHint

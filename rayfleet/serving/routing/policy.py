@@ -100,6 +100,7 @@ from rayfleet.errors import SpecError
 from rayfleet.serving.engine.block_hash import BlockHash
 from rayfleet.serving.routing.prefix_index import PrefixIndex
 from rayfleet.serving.engine.replica_state import ReplicaId
+from rayfleet.serving.engine.replica_state import ReplicaSnapshot
 
 __all__ = ["ReplicaScore", "RouteDecision", "RouterPolicy"]
 

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 
 from rayfleet.serving.engine.block_hash import BlockHash
 from rayfleet.serving.engine.block_pool import KVCacheEvent
+from rayfleet.serving.engine.replica_state import ReplicaId
 
 __all__ = ["PrefixIndex"]
 
