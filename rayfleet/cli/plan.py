@@ -7,6 +7,10 @@
     rayfleet plan model.yaml --fleet H100:64,P800:64          # mixed fleet
     rayfleet plan deepseek-v3 --fleet H100:2048 --plan tp=1,pp=16,ep=64,vpp=1,recompute=selective
 
+The ``runs`` column says whether ``rayfleet train`` runs a plan today (``yes``, or ``no:`` and the
+kinds it does not run, from ``rayfleet/placement/capabilities.py``); ``--runnable`` searches only
+those plans, the space a job's own ``plan: auto`` searches.
+
 ``--plan`` prices one given plan (fields of ``ParallelPlan``: tp, pp, dp, cp, ep, etp, mbs, vpp,
 recompute, zero, adam, acts, dualpipe, ...; ``dp`` defaults to the fleet over tp*cp*pp) instead
 of searching; it reports the same table, or why the plan cannot run.
@@ -51,6 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="FP8 models: also consider caching Linear/SwiGLU inputs in FP8 (DeepSeek-V3's recipe)")
     p.add_argument("--dualpipe", action="store_true",
                    help="also consider DeepSeek's DualPipe schedule (DualPipeV layout) for pipelines")
+    p.add_argument("--runnable", action="store_true",
+                   help="only plans `rayfleet train` runs today (those the runs column marks yes)")
     p.add_argument("--min-scaling-efficiency", type=float, default=0.8,
                    help="with 'fastest': keep at least this share of the best tokens/s per accelerator (0-1)")
     p.add_argument("--plan", default=None, metavar="FIELD=VALUE,...",
@@ -96,6 +102,10 @@ def handle_plan(args: argparse.Namespace) -> int:
     space = SearchSpace(optimizer_dtypes=("fp32", "bf16") if args.bf16_moments else ("fp32",),
                         activation_dtypes=("bf16", "fp8") if args.fp8_activations else ("bf16",),
                         dualpipe=args.dualpipe)
+    if args.runnable:
+        from rayfleet.placement.capabilities import runnable_space
+
+        space = runnable_space(space)
     if args.fleet and not args.nodes and not args.layout:
         # a fleet string needs no topology to plan on (12,500 node records at 100,000 GPUs)
         capacity = fleet_capacity_of(args.fleet, num_racks=args.racks)

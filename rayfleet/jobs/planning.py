@@ -127,7 +127,7 @@ def plan_inputs(spec: TrainJobSpec) -> PlanInputs:
     explicit = None if p is None else RequestedPlan(
         tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, etp=p.etp, micro_batch_size=p.micro_batch_size,
         recompute=p.recompute, zero_stage=p.zero_stage, replica_microbatches=p.replica_microbatches,
-        replica_accelerators=p.replica_accelerators)
+        replica_accelerators=p.replica_accelerators, vpp=p.vpp, dualpipe=p.dualpipe)
     return PlanInputs(model=model_spec_for(spec), accelerator=spec.resources.accelerator,
                       global_batch_size=spec.global_batch_size, grad_accum=spec.grad_accum, explicit=explicit,
                       num_workers=spec.resources.num_workers)

@@ -26,6 +26,8 @@ from rayfleet.errors import SpecError
 from rayfleet.jobs.spec_errors import split_spec_error, to_spec_error
 from rayfleet.models.config import PRESETS, MoEConfig, preset
 from rayfleet.models.fp8.recipes import RECIPES
+from rayfleet.placement.capabilities import require_runnable
+from rayfleet.placement.plan import ParallelPlan
 from rayfleet.platform.catalogue import accelerator_names, get_accelerator
 
 __all__ = [
@@ -116,22 +118,22 @@ class PlanSection(_Section):
     zero_stage: int = Field(3, ge=0, le=3)
     replica_microbatches: tuple[int, ...] | None = None
     replica_accelerators: tuple[str, ...] | None = None
+    vpp: int = Field(1, ge=1)  # virtual pipeline stages per rank (interleaved 1F1B)
+    dualpipe: bool = False  # DeepSeek's DualPipeV schedule
 
-    @field_validator("cp")
-    @classmethod
-    def _no_cp(cls, v: int) -> int:
-        if v != 1:
-            raise SpecError("plan.cp", v, "context parallelism is not implemented by the train loop",
-                            "set cp: 1 (use tp, ep or pp to split further)")
-        return v
+    @model_validator(mode="after")
+    def _runnable(self) -> "PlanSection":
+        # What the trainer runs is the capability table's to say (placement/capabilities.py), not
+        # this section's: the same table narrows the planner's search.
+        require_runnable(self.to_plan())
+        return self
 
-    @field_validator("etp")
-    @classmethod
-    def _no_etp(cls, v: int) -> int:
-        if v != 1:
-            raise SpecError("plan.etp", v, "expert tensor parallelism is not implemented by the train loop",
-                            "set etp: 1 and split experts with ep")
-        return v
+    def to_plan(self) -> ParallelPlan:
+        """These degrees as a ``ParallelPlan`` (``dp`` / ``micro_batch_size`` open: 1), unvalidated."""
+        return ParallelPlan(tp=self.tp, pp=self.pp, dp=self.dp or 1, cp=self.cp, ep=self.ep, etp=self.etp,
+                            micro_batch_size=self.micro_batch_size or 1, recompute=self.recompute,
+                            zero_stage=self.zero_stage, replica_microbatches=self.replica_microbatches,
+                            replica_accelerators=self.replica_accelerators, vpp=self.vpp, dualpipe=self.dualpipe)
 
     @property
     def replica_size(self) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from typing import Iterable
 
+from rayfleet.placement.capabilities import runs_label
 from rayfleet.placement.layout import Layout
 from rayfleet.placement.model_spec import ModelSpec
 from rayfleet.placement.search_results import PlanSearchResult
@@ -24,7 +25,7 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 def format_plans(result: PlanSearchResult, model: ModelSpec, *, fleet: str = "") -> str:
     """The ranked plans (size, degrees, memory, step time, throughput per accelerator, MFU,
-    bottleneck), how many accelerators the best takes and why, then why other shapes fail."""
+    bottleneck, whether ``rayfleet train`` runs it: ``yes`` or ``no:<kinds>``), how many accelerators the best takes and why, then why other shapes fail."""
     head = (f"model {model.name}: {model.total_params() / 1e9:.1f}B params ({model.active_params() / 1e9:.1f}B "
             f"active), seq {model.seq_len}, batch {model.global_batch_sequences} x {model.seq_len} tokens, "
             f"{model.precision}" + (f" | fleet {fleet}" if fleet else ""))
@@ -35,9 +36,10 @@ def format_plans(result: PlanSearchResult, model: ModelSpec, *, fleet: str = "")
                      f"DP{p.dp}", f"CP{p.cp}", f"EP{p.ep}", f"ETP{p.etp}", str(p.micro_batch_size),
                      f"{p.zero_stage}", p.optimizer_dtype, p.activation_dtype, p.recompute, f"{c.peak_memory_gib:.1f}",
                      f"{c.step_time_s:.3f}", f"{rp.tokens_per_s_per_accelerator:,.0f}", f"{100 * c.mfu:.1f}%",
-                     rp.bottleneck])
+                     rp.bottleneck, runs_label(p, precision=model.precision)])
+    # "runs" last: its "no:cp>1,vpp>1" is the one cell a reader of the table does not expect
     table = _table(["#", "accel", "TP", "PPxVP", "DP", "CP", "EP", "ETP", "mbs", "ZeRO", "adam", "acts", "recompute",
-                    "mem GiB", "step s", "tok/s/acc", "MFU", "bottleneck"], rows) if rows else "no feasible plan"
+                    "mem GiB", "step s", "tok/s/acc", "MFU", "bottleneck", "runs"], rows) if rows else "no feasible plan"
     lines = [head, table]
     if result.ranked:
         best = result.ranked[0]

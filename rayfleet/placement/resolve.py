@@ -15,10 +15,15 @@ model at 64 tokens, 8 sequences a step, on 4 H100s.
 2. The same request on an accelerator too small for it raises ``SpecError("plan", "<plan>",
    "needs X GiB per device ... but a T has Y GiB usable", "use more accelerators (... at least N
    T ...)")``: the field, the value and the fix.
-3. No explicit plan: the search (TP, EP, DP with ZeRO-3, no CP/ETP -- what the trainer runs)
-   ranks the shapes; the fastest that honours ``grad_accum`` wins. Pipeline parallelism is tried
+3. No explicit plan: the search over what the trainer runs (:data:`TRAINABLE_SPACE`, the
+   capability table's :func:`runnable_space`: TP, EP, DP with ZeRO-1/2/3, 1F1B pipelines; no
+   CP, ETP, virtual stages or DualPipeV today) ranks the shapes; the fastest that honours
+   ``grad_accum`` wins. Pipeline parallelism is tried
    only when no pipeline-free plan fits: PP adds bubbles, and at small scale the cost model's
    latency terms favour it for reasons that do not hold on real hardware.
+
+An explicit plan using a kind the trainer does not run (``cp: 2``) is refused by the capability
+table (:mod:`rayfleet.placement.capabilities`) with its reason and fix.
 
 Errors name the job spec's fields (``plan``, ``grad_accum``, ``resources.num_workers``): a
 request mirrors those fields one to one, and users only ever write the spec.
@@ -30,6 +35,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from rayfleet.errors import SpecError
+from rayfleet.placement.capabilities import refusals, require_runnable, runnable_space
 from rayfleet.placement.cost_model import GIB, balanced_plan, plan_memory
 from rayfleet.placement.cost_params import CostParams
 from rayfleet.placement.fleet_capacity import FleetCapacity
@@ -42,8 +48,8 @@ from rayfleet.platform.catalogue import AcceleratorSpec, get_accelerator
 
 __all__ = ["RequestedPlan", "PlanRequest", "ResolvedPlan", "resolve_plan", "homogeneous_capacity"]
 
-# The trainer runs TP, EP, DP (FSDP2) and PP: no context or expert-tensor split.
-TRAINABLE_SPACE = SearchSpace(max_pp=1, zero_stage=3, context_parallel=(1,), expert_tp_options="1")
+# What the trainer runs, from the capability table; pipelines only in the fallback (see _searched).
+TRAINABLE_SPACE = runnable_space(SearchSpace(max_pp=1))
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,8 @@ class RequestedPlan:
     zero_stage: int = 3
     replica_microbatches: tuple[int, ...] | None = None
     replica_accelerators: tuple[str, ...] | None = None
+    vpp: int = 1
+    dualpipe: bool = False
 
     @property
     def replica_size(self) -> int:
@@ -127,6 +135,7 @@ def resolve_plan(model: ModelSpec, request: PlanRequest, capacity: FleetCapacity
         raise SpecError("resources.num_workers", world_size, "must be at least 1", "ask for one or more workers")
     if request.explicit is not None:
         plan = _complete(request)
+        require_runnable(plan, precision=model.precision)
         validate_plan(plan, model, world_size=world_size, scaleup_domain_size=None)
         _check_grad_accum(request, plan)
         memory, gib = _check_memory(model, plan, capacity, request.params)
@@ -158,7 +167,8 @@ def _complete(request: PlanRequest) -> ParallelPlan:
             mbs = 1
     return ParallelPlan(tp=p.tp, pp=p.pp, dp=dp, cp=p.cp, ep=p.ep, etp=p.etp, micro_batch_size=mbs,
                         recompute=p.recompute, zero_stage=p.zero_stage,
-                        replica_microbatches=p.replica_microbatches, replica_accelerators=p.replica_accelerators)
+                        replica_microbatches=p.replica_microbatches, replica_accelerators=p.replica_accelerators,
+                        vpp=p.vpp, dualpipe=p.dualpipe)
 
 
 def _check_grad_accum(request: PlanRequest, plan: ParallelPlan) -> None:
@@ -227,6 +237,7 @@ def _searched(model: ModelSpec, request: PlanRequest, capacity: FleetCapacity) -
             if per_replica % grad_accum:
                 continue
             plan = replace(plan, micro_batch_size=per_replica // grad_accum)
+        assert not refusals(plan, precision=model.precision), plan.describe()  # the space is the table's
         return ResolvedPlan(plan=plan, peak_memory_gib=ranked.peak_memory_gib, searched=True, rejected=rejected)
     memory = [r for r in rejected if r.startswith("memory")]
     reasons = (f"{len(memory)} shapes run out of memory, e.g. {memory[0]}" if memory

@@ -7,9 +7,10 @@ Design decisions:
   the ranks the planner placed together (TP inside a node, EP inside the fast domain) are the
   ranks that talk here. Every rank builds both meshes in the same order (``new_group`` is a
   collective over the world).
-- Only the degrees the trainer implements are accepted: ``cp`` and ``etp`` must be 1 (context
-  parallel attention and expert-tensor-parallel GEMMs are not built yet) and a plan asking for
-  them fails here with the field and the fix, not with a wrong result later.
+- Only the kinds the trainer implements are accepted, as the capability table
+  (``placement/capabilities.py``) lists them (today ``cp`` and ``etp`` must be 1, no virtual
+  stages or DualPipeV): a plan asking for more fails here with the field and the fix, not with
+  a wrong result later. The job's spec and ``resolve_plan`` read the same table first.
 - ``moe_token_split``: when TP > 1 and EP > 1, the TP peers of a rank hold the same tokens; they
   each route and dispatch a disjoint 1/tp slice (Megatron's sequence split before dispatch), so
   no token reaches an expert twice. The MoE layer's replicated parameters (router, shared
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from rayfleet.errors import SpecError
+from rayfleet.placement.capabilities import require_runnable
 from rayfleet.placement.plan import ParallelPlan
 
 __all__ = ["A2AStats", "ParallelContext", "build_parallel_context"]
@@ -142,12 +144,7 @@ def _check_supported(plan: ParallelPlan, world_size: int) -> None:
     if plan.world_size != world_size:
         raise SpecError("plan", plan.describe(), f"needs {plan.world_size} workers but the job has {world_size}",
                         "set resources.num_workers to tp*cp*dp*pp, or leave plan: auto")
-    if plan.cp != 1:
-        raise SpecError("plan.cp", plan.cp, "context parallelism is not implemented by the trainer",
-                        "set plan.cp: 1 (use tp/dp/ep/pp)")
-    if plan.etp != 1:
-        raise SpecError("plan.etp", plan.etp, "expert tensor parallelism is not implemented by the trainer",
-                        "set plan.etp: 1 and split experts with plan.ep instead")
+    require_runnable(plan)
 
 
 def build_parallel_context(plan: ParallelPlan, *, device: torch.device, a2a_overlap: bool = False,

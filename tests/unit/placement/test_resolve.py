@@ -62,7 +62,8 @@ def test_step2_degrees_that_do_not_divide_the_workers_name_the_plan() -> None:
         resolve_plan(TINY, PlanRequest(world_size=3, global_batch_size=6, explicit=RequestedPlan(tp=2)),
                      homogeneous_capacity("H100", 3))
     assert info.value.field == "plan" and info.value.value == {"tp": 2, "pp": 1, "cp": 1, "ep": 1, "etp": 1,
-                                                               "recompute": "none", "zero_stage": 3}
+                                                               "recompute": "none", "zero_stage": 3,
+                                                               "vpp": 1, "dualpipe": False}
     assert "divides resources.num_workers" in str(info.value)
 
 
