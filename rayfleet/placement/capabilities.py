@@ -153,7 +153,7 @@ CAPABILITIES: tuple[Capability, ...] = (
                "jobs/loop.py)",
                "leave replica_accelerators unset", lambda p, _: p.replica_accelerators is not None,
                _attr("replica_accelerators"),
-               MappingProxyType({"dp": 2, "replica_accelerators": ("H100", "P800"), "replica_microbatches": (3, 1)})),
+               MappingProxyType({"dp": 2, "replica_accelerators": ("H100", "P800"), "replica_microbatches": (12, 4)})),
 )
 
 _BY_KIND: dict[str, Capability] = {c.kind: c for c in CAPABILITIES}

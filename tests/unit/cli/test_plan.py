@@ -49,9 +49,10 @@ def test_bad_fleet_is_a_spec_error() -> None:
 def _column(out: str, name: str) -> list[str]:
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("#  accel"))
-    col = lines[header].split().index(name)
-    rows = takewhile(lambda line: line[:1].isdigit() and len(line.split()) > col, lines[header + 2:])
-    return [line.split()[col] for line in rows]
+    # by character offset: the table is fixed-width, and headers such as "mem GiB" hold a space
+    start = f" {lines[header]} ".index(f" {name} ")
+    rows = takewhile(lambda line: line[:1].isdigit() and len(line) > start, lines[header + 2:])
+    return [line[start:].split()[0] for line in rows]
 
 
 def test_bf16_moments_and_fp8_activations_are_opt_in(capsys) -> None:
@@ -117,3 +118,21 @@ def test_given_plan_errors_name_the_field_and_the_fix(text: str, message: str) -
     with pytest.raises(SpecError, match=message) as err:
         _run(["plan", "deepseek-v3", "--fleet", "H100:2048", "--plan", text])
     assert "Fix:" in str(err.value)
+
+
+def test_runs_column_marks_what_rayfleet_train_cannot_run(capsys) -> None:
+    """Issue 28: llama3-8b on 1,024 H100 ranks CP and interleaved plans; the table says which
+    plans `rayfleet train` runs, and --runnable ranks only those."""
+    argv = ["plan", str(EXAMPLES / "llama3-8b.yaml"), "--fleet", "H100:1024"]
+    assert _run(argv) == 0
+    runs = _column(capsys.readouterr().out, "runs")
+    assert "yes" in runs and any(r.startswith("no:") and "cp>1" in r for r in runs)
+    assert _run(argv + ["--runnable"]) == 0
+    out = capsys.readouterr().out
+    assert set(_column(out, "runs")) == {"yes"} and set(_column(out, "CP")) == {"CP1"}
+
+
+def test_given_plan_shows_whether_the_trainer_runs_it(capsys) -> None:
+    assert _run(["plan", "deepseek-v3", "--fleet", "H100:2048", "--plan",
+                 "tp=1,pp=16,ep=64,recompute=selective,adam=bf16,acts=fp8"]) == 0
+    assert _column(capsys.readouterr().out, "runs") == ["no:acts:fp8,adam:bf16"]
