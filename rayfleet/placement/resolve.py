@@ -49,7 +49,10 @@ from rayfleet.platform.catalogue import AcceleratorSpec, get_accelerator
 __all__ = ["RequestedPlan", "PlanRequest", "ResolvedPlan", "resolve_plan", "homogeneous_capacity"]
 
 # What the trainer runs, from the capability table; pipelines only in the fallback (see _searched).
-TRAINABLE_SPACE = runnable_space(SearchSpace(max_pp=1))
+# ZeRO-3 as before the table: every live test and recovery path (shared-memory restore, DCP
+# reshard on an elastic resize) has run searched jobs at ZeRO-3; the table's ZeRO-1/2 rows run
+# in the parity tests but not yet behind a searched job on a fleet, so `plan: auto` keeps 3.
+TRAINABLE_SPACE = runnable_space(SearchSpace(max_pp=1, zero_stage=3))
 
 
 @dataclass(frozen=True)

@@ -113,7 +113,9 @@ def test_the_planners_default_search_ranks_what_the_trainer_refuses() -> None:
 
 
 def test_the_jobs_search_space_is_the_tables() -> None:
-    assert TRAINABLE_SPACE == runnable_space(SearchSpace(max_pp=1))
+    # the job's own search is the table's space, narrowed to ZeRO-3 (resolve.py says why)
+    assert TRAINABLE_SPACE == runnable_space(SearchSpace(max_pp=1, zero_stage=3))
+    assert set(TRAINABLE_SPACE.zero_ladder) <= set(runnable_space().zero_ladder)
     space = runnable_space()
     assert space.context_parallel == (1,) and space.expert_tp_options == "1" and space.virtual_stages == (1,)
     assert not space.dualpipe and space.optimizer_dtypes == ("fp32",) and space.activation_dtypes == ("bf16",)
