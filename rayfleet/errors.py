@@ -33,11 +33,11 @@ class SpecError(RayfleetError):
         self.value = value
 
     def __reduce__(self):  # keep the structured fields across pickling
-        return (_rebuild_spec_error, (self.args[0], self.field, self.value))
+        return (_rebuild_spec_error, (self.args[0], self.field, self.value, type(self)))
 
 
-def _rebuild_spec_error(message: str, field: str, value: object) -> "SpecError":
-    err = SpecError.__new__(SpecError)
+def _rebuild_spec_error(message: str, field: str, value: object, cls: type | None = None) -> "SpecError":
+    err = (cls or SpecError).__new__(cls or SpecError)
     RayfleetError.__init__(err, message)
     err.field = field
     err.value = value

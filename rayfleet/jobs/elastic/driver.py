@@ -36,13 +36,18 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from rayfleet.errors import RayfleetError, SpecError
-from rayfleet.jobs.elastic.policy import DriverState, FormationEnd, after_formation, size_formation
+from rayfleet.jobs.elastic.policy import CapacityShortage, DriverState, FormationEnd, after_formation, size_formation
 from rayfleet.jobs.train_job import TrainJob
 
 __all__ = ["ElasticDriver", "FormationRuntime", "FormationOutcome", "Transition", "MAX_FORMATIONS"]
 
 MAX_FORMATIONS = 20  # a guard against flapping capacity, not a tuning knob
 RECOVERY_PAUSE_S = 1.0  # let the controller see a lost node gone before re-planning
+# After a formation ends, Ray frees its accelerators asynchronously (workers exit, the placement
+# group goes, the GCS's resource view catches up: seconds on a loaded host). A re-plan that
+# finds too few free waits for them this many polls, RELEASE_POLL_S apart, before it errs.
+RELEASE_POLLS = 120
+RELEASE_POLL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -150,9 +155,7 @@ class ElasticDriver:
             return
         self.version = shell.version if shell is not None else 0
         try:
-            launch = size_formation(self.job, self.runtime.observe(), prepare=self.runtime.prepare,
-                                    lent=shell.lent_slots() if shell is not None else (),
-                                    max_size=shell.target_size if shell is not None else None)
+            launch = self._size()
         except SpecError as err:
             self._fail(err, f"no formation fits: {err}")
             return
@@ -165,6 +168,26 @@ class ElasticDriver:
             self.runtime.record("elastic_reform", f"formation {self.formation}",
                                 {"workers": size, "plan": launch.plan.describe()})
         self._to(DriverState.RUNNING, f"formation {self.formation}: {launch.plan.describe()} on {size} workers")
+
+    def _size(self) -> Any:
+        """``size_formation`` on a fresh look at the fleet; after a formation (``formation >= 0``)
+        a capacity shortage is waited out for ``RELEASE_POLLS`` polls (see ``RELEASE_POLLS``)."""
+        shell = self.shell
+        polls = RELEASE_POLLS if self.formation >= 0 else 0
+        for attempt in range(polls + 1):
+            try:
+                return size_formation(self.job, self.runtime.observe(), prepare=self.runtime.prepare,
+                                      lent=shell.lent_slots() if shell is not None else (),
+                                      lent_placed=shell.placed_lent_slots() if shell is not None else (),
+                                      max_size=shell.target_size if shell is not None else None)
+            except CapacityShortage as err:
+                if attempt == polls:
+                    raise
+                if attempt == 0:
+                    self.log(f"rayfleet elastic: waiting up to {polls * RELEASE_POLL_S:g}s for accelerators to "
+                             f"be released ({err})")
+                self.runtime.pause(RELEASE_POLL_S)
+        raise AssertionError("unreachable")
 
     def _run_formation(self) -> None:
         shell, launch, version = self.shell, self.launch, self.version

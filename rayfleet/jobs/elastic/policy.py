@@ -8,7 +8,10 @@ milliseconds:
 - ``choose_world_size``: the largest size within ``[min_workers, max_workers]`` the free
   accelerators hold, in whole model replicas.
 - ``size_formation``: the launch of the largest such size whose plan works (a batch that does
-  not split over N replicas is retried one replica smaller), planned around lent accelerators.
+  not split over N replicas is retried one replica smaller), planned around lent accelerators
+  (``attribute_lent``: a borrower Ray already counts is not counted twice). Too few free
+  accelerators raise ``CapacityShortage``, which the driver waits out after a formation ends
+  (Ray frees its accelerators asynchronously).
 - ``watch_formation``: while a formation runs, whether it must end — a node of its layout died
   (``node_lost``) or the fleet could hold a larger one (``grow``).
 - ``after_formation``: the driver's next state once a formation's ``fit`` returned or raised.
@@ -24,9 +27,17 @@ from rayfleet.errors import SpecError
 from rayfleet.jobs.train_job import TrainJob
 
 __all__ = [
-    "choose_world_size", "free_accelerators", "size_formation", "replica_slots", "FormationEnd", "EndKind",
+    "CapacityShortage", "attribute_lent", "choose_world_size", "free_accelerators", "size_formation", "replica_slots", "FormationEnd", "EndKind",
     "watch_formation", "DriverState", "after_formation",
 ]
+
+
+class CapacityShortage(SpecError):
+    """Not even ``resources.elastic.min_workers`` accelerators are free (no plan was tried).
+
+    Unlike a plan that does not work at any size, this can pass by itself: right after a
+    formation ends, Ray reports its accelerators as taken until its workers are gone.
+    """
 
 
 def choose_world_size(free: int, *, min_workers: int, max_workers: int, replica_size: int = 1) -> int | None:
@@ -65,20 +76,45 @@ def slots_in_use(topology: Any, free_by_node: Mapping[str, float]) -> set:
     return held
 
 
+def attribute_lent(topology: Any, held: Collection, placed: Iterable) -> set:
+    """``held`` (Ray's per-node counts, marked on each node's top slots) with the marks moved onto
+    ``placed``: lent slots whose borrowers already run, so Ray's count includes them (pure).
+
+    Ray says *how many* accelerators of a node are taken, not which. A lent slot whose borrower
+    runs is one of those taken; marked on the top slots as well as held as lent, it would count
+    twice and the job would plan one accelerator short per placed loan. So on each node the
+    count stays Ray's, the placed lent slots take their share of it first, and only the rest
+    is marked on the node's other top slots.
+    """
+    held, placed = set(held), set(placed)
+    out: set = set()
+    for node in topology.nodes:
+        slots = set(node.slots)
+        taken = len(held & slots)
+        mine = sorted(placed & slots, key=lambda s: s.index)[:taken]
+        rest = sorted(slots - set(mine), key=lambda s: s.index, reverse=True)[:taken - len(mine)]
+        out.update(mine, rest)
+    known = {s for n in topology.nodes for s in n.slots}
+    return out | (held - known)
+
+
 def size_formation(job: TrainJob, observed: tuple, *, prepare: Callable[..., Any], lent: Iterable = (),
-                   max_size: int | None = None) -> Any:
+                   lent_placed: Iterable = (), max_size: int | None = None) -> Any:
     """The largest launch of ``job`` the observed fleet holds (elastic), else its fixed size.
 
     ``observed``: ``(topology, held slots, cordoned nodes)``; ``prepare(job, topology,
     world_size=, held=, cordoned=)`` plans one size (``train_launcher.prepare_formation``, pure;
     ``world_size=None``: the job's own size); ``lent``: slots the autoscaler lent away (planned
-    around); ``max_size``: the autoscaler's target size.
+    around); ``lent_placed``: those of them whose borrowers run (Ray counts them already, see
+    ``attribute_lent``); ``max_size``: the autoscaler's target size.
 
     Raises:
-        SpecError: not even ``resources.elastic.min_workers`` fit (naming the last plan's error).
+        CapacityShortage: too few free accelerators for ``resources.elastic.min_workers``.
+        SpecError: no plan works at any size from the largest free one down to the minimum
+            (naming the last plan's error).
     """
     topology, held, cordoned = observed
-    held = set(held) | set(lent)
+    held = attribute_lent(topology, held, set(lent_placed) & set(lent)) | set(lent)
     elastic = job.elastic
     if elastic is None:
         return prepare(job, topology, world_size=None, held=held, cordoned=cordoned)
@@ -93,8 +129,13 @@ def size_formation(job: TrainJob, observed: tuple, *, prepare: Callable[..., Any
         except SpecError as err:  # e.g. the batch does not split over this many replicas: try smaller
             last_error = err
             size -= replica
+    if last_error is None:
+        raise CapacityShortage("resources.elastic.min_workers", elastic.min_workers,
+                               f"the fleet cannot hold even the minimum formation ({free} free "
+                               f"{job.accelerator} accelerator(s) on uncordoned nodes)",
+                               "free or add accelerators, or lower resources.elastic.min_workers")
     raise SpecError("resources.elastic.min_workers", elastic.min_workers,
-                    f"the fleet cannot hold even the minimum formation ({last_error or 'too few free accelerators'})",
+                    f"the fleet cannot hold even the minimum formation ({last_error})",
                     "free or add accelerators, or lower resources.elastic.min_workers")
 
 

@@ -49,6 +49,7 @@ class TrainingShell(AutoscalerShellBase):
         self.version = 0  # decisions taken so far
         self.manages_growth = False
         self._lent: list[Any] = []
+        self._lent_placed: set[Any] = set()  # lent before the running formation began: their borrowers run
         self._lock = threading.RLock()
         self._launch: Any = None
         self._signal: Any = None
@@ -79,10 +80,21 @@ class TrainingShell(AutoscalerShellBase):
         with self._lock:
             return tuple(self._lent)
 
+    def placed_lent_slots(self) -> tuple:
+        """Lent slots whose borrowers Ray already counts as taken.
+
+        A Serve shell places its borrower only once the lender holds its new layout (its
+        ``_wait_for_room``), so a slot lent before the running formation began is taken by
+        then; one lent since is still free until this job re-forms around it.
+        """
+        with self._lock:
+            return tuple(s for s in self._lent if s in self._lent_placed)
+
     def begin(self, launch: Any, stop_signal: Any, version: int) -> None:
         """A formation started (sized when ``version`` decisions had been taken)."""
         with self._lock:
             self._launch, self._signal, self._resize, self._stepping = launch, stop_signal, None, False
+            self._lent_placed = set(self._lent)
             self._admitted = self._admitted or launch.layout.world_size
             if version != self.version:
                 self._stop_pending = "a resize decision arrived while this formation was being sized"

@@ -165,6 +165,57 @@ def test_a_fleet_too_small_for_the_minimum_errors_naming_the_field(spec, tmp_pat
     assert [size for size, _, _ in fleet.runs] == [3]  # 1 + 2 free: ran once, then n1 died and 1 < min
 
 
+def test_a_re_plan_waits_for_the_last_formations_accelerators_to_be_released(spec, tmp_path):
+    """Ray frees a formation's accelerators after ``fit`` returns: the re-plan first sees them
+    taken, waits (polls), and re-forms once they are free, instead of failing the job."""
+    from rayfleet.platform.topology import AcceleratorSlot
+
+    def grow(fleet, step):
+        fleet.nodes.append(node("n1"))
+        fleet.still_held = 3  # the next observations still see n0's two slots taken
+        return FormationOutcome(metrics={"step": step}, end=FormationEnd(EndKind.GROW, "grow"))
+
+    class Releasing(FakeFleet):
+        still_held = 0
+
+        def observe(self):
+            topology, held, cordoned = super().observe()
+            if self.still_held:
+                self.still_held -= 1
+                held = held | {AcceleratorSlot("n0", 0), AcceleratorSlot("n0", 1), AcceleratorSlot("n1", 0)}
+            return topology, held, cordoned
+
+        def pause(self, seconds):
+            self.pauses.append(seconds)
+
+    fleet, lines = Releasing([node("n0")], [fit(3, then=grow), fit()]), []
+    fleet.pauses = []
+    driver = ElasticDriver(spec, fleet, job_dir=str(tmp_path / "job"), log=lines.append)
+    assert driver.run()["step"] == STEPS
+    assert [size for size, _, _ in fleet.runs] == [2, 4] and len(fleet.pauses) == 3
+    assert any("waiting up to" in line and "released" in line for line in lines)
+
+
+def test_a_capacity_shortage_that_lasts_fails_after_the_release_wait(spec, tmp_path, monkeypatch):
+    import rayfleet.jobs.elastic.driver as driver_module
+
+    monkeypatch.setattr(driver_module, "RELEASE_POLLS", 4)
+    fleet = FakeFleet([node("n0"), node("n1")], [fit(3, then=lose("n1"))])
+    fleet.nodes = [node("n0", 1), node("n1")]
+    polls = []
+    fleet.pause = polls.append
+    with pytest.raises(SpecError, match="resources.elastic.min_workers"):
+        ElasticDriver(spec, fleet, job_dir=str(tmp_path / "job"), log=lambda line: None).run()
+    assert polls.count(driver_module.RELEASE_POLL_S) >= 4
+
+
+def test_the_first_formation_does_not_wait_for_capacity(spec, tmp_path):
+    fleet = FakeFleet([node("n0", 1)], [])
+    fleet.pause = lambda seconds: pytest.fail("the first sizing waited")
+    with pytest.raises(SpecError, match="resources.elastic.min_workers"):
+        ElasticDriver(spec, fleet, job_dir=str(tmp_path / "job"), log=lambda line: None).run()
+
+
 def test_flapping_capacity_stops_after_max_formations(spec, tmp_path):
     def flap(fleet, step):
         return FormationOutcome(metrics={"step": step}, end=FormationEnd(EndKind.GROW, "flap"))
@@ -200,6 +251,8 @@ def test_the_autoscaler_lends_a_replica_and_the_job_reforms_around_it(spec, tmp_
                                                      replica_nodes=("s0",)))
             decided.extend(autoscaler.step(time.time()))
             shell.tick()  # take -> apply (stops the formation) -> report
+            # lent just now: the borrower waits for the job to re-form, so Ray does not count it yet
+            assert shell.lent_slots() and not shell.placed_lent_slots()
 
     fleet = FakeFleet([node("n0"), node("n1"), node("s0", 0)], [fit(per_step=serve_gets_short), fit()])
     driver = ElasticDriver(spec, fleet, job_dir=str(tmp_path / "job"), shell=shell, log=lambda line: None)
@@ -211,6 +264,8 @@ def test_the_autoscaler_lends_a_replica_and_the_job_reforms_around_it(spec, tmp_
     assert fleet.resume_at == STEPS and fleet.signals[0].should_stop()  # stopped after step 4, then resumed
     assert [size for size, _, _ in fleet.runs] == [4, 2]
     assert lent_node not in driver.launch.layout.nodes()  # planned around the lent accelerators
+    # once the job re-formed around them, the borrower runs: a later re-plan counts it once (Ray's count)
+    assert set(shell.placed_lent_slots()) == set(shell.lent_slots()) and shell.lent_slots()
     resized = [e for e in events if e[1] == "autoscaler_training_resized"]
     assert resized and "ShrinkTraining 4->2" in resized[0][2] and resized[0][0] == "job:elastic-unit"
     assert autoscaler.training == {}  # closing the driver's shell made the controller forget the job

@@ -6,7 +6,7 @@ import pytest
 
 from rayfleet.errors import SpecError
 from rayfleet.jobs.elastic.policy import (
-    DriverState, EndKind, FormationEnd, after_formation, choose_world_size, replica_slots, size_formation,
+    CapacityShortage, attribute_lent, DriverState, EndKind, FormationEnd, after_formation, choose_world_size, replica_slots, size_formation,
     watch_formation,
 )
 from rayfleet.jobs.planning import plan_inputs
@@ -69,8 +69,49 @@ def test_size_formation_retries_smaller_when_a_size_does_not_plan(elastic_spec) 
 
 
 def test_size_formation_names_the_field_when_not_even_the_minimum_fits(elastic_spec) -> None:
-    with pytest.raises(SpecError, match="resources.elastic.min_workers.*minimum formation"):
+    with pytest.raises(CapacityShortage, match="resources.elastic.min_workers.*minimum formation.*1 free H100"):
         size_formation(elastic_spec, (fleet(1), set(), set()), prepare=prepare_formation)
+
+
+def test_a_plan_that_fails_at_every_size_is_not_a_capacity_shortage(elastic_spec) -> None:
+    def prepare(job, topology, *, world_size, held, cordoned):
+        raise SpecError("global_batch_size", 5, "does not split", "use a multiple")
+
+    with pytest.raises(SpecError, match="minimum formation.*global_batch_size") as err:
+        size_formation(elastic_spec, (fleet(4), set(), set()), prepare=prepare)
+    assert not isinstance(err.value, CapacityShortage)  # the driver does not wait this one out
+
+
+def test_a_capacity_shortage_survives_pickling_as_itself() -> None:
+    import pickle
+
+    err = pickle.loads(pickle.dumps(CapacityShortage("resources.elastic.min_workers", 2, "too few", "add some")))
+    assert isinstance(err, CapacityShortage) and err.field == "resources.elastic.min_workers" and err.value == 2
+
+
+def test_a_placed_loan_is_not_counted_twice() -> None:
+    """One node of 4: Serve's own replica and a borrower run (Ray: 2 taken, marked on slots 3, 2);
+    the borrower's lent slot is 0. Counted twice the job sees 1 free; attributed, 2."""
+    topology = fleet(4)
+    slot = lambda i: AcceleratorSlot("n0", i)  # noqa: E731
+    ray_marked = {slot(3), slot(2)}
+    assert attribute_lent(topology, ray_marked, {slot(0)}) == {slot(0), slot(3)}
+    assert attribute_lent(topology, ray_marked, ()) == ray_marked  # nothing placed: Ray's marks stand
+    # a placed loan Ray no longer counts (its borrower went): never more marks than Ray's count
+    assert attribute_lent(topology, {slot(3)}, {slot(0), slot(1)}) == {slot(0)}
+    # slots of nodes the topology does not know pass through
+    assert AcceleratorSlot("zz", 0) in attribute_lent(topology, {AcceleratorSlot("zz", 0)}, ())
+
+
+def test_size_formation_counts_a_placed_loan_once(job_dict) -> None:
+    spec = train_job(TrainJobSpec.model_validate({**job_dict, "resources": {
+        "accelerator": "H100", "elastic": {"min_workers": 2, "max_workers": 3}}}))
+    slot = lambda i: AcceleratorSlot("n0", i)  # noqa: E731
+    observed = (fleet(4), {slot(3), slot(2)}, set())  # Serve's replica + the placed borrower of slot 0
+    with pytest.raises(CapacityShortage):  # counted twice: 4 - {3, 2, 0} = 1 free, below the minimum
+        size_formation(spec, observed, prepare=prepare_formation, lent=(slot(0),))
+    launch = size_formation(spec, observed, prepare=prepare_formation, lent=(slot(0),), lent_placed=(slot(0),))
+    assert launch.layout.world_size == 2 and not {slot(0), slot(3)} & set(launch.layout.rank_to_slot)
 
 
 def test_replica_slots_groups_ranks_by_their_dp_coordinate(job_dict) -> None:
