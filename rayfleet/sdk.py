@@ -89,6 +89,49 @@ class Fleet:
         return submit_training(spec, dashboard_url=self.dashboard_url, max_failures=max_failures,
                                storage_path=storage_path)
 
+    # -- jobs after submission (Ray's job API; see rayfleet.jobs.lifecycle) ---------------------
+    def _job_client(self):
+        from rayfleet.jobs.lifecycle import job_client
+
+        return job_client(self.dashboard_url)
+
+    def jobs(self) -> list:
+        """Every job on the fleet, oldest first (frozen ``JobRecord``: id, status, kind, name, queue, ...)."""
+        from rayfleet.jobs.lifecycle import list_jobs
+
+        return list_jobs(self._job_client())
+
+    def job(self, job_id: str):
+        """One job's ``JobRecord``; raises ``JobNotFoundError`` for an unknown id."""
+        from rayfleet.jobs.lifecycle import get_job
+
+        return get_job(self._job_client(), job_id)
+
+    def job_logs(self, job_id: str, *, follow: bool = False):
+        """The job's log as one string; with ``follow=True`` an iterator of chunks as the job
+        writes them, ending with the job (Ray's ``tail_job_logs``: nothing is downloaded twice)."""
+        from rayfleet.jobs.lifecycle import follow_logs, job_logs
+
+        client = self._job_client()
+        return follow_logs(client, job_id) if follow else job_logs(client, job_id)
+
+    def stop_job(self, job_id: str, *, wait_s: float = 30.0):
+        """Stop a job and wait up to ``wait_s`` for it to end; returns its ``JobRecord``."""
+        from rayfleet.jobs.lifecycle import stop_job
+
+        return stop_job(self._job_client(), job_id, wait_s=wait_s)
+
+    def resume(self, job_id: str):
+        """Resubmit a stopped or failed training job; it restores its newest checkpoint. Returns
+        the new :class:`~rayfleet.jobs.training_run.TrainingRun`."""
+        from rayfleet.jobs.lifecycle import resume_job
+        from rayfleet.jobs.training_run import TrainingRun
+
+        client = self._job_client()
+        resumed = resume_job(client, job_id)
+        return TrainingRun(job_id=resumed.job_id, dashboard_url=self.dashboard_url, name=resumed.spec.name,
+                           total_steps=resumed.spec.steps, _client=client)
+
     # -- serving --------------------------------------------------------------------------------
     def serve(self, spec, *, timeout_s: float = 300.0):
         """Deploy a model on this fleet (Ray Serve); returns a

@@ -13,7 +13,7 @@ Design decisions:
   is the one being run: ``rayfleet --help`` lists those commands from ``AREA_COMMANDS``' one-line
   help texts (a unit test keeps them equal to what the modules register).
 - The command is the first argument that is not an option (the top-level parser has no options
-  of its own but ``-h``), so it is known before the parser is built.
+  of its own but ``-h`` and ``--version``), so it is known before the parser is built.
 - The module is not called ``main.py``: ``rayfleet.cli`` re-exports the function ``main``, which
   would then hide a submodule of the same name (``rayfleet.cli.main`` would be the function).
 """
@@ -35,6 +35,7 @@ AREA_COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("rayfleet.cli.data", "prepare training data"),
     "node": ("rayfleet.cli.node", "start/stop this machine's node of a `ray up` cluster"),
     "train": ("rayfleet.cli.train", "submit a training job (YAML spec) and follow its progress"),
+    "job": ("rayfleet.cli.job", "jobs on the fleet: list, status, logs [--follow], stop, resume"),
     "serve": ("rayfleet.cli.serve", "serve a model (OpenAI API) from a serve YAML"),
     "queue": ("rayfleet.cli.queue", "hierarchical queues: quota, borrow limit, priority"),
     "model": ("rayfleet.cli.model", "import/export Hugging Face models"),
@@ -45,7 +46,10 @@ _ALL = "*"
 def build_parser(command: str | None = _ALL) -> argparse.ArgumentParser:
     """The ``rayfleet`` parser with every area command (``command="*"``, the default) or with only
     ``command``'s area imported (others are listed by name and help line only)."""
+    from rayfleet import __version__
+
     parser = argparse.ArgumentParser(prog="rayfleet", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"rayfleet {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     fleet.register(sub)

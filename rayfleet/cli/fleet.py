@@ -84,7 +84,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _cmd_topology(args: argparse.Namespace) -> int:
     from rayfleet.platform.status_table import render_topology
 
-    print(render_topology(_connect(args).topology()))
+    topology = _connect(args).topology()
+    if args.json:
+        from dataclasses import asdict
+
+        print(json.dumps(asdict(topology), default=str, indent=2))
+    else:
+        print(render_topology(topology))
     return 0
 
 
@@ -126,8 +132,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               ("topology", _cmd_topology, "racks, blocks, scale-up domains")):
         p = subparsers.add_parser(name, help=help_)
         p.add_argument("--address", default=None, help="host:port of the cluster (default: the local fleet)")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "status":
-            p.add_argument("--json", action="store_true")
             p.add_argument("--no-events", action="store_true")
         p.set_defaults(func=func)
 

@@ -340,9 +340,16 @@ def _cmd_stop(args: argparse.Namespace) -> int:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
+    rows = []
     for _, r in _load_records():
-        state = f"running ({len(_session_members(r.pgid))} processes)" if _session_members(r.pgid) else "exited"
-        print(f"{r.cluster}\t{r.node}\t{r.address}\tpgid={r.pgid}\t{state}\t{r.log_path}")
+        members = _session_members(r.pgid)
+        rows.append({**asdict(r), "num_processes": len(members), "running": bool(members)})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for row in rows:
+        state = f"running ({row['num_processes']} processes)" if row["running"] else "exited"
+        print(f"{row['cluster']}\t{row['node']}\t{row['address']}\tpgid={row['pgid']}\t{state}\t{row['log_path']}")
     return 0
 
 
@@ -378,4 +385,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stop.set_defaults(func=_cmd_stop)
 
     listing = sub.add_parser("list", help="nodes started on this machine by `rayfleet node start`")
+    listing.add_argument("--json", action="store_true", help="machine-readable output")
     listing.set_defaults(func=_cmd_list)

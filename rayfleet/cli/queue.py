@@ -88,8 +88,13 @@ def _cmd_show(args: argparse.Namespace) -> int:
     match = [q for q in fleet.queues() if q.name == args.name]
     if not match:
         raise SpecError("queue", args.name, "no such queue", "see `rayfleet queue list`")
+    events = fleet.events(limit=10, node=args.name)
+    if args.json:
+        print(json.dumps({**match[0].to_json(), "events": [{"kind": e.kind, "cause": e.cause} for e in events]},
+                         indent=2))
+        return 0
     print(json.dumps(match[0].to_json(), indent=2))
-    for event in fleet.events(limit=10, node=args.name):
+    for event in events:
         print(f"  {event.kind}: {event.cause}")
     return 0
 
@@ -118,6 +123,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     listing.set_defaults(func=_cmd_list)
     show = sub.add_parser("show", help="one queue and its recent events")
     show.add_argument("name")
+    show.add_argument("--json", action="store_true", help="the queue and its events as one JSON object")
     show.set_defaults(func=_cmd_show)
     delete = sub.add_parser("delete", help="delete a queue without children")
     delete.add_argument("name")

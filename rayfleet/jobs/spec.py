@@ -23,6 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
 
 from rayfleet.errors import SpecError
+from rayfleet.jobs.runtime_env import RuntimeEnvSection
 from rayfleet.jobs.spec_errors import split_spec_error, to_spec_error
 from rayfleet.models.config import PRESETS, MoEConfig, preset
 from rayfleet.models.fp8.recipes import RECIPES
@@ -32,7 +33,7 @@ from rayfleet.platform.catalogue import accelerator_names, get_accelerator
 
 __all__ = [
     "TrainJobSpec", "ModelSection", "DataSection", "PlanSection", "OptimizerSection", "ScheduleSection",
-    "CheckpointSection", "OutputSection", "ResourcesSection", "ElasticSection", "PRECISIONS",
+    "CheckpointSection", "OutputSection", "ResourcesSection", "ElasticSection", "RuntimeEnvSection", "PRECISIONS",
     "is_fp8_precision",
 ]
 
@@ -102,6 +103,16 @@ class DataSection(_Section):
     seq_len: int = Field(256, ge=1)
     shuffle: bool = True
     seed: int = 0
+
+
+class EvalSection(_Section):
+    """Validation every ``every_n_steps`` steps (and after the last) on ``batches`` global batches
+    of the token dataset at ``uri`` (e.g. ``rayfleet data prepare --source shakespeare``'s ``val``);
+    the same samples every time, logged as ``val_loss``."""
+
+    uri: str = Field(min_length=1)
+    every_n_steps: int = Field(250, ge=1)
+    batches: int = Field(20, ge=1)
 
 
 class PlanSection(_Section):
@@ -237,10 +248,12 @@ class TrainJobSpec(_Section):
     grad_clip: float | None = Field(1.0, gt=0)
     comm: CommSection = CommSection()
     checkpoint: CheckpointSection | None = None
+    eval: EvalSection | None = None
     output: OutputSection | None = None
     priority: int = Field(0, ge=0, le=100)
     queue: str = Field("default", min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     resources: ResourcesSection = ResourcesSection()
+    runtime_env: RuntimeEnvSection | None = None  # what travels to the head (jobs/runtime_env.py)
 
     # -- construction that always raises SpecError ---------------------------------------
     def __init__(self, **data: Any) -> None:

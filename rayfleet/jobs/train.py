@@ -9,6 +9,8 @@ and one line naming the field, the value and the fix.
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 from typing import Any, Sequence
 
@@ -20,7 +22,7 @@ from rayfleet.jobs.spec import TrainJobSpec
 from rayfleet.jobs.train_job import train_job
 from rayfleet.jobs.training_run import decode_spec
 
-__all__ = ["load_spec", "apply_overrides", "main"]
+__all__ = ["load_spec", "apply_overrides", "pin_checkpoint_uri", "main"]
 
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
@@ -50,6 +52,28 @@ def load_spec(path: str | None = None, *, overrides: Sequence[str] = (), spec_b6
     return TrainJobSpec.model_validate(apply_overrides(data, overrides))
 
 
+def pin_checkpoint_uri(spec: TrainJobSpec, *, run_key: str | None, storage_path: str | None) -> TrainJobSpec:
+    """``spec`` with ``checkpoint.uri`` set to ``<storage>/<run_key>/checkpoints`` when the job
+    checkpoints, names no ``uri`` and has a run key; else ``spec`` unchanged.
+
+    Why: without a uri each run keeps its checkpoints in its own timestamped directory, which a
+    later submission cannot know. The run key (the first submission's id, kept by every
+    ``rayfleet job resume``) makes the place the same for all submissions of one run, and the
+    restore at start (``FlashCheckpointHook``: shared memory, else storage) picks the newest step.
+    """
+    if spec.checkpoint is None or spec.checkpoint.uri is not None or not run_key:
+        return spec
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", run_key):
+        raise SpecError("--run-key", run_key, "is not a plain directory name", "use letters, digits, '.', '_' and '-'")
+    from rayfleet.jobs.train_launcher import default_storage_path
+
+    uri = os.path.join(storage_path or default_storage_path(), run_key, "checkpoints")
+    print(f"rayfleet train: checkpoints of run {run_key} in {uri}", flush=True)
+    data = spec.to_dict()
+    data["checkpoint"]["uri"] = uri
+    return TrainJobSpec.model_validate(data)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rayfleet.jobs.train", description=__doc__.splitlines()[0])
     parser.add_argument("job", nargs="?", help="job YAML")
@@ -59,9 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--storage-path", default=None, help="where runs, metrics and checkpoints go")
     parser.add_argument("--max-failures", type=int, default=None,
                         help="worker-group restarts Ray Train may do (default: checkpoint.max_failures, else 0)")
+    parser.add_argument("--run-key", default=None,
+                        help="keep checkpoints under STORAGE/RUN_KEY/checkpoints (when checkpoint.uri is unset), "
+                             "so that a resubmission with the same key resumes from them (`rayfleet job resume`)")
     args = parser.parse_args(argv)
     try:
         spec = load_spec(args.job, overrides=args.set, spec_b64=args.spec_b64)
+        spec = pin_checkpoint_uri(spec, run_key=args.run_key, storage_path=args.storage_path)
         # The job's edge: the spec was validated by load_spec and its dataset is checked here, once;
         # from here on the job travels as frozen slices (train_job), never as the spec.
         check_dataset(spec)

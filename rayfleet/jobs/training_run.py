@@ -28,7 +28,8 @@ from typing import Any, Iterator, Sequence
 from rayfleet.errors import RayfleetError
 
 __all__ = ["METRICS_PREFIX", "format_metrics_line", "parse_metrics_lines", "MetricsTable",
-           "TrainingRun", "JobFailedError", "submit_training", "summarize", "encode_spec", "decode_spec", "render_progress"]
+           "TrainingRun", "JobFailedError", "submit_training", "summarize", "encode_spec", "decode_spec", "render_progress",
+           "training_entrypoint", "new_submission_id", "train_metadata", "TERMINAL"]
 
 METRICS_PREFIX = "RAYFLEET_METRICS "
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -212,9 +213,15 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "mean_tokens_per_s": sum(r.get("tokens_per_s", 0.0) for r in steady) / len(steady)}
 
 
-def training_entrypoint(spec_b64: str, *, max_failures: int | None = None, storage_path: str | None = None) -> str:
-    """The job's shell command line; every value is quoted (a path is data, never shell syntax)."""
+def training_entrypoint(spec_b64: str, *, max_failures: int | None = None, storage_path: str | None = None,
+                        run_key: str | None = None) -> str:
+    """The job's shell command line; every value is quoted (a path is data, never shell syntax).
+
+    ``run_key`` names the run's checkpoint directory in the driver's storage (``--run-key``; see
+    ``rayfleet.jobs.train``): every resubmission of the run (``rayfleet job resume``) keeps it."""
     entrypoint = f"python -m rayfleet.jobs.train --spec-b64 {shlex.quote(spec_b64)}"
+    if run_key:
+        entrypoint += f" --run-key {shlex.quote(run_key)}"
     if max_failures is not None:
         entrypoint += f" --max-failures {int(max_failures)}"
     if storage_path:
@@ -222,18 +229,36 @@ def training_entrypoint(spec_b64: str, *, max_failures: int | None = None, stora
     return entrypoint
 
 
+def new_submission_id(name: str) -> str:
+    """``rayfleet-train-<job>-<YYYYmmdd-HHMMSS>-<6 hex>``: unique, sortable, and says what it is."""
+    return f"rayfleet-train-{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+def train_metadata(spec, **extra: str) -> dict[str, str]:
+    """The Ray job metadata of a training job (``rayfleet job list`` reads it back)."""
+    return {"rayfleet.kind": "train", "rayfleet.job": spec.name, "rayfleet.queue": spec.queue, **extra}
+
+
 def submit_training(spec, *, dashboard_url: str, max_failures: int | None = None,
                     storage_path: str | None = None) -> TrainingRun:
-    """Submit ``spec`` (a ``TrainJobSpec``) as a Ray job running ``python -m rayfleet.jobs.train``."""
+    """Submit ``spec`` (a ``TrainJobSpec``) as a Ray job running ``python -m rayfleet.jobs.train``.
+
+    The spec's ``runtime_env`` goes to Ray's job API (a local ``working_dir`` is made absolute,
+    checked and uploaded by Ray); the submission id doubles as the run key that names the run's
+    checkpoints, so ``rayfleet job resume`` can restore them.
+    """
     from ray.job_submission import JobSubmissionClient
 
+    from rayfleet.jobs.runtime_env import absolute_working_dir, ray_runtime_env
+
+    if spec.runtime_env is not None:
+        spec = spec.model_copy(update={"runtime_env": absolute_working_dir(spec.runtime_env)})
+    runtime_env = ray_runtime_env(spec.runtime_env)  # SpecError before anything is submitted
     client = JobSubmissionClient(dashboard_url)
+    submission_id = new_submission_id(spec.name)
     entrypoint = training_entrypoint(encode_spec(spec.to_dict()), max_failures=max_failures,
-                                     storage_path=storage_path)
-    job_id = client.submit_job(entrypoint=entrypoint,
-                               submission_id=f"rayfleet-train-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}",
-                               runtime_env={"env_vars": {"RAY_AUTH_MODE": "token", "PYTHONUNBUFFERED": "1"}},
-                               metadata={"rayfleet.kind": "train", "rayfleet.job": spec.name,
-                                         "rayfleet.queue": spec.queue})
+                                     storage_path=storage_path, run_key=submission_id)
+    job_id = client.submit_job(entrypoint=entrypoint, submission_id=submission_id, runtime_env=runtime_env,
+                               metadata=train_metadata(spec))
     return TrainingRun(job_id=job_id, dashboard_url=dashboard_url, name=spec.name, total_steps=spec.steps,
                        _client=client)
