@@ -148,8 +148,16 @@ def job_client(address: str | None = None):
 
     from rayfleet.platform.launcher import ensure_auth_token
 
+    from rayfleet.errors import FleetNotFoundError
+
     ensure_auth_token()
-    return JobSubmissionClient(resolve_job_api_url(address))
+    url = resolve_job_api_url(address)
+    try:
+        return JobSubmissionClient(url)
+    except ConnectionError as exc:  # Ray's client probes the address on construction
+        raise FleetNotFoundError(
+            f"no Ray job API answers at {url} ({str(exc).splitlines()[0][:200]}). Fix: pass the head's dashboard "
+            "URL, e.g. --address http://HEAD:8265, or start a fleet with `rayfleet up`") from None
 
 
 def list_jobs(client: Any) -> list[JobRecord]:
