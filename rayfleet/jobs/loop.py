@@ -53,6 +53,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from rayfleet.jobs.data import DistributedTokenLoader, StepBatch, TokenSamples
+from rayfleet.jobs.evaluation import build_evaluator, eval_metrics
 from rayfleet.jobs.health.monitor import FaultInjection, burn_cpu
 from rayfleet.jobs.train_metrics import expert_load_stats, mfu, model_flops_per_token
 from rayfleet.jobs.optim import build_optimizer, lr_at, set_lr
@@ -163,6 +164,8 @@ class _Run:
         self.uneven = counts is not None and len(set(counts)) > 1
         self.grad_divide = float(getattr(ctx, "grad_divide_factor", None) or ctx.dp_size)
         self.owns_loss = getattr(ctx, "tp_rank", 0) == 0 and getattr(ctx, "pp_rank", 0) == plan.pp - 1
+        self.evaluator = build_evaluator(loop, plan=plan, ctx=ctx, owns_loss=self.owns_loss, device=self.device,
+                                         autocast=lambda: _autocast(self.device, loop.precision))
         self.step = 0
         self.flops_per_token = model_flops_per_token(self.config)
         types = plan.replica_accelerators
@@ -347,6 +350,7 @@ def train_worker(loop: LoopConfig, plan: ParallelPlan, *, report: Callable[[dict
         }
         if "grad_probe" in partial:
             metrics["grad_probe"] = partial["grad_probe"]
+        metrics.update(eval_metrics(run.evaluator, run.model, step=run.step, last_step=loop.steps))  # val_loss
         losses.append(loss)
         hashes.append(metrics["sample_ids_hash"])
         total_tokens += global_tokens

@@ -29,8 +29,8 @@ from rayfleet.placement.plan import ParallelPlan
 from rayfleet.placement.resolve import PlanRequest, RequestedPlan, ResolvedPlan, homogeneous_capacity, resolve_plan
 from rayfleet.storage.tokens import TokenManifest, read_manifest
 
-__all__ = ["ResolvedJob", "PlanInputs", "plan_inputs", "model_spec_for", "check_dataset", "num_samples", "job_plan",
-           "validate_job", "world_size_of"]
+__all__ = ["ResolvedJob", "PlanInputs", "plan_inputs", "model_spec_for", "check_dataset", "check_eval_dataset",
+           "num_samples", "job_plan", "validate_job", "world_size_of"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,32 @@ def check_dataset(spec: TrainJobSpec) -> TokenManifest:
         raise SpecError("data.uri", spec.data.uri,
                         f"holds {available} samples of {spec.data.seq_len + 1} tokens, fewer than one global batch "
                         f"({spec.global_batch_size})", "use a larger dataset, a shorter data.seq_len or a smaller batch")
+    if spec.eval is not None:
+        check_eval_dataset(spec, manifest)
+    return manifest
+
+
+def check_eval_dataset(spec: TrainJobSpec, train: TokenManifest) -> TokenManifest:
+    """The validation split's manifest: same tokenizer as ``train``, enough samples for ``eval.batches``."""
+    assert spec.eval is not None
+    uri = spec.eval.uri
+    try:
+        manifest = read_manifest(uri)
+    except SpecError as err:
+        raise SpecError("eval.uri", uri, "is not a token dataset (no manifest.json there)",
+                        "point it at a validation split, e.g. the val/ folder `rayfleet data prepare --source "
+                        "shakespeare --out URI` writes") from err
+    except (OSError, ValueError) as err:
+        raise SpecError("eval.uri", uri, f"cannot be read ({err})", "check the URI and its credentials") from None
+    if manifest.tokenizer != train.tokenizer:
+        raise SpecError("eval.uri", uri, f"uses tokenizer {manifest.tokenizer.get('name')!r}, not the training "
+                        f"data's {train.tokenizer.get('name')!r} (or a different vocabulary)",
+                        "validate on a split prepared together with data.uri")
+    needed, available = spec.eval.batches * spec.global_batch_size, num_samples(manifest, spec.data.seq_len)
+    if available < needed:
+        raise SpecError("eval.batches", spec.eval.batches,
+                        f"needs {needed} samples of {spec.data.seq_len + 1} tokens but {uri} holds {available}",
+                        f"set eval.batches <= {max(1, available // spec.global_batch_size)}")
     return manifest
 
 
@@ -169,5 +195,8 @@ def validate_job(spec: TrainJobSpec, *, world_size: int | None = None, accelerat
         raise SpecError("resources.num_workers", None, "is needed to plan the job", "set resources.num_workers")
     manifest = check_dataset(spec)
     resolved = job_plan(inputs, world_size=world_size, accelerator=accelerator, capacity=capacity, params=params)
+    if spec.eval is not None and resolved.plan.pp > 1:
+        raise SpecError("eval", spec.eval.model_dump(), f"validation does not run pipeline-parallel plans yet "
+                        f"(the plan has pp={resolved.plan.pp})", "use a plan with pp: 1, or drop eval")
     return ResolvedJob(config=spec.model.to_config(), plan=resolved.plan, manifest=manifest,
                        num_samples=num_samples(manifest, spec.data.seq_len), peak_memory_gib=resolved.peak_memory_gib)

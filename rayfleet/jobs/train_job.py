@@ -26,7 +26,7 @@ from rayfleet.jobs.planning import PlanInputs, plan_inputs
 from rayfleet.jobs.spec import TrainJobSpec, is_fp8_precision
 from rayfleet.models.config import MoEConfig
 
-__all__ = ["DataSettings", "OptimizerSettings", "ScheduleSettings", "LoopConfig", "CheckpointSettings",
+__all__ = ["DataSettings", "EvalSettings", "OptimizerSettings", "ScheduleSettings", "LoopConfig", "CheckpointSettings",
            "ElasticBounds", "TrainJob", "train_job", "loop_config", "checkpoint_settings"]
 
 
@@ -38,6 +38,15 @@ class DataSettings:
     seq_len: int
     shuffle: bool = True
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """Validation: ``batches`` global batches of the dataset at ``uri``, every ``every_n_steps`` steps."""
+
+    uri: str
+    every_n_steps: int
+    batches: int
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,7 @@ class LoopConfig:
     fp8_dispatch: bool
     accelerator: str
     output_uri: str | None = None
+    eval: EvalSettings | None = None
 
 
 @dataclass(frozen=True)
@@ -136,7 +146,7 @@ class TrainJob:
 
 def loop_config(spec: TrainJobSpec) -> LoopConfig:
     """The train loop's slice of ``spec``."""
-    opt, sched, data = spec.optimizer, spec.schedule, spec.data
+    opt, sched, data, ev = spec.optimizer, spec.schedule, spec.data, spec.eval
     return LoopConfig(
         name=spec.name, model=spec.model.to_config(), seed=spec.model.seed, hf=spec.model.hf,
         precision=spec.precision,
@@ -146,7 +156,8 @@ def loop_config(spec: TrainJobSpec) -> LoopConfig:
         steps=spec.steps, global_batch_size=spec.global_batch_size, grad_clip=spec.grad_clip,
         a2a_overlap=spec.comm.a2a_overlap,
         fp8_dispatch=spec.comm.fp8_dispatch and is_fp8_precision(spec.precision),
-        accelerator=spec.resources.accelerator, output_uri=spec.output.uri if spec.output is not None else None)
+        accelerator=spec.resources.accelerator, output_uri=spec.output.uri if spec.output is not None else None,
+        eval=EvalSettings(uri=ev.uri, every_n_steps=ev.every_n_steps, batches=ev.batches) if ev is not None else None)
 
 
 def checkpoint_settings(spec: TrainJobSpec) -> CheckpointSettings | None:

@@ -44,7 +44,7 @@ import torch
 from rayfleet.models.config import MoEConfig
 from rayfleet.platform.catalogue import get_accelerator
 
-__all__ = ["METRIC_KEYS", "METRICS_SCHEMA", "model_flops_per_token", "mfu", "expert_load_stats", "MetricsWriter",
+__all__ = ["METRIC_KEYS", "EVAL_METRIC_KEYS", "METRICS_SCHEMA", "model_flops_per_token", "mfu", "expert_load_stats", "MetricsWriter",
            "read_metrics", "RayMetricsExporter", "export_ray_metrics", "StepStream", "ReportPacer", "plot_metrics",
            "write_run_plot"]
 
@@ -72,6 +72,14 @@ METRIC_KEYS: dict[str, str] = {
     "time_unix_s": "wall clock at the end of the step",
 }
 
+# key -> meaning: only in the rows of evaluation steps (a job with an ``eval`` section; see
+# ``jobs.evaluation``), every rank, the same values on all. Parquet has their columns, null elsewhere.
+EVAL_METRIC_KEYS: dict[str, str] = {
+    "val_loss": "mean cross-entropy per target token over the validation samples (the same set every time)",
+    "val_tokens": "target tokens the validation loss averages over",
+    "eval_time_s": "wall time of the evaluation after this step (s), not part of step_time_s",
+}
+
 METRICS_SCHEMA = pa.schema([
     ("step", pa.int64()), ("rank", pa.int64()), ("loss", pa.float64()), ("lr", pa.float64()),
     ("grad_norm", pa.float64()), ("tokens", pa.int64()), ("tokens_per_s", pa.float64()),
@@ -79,6 +87,7 @@ METRICS_SCHEMA = pa.schema([
     ("compute_time_s", pa.float64()), ("compute_time_s_per_rank", pa.list_(pa.float64())), ("mfu", pa.float64()),
     ("expert_load_max", pa.list_(pa.float64())), ("expert_load_mean", pa.list_(pa.float64())),
     ("a2a_hidden_fraction", pa.float64()), ("sample_ids_hash", pa.int64()), ("time_unix_s", pa.float64()),
+    ("val_loss", pa.float64()), ("val_tokens", pa.int64()), ("eval_time_s", pa.float64()),
 ])
 
 
@@ -175,7 +184,8 @@ class RayMetricsExporter:
     worker or driver; Ray is imported on first use only.
     """
 
-    SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "a2a_hidden_fraction", "step")
+    SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "a2a_hidden_fraction", "step",
+               "val_loss")
 
     def __init__(self, *, job: str, rank: int) -> None:
         self.tags = {"job": job, "rank": str(rank)}
@@ -185,7 +195,8 @@ class RayMetricsExporter:
         if self._gauges is None:
             from ray.util.metrics import Gauge
 
-            self._gauges = {k: Gauge(f"rayfleet_train_{k}", description=METRIC_KEYS[k], tag_keys=("job", "rank"))
+            meaning = {**METRIC_KEYS, **EVAL_METRIC_KEYS}
+            self._gauges = {k: Gauge(f"rayfleet_train_{k}", description=meaning[k], tag_keys=("job", "rank"))
                             for k in self.SCALARS}
             self._gauges["expert_load_imbalance"] = Gauge(
                 "rayfleet_train_expert_load_imbalance", description="max / mean tokens per expert of an MoE layer",
@@ -277,7 +288,8 @@ class ReportPacer:
 
 
 def plot_metrics(rows: Sequence[Mapping[str, Any]] | pa.Table, path: str | None = None):
-    """Loss and tokens/s against step (one figure, two panels); saved as PNG at ``path`` (any
+    """Loss (train, and validation where rows have ``val_loss``) and tokens/s against step (one
+    figure, two panels); saved as PNG at ``path`` (any
     fsspec URI) when given. Returns the matplotlib ``Figure`` (a notebook shows it).
 
     ``rows``: metric rows (dicts) or a table from :func:`read_metrics`; rows of a step repeated
@@ -295,7 +307,12 @@ def plot_metrics(rows: Sequence[Mapping[str, Any]] | pa.Table, path: str | None 
     steps = sorted(by_step)
     fig = Figure(figsize=(8, 5.5), layout="constrained")
     loss_ax, speed_ax = fig.subplots(2, 1, sharex=True)
-    loss_ax.plot(steps, [by_step[s]["loss"] for s in steps], color="tab:blue")
+    loss_ax.plot(steps, [by_step[s]["loss"] for s in steps], color="tab:blue", label="train")
+    val_steps = [s for s in steps if by_step[s].get("val_loss") is not None]
+    if val_steps:  # a job with an eval section: validation beside training
+        loss_ax.plot(val_steps, [by_step[s]["val_loss"] for s in val_steps], color="tab:orange", marker="o",
+                     markersize=3, label="validation")
+        loss_ax.legend()
     loss_ax.set_ylabel("loss (per target token)")
     loss_ax.grid(alpha=0.3)
     speed_ax.plot(steps, [by_step[s]["tokens_per_s"] for s in steps], color="tab:green")
