@@ -33,7 +33,8 @@ from rayfleet.platform.catalogue import accelerator_names, get_accelerator
 
 __all__ = [
     "TrainJobSpec", "ModelSection", "DataSection", "PlanSection", "OptimizerSection", "ScheduleSection",
-    "CheckpointSection", "OutputSection", "ResourcesSection", "ElasticSection", "RuntimeEnvSection", "PRECISIONS",
+    "CheckpointSection", "OutputSection", "ResourcesSection", "ElasticSection", "EvalSection", "RuntimeEnvSection",
+    "PRECISIONS",
     "is_fp8_precision",
 ]
 
