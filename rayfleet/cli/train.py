@@ -32,7 +32,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     rows = run.metrics()
     if rows:
         last = rows.last()
-        print(f"{spec.name}: {status} after {last.get('step')} steps, loss {last.get('loss'):.4f}")
+        val = [v for v in rows["val_loss"] if v is not None] if "val_loss" in rows.columns else []
+        print(f"{spec.name}: {status} after {last.get('step')} steps, loss {last.get('loss'):.4f}"
+              + (f", val_loss {val[-1]:.4f}" if val else ""))
     if status != "SUCCEEDED":
         print("\n".join(run.logs().splitlines()[-20:]), file=sys.stderr)
         return 1

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"rayfleet train: {spec.name} finished: " + ", ".join(
         f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(final.items())
-        if k in ("step", "loss", "tokens_per_s", "mfu")), flush=True)
+        if k in ("step", "loss", "val_loss", "tokens_per_s", "mfu")), flush=True)
     return 0
 
 
