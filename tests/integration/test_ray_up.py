@@ -1,26 +1,38 @@
 """`ray up cluster.yaml` → labelled three-node fleet → `ray job submit` → `ray down cluster.yaml`.
 
 The repository's cluster.yaml is brought up for real: Ray's on-premises provider SSHes to
-127.0.0.1 (head), 127.0.0.2 and 127.0.0.3 (workers) on this machine, through the local sshd
-that scripts/loopback_ssh.sh installs and starts. Runs alone (`pytest tests/integration`, after
-the other suites): it owns the head's fixed ports 6379/8265.
+127.0.0.1 (head), 127.0.0.2 and 127.0.0.3 (workers) on this machine. Runs alone (`pytest
+tests/integration`, after the other suites): it owns the head's fixed ports 6379/8265.
+
+Nothing left behind: the sshd is the test's own — `scripts/loopback_ssh.sh --private` writes its
+config, host key, client key and authorized_keys under a temp dir (nothing in /etc/ssh or
+~/.ssh), and the `loopback_ssh` fixture runs it in the foreground as its child, stopping it and
+its sessions on every way out of the module (and, through PR_SET_PDEATHSIG, when pytest itself is
+killed). The files `ray up` writes into the head's home (here: this machine's) are put back as
+they were. tests/integration/conftest.py then checks that no process of the session remains.
 
 Safety: `ray down` sends a hard-coded `ray stop` to the head, which would kill every Ray process
-on the machine. The SSH key in cluster.yaml is bound to scripts/rayfleet_ssh_gate.sh, which turns
-it into `rayfleet node stop`; the test proves that binding before it brings anything up.
+on the machine. The SSH key is bound to scripts/rayfleet_ssh_gate.sh, which turns it into
+`rayfleet node stop`; the test proves that binding before it brings anything up.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
+import psutil
 import pytest
+import yaml
 
 from rayfleet.platform import labels as L
 from rayfleet.platform.cluster_config import load_onprem_spec
@@ -32,7 +44,12 @@ REPO = Path(__file__).resolve().parents[2]
 CLUSTER_YAML = REPO / "cluster.yaml"
 BIN_DIR = Path(sys.executable).parent
 SPEC = load_onprem_spec(CLUSTER_YAML)
-KEY = Path("~/.ssh/rayfleet_cluster_ed25519").expanduser()
+ADDRESSES = [SPEC.head.address, *(n.address for n in SPEC.nodes if n.topology.role != "head")]
+# What `ray up` writes on the head outside its temp dir: the file mounts, the bootstrap config and
+# key in root's home, and the local provider's cluster state.
+HEAD_FILES = [Path(p).expanduser() for p in ("~/ray_bootstrap_config.yaml", "~/ray_bootstrap_key.pem",
+                                             "~/rayfleet_cluster.yaml")] + [
+    Path(f"/tmp/cluster-{SPEC.cluster_name}.{ext}") for ext in ("state", "lock")]
 
 
 def _env() -> dict[str, str]:
@@ -77,22 +94,103 @@ def _cluster_processes() -> dict[int, str]:
     return {pid: cmd[:160] for pid, (sid, cmd) in procs.items() if sid in sessions}
 
 
+def _ssh_probe(key: Path, address: str, command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["ssh", "-i", str(key), "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
+         "-o", "UserKnownHostsFile=/dev/null", "-o", "IdentitiesOnly=yes", "-o", "LogLevel=ERROR",
+         "-o", "ConnectTimeout=5", f"root@{address}", command],
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when pytest dies (Linux PR_SET_PDEATHSIG), so even a
+    killed test run takes its sshd with it."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 == PR_SET_PDEATHSIG
+
+
+def stop_process_tree(proc: subprocess.Popen, *, timeout_s: float = 10.0) -> None:
+    """SIGTERM ``proc`` and its descendants (sshd's per-connection processes), SIGKILL what is
+    left after ``timeout_s``, and reap ``proc``."""
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in (*tree, proc):
+        try:
+            p.terminate()
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            pass
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout_s)
+    _, alive = psutil.wait_procs(tree, timeout=timeout_s)
+    for p in alive:
+        p.kill()
+
+
+@contextmanager
+def files_restored(paths: list[Path]) -> Iterator[None]:
+    """Put each of ``paths`` back as it was on leaving: the same bytes and mode, or absent."""
+    saved = {p: (p.read_bytes(), p.stat().st_mode) if p.is_file() else None for p in paths}
+    try:
+        yield
+    finally:
+        for path, was in saved.items():
+            if was is None:
+                path.unlink(missing_ok=True)
+            else:
+                path.write_bytes(was[0])
+                path.chmod(was[1] & 0o7777)
+
+
 @pytest.fixture(scope="module")
-def loopback_ssh() -> None:
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "loopback_ssh.sh"), str(BIN_DIR)],
+def loopback_ssh(tmp_path_factory) -> Iterator[Path]:
+    """A private sshd on the three loopback addresses for this module; yields the cluster YAML to
+    use (the repository's, with the private key)."""
+    ssh_dir = tmp_path_factory.mktemp("loopback-ssh")
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "loopback_ssh.sh"), "--private", str(ssh_dir), str(BIN_DIR)],
                           capture_output=True, text=True, timeout=300)
     if proc.returncode == 3:
         pytest.skip(f"openssh-server/rsync cannot be installed here: {proc.stderr.strip()}")
-    assert proc.returncode == 0, f"scripts/loopback_ssh.sh failed:\n{proc.stdout}\n{proc.stderr}"
-    # Never let `ray down` reach the real `ray stop`: the key must go through the gate.
-    probe = subprocess.run(
-        ["ssh", "-i", str(KEY), "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
-         "-o", "UserKnownHostsFile=/dev/null", "-o", "IdentitiesOnly=yes", "-o", "LogLevel=ERROR",
-         f"root@{SPEC.head.address}", "bash --login -c -i 'source ~/.bashrc; type ray'"],
-        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
-    assert "ray is a function" in probe.stdout, (
-        f"over the cluster key, `ray` is not rayfleet's gate function, so `ray down` would kill every "
-        f"Ray process on this machine:\n{probe.stdout}\n{probe.stderr}")
+    assert proc.returncode == 0, f"scripts/loopback_ssh.sh --private failed:\n{proc.stdout}\n{proc.stderr}"
+    busy = [a for a in ADDRESSES if _port_open(a, 22)]
+    assert not busy, (f"port 22 is taken on {busy}: another sshd runs there (`ss -ltnp 'sport = :22'`); "
+                      "a leftover of an older run of this test listens on 127.0.0.1-3 (stop it by its pid)")
+    key = ssh_dir / "cluster_ed25519"
+    log = (ssh_dir / "sshd.log").open("w")
+    sshd = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(ssh_dir / "sshd_config")],
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            preexec_fn=_die_with_parent)
+    try:
+        deadline = time.monotonic() + 30
+        while not all(_ssh_probe(key, a, "true").returncode == 0 for a in ADDRESSES):
+            assert sshd.poll() is None, f"sshd exited {sshd.returncode}:\n{(ssh_dir / 'sshd.log').read_text()}"
+            assert time.monotonic() < deadline, f"no key login within 30 s:\n{(ssh_dir / 'sshd.log').read_text()}"
+            time.sleep(0.3)
+        # Never let `ray down` reach the real `ray stop`: the key must go through the gate.
+        probe = _ssh_probe(key, SPEC.head.address, "bash --login -c -i 'source ~/.bashrc; type ray'")
+        assert "ray is a function" in probe.stdout, (
+            f"over the cluster key, `ray` is not rayfleet's gate function, so `ray down` would kill every "
+            f"Ray process on this machine:\n{probe.stdout}\n{probe.stderr}")
+        config = yaml.safe_load(CLUSTER_YAML.read_text())
+        config["auth"]["ssh_private_key"] = str(key)
+        config["file_mounts"] = {dst: str((REPO / src).resolve()) if src.startswith("./") else src
+                                 for dst, src in config["file_mounts"].items()}
+        cluster_yaml = ssh_dir / "cluster.yaml"
+        cluster_yaml.write_text(yaml.safe_dump(config, sort_keys=False))
+        with files_restored(HEAD_FILES):
+            yield cluster_yaml
+    finally:
+        stop_process_tree(sshd)
+        log.close()
+        if (ssh_dir / "created_run_sshd").exists():
+            try:
+                Path("/run/sshd").rmdir()
+            except OSError:
+                pass  # another sshd put something there since: it is in use
+    assert not any(_port_open(a, 22) for a in ADDRESSES), "the test's sshd still listens on port 22"
 
 
 NODES_PROBE = """
@@ -109,7 +207,7 @@ print("NODES=" + json.dumps([{"labels": n["Labels"], "resources": n["Resources"]
 """
 
 
-def test_ray_up_labels_job_submit_and_ray_down(loopback_ssh: None) -> None:
+def test_ray_up_labels_job_submit_and_ray_down(loopback_ssh: Path) -> None:
     from rayfleet.platform.launcher import ensure_auth_token
 
     ensure_auth_token()  # cluster.yaml ships ~/.ray/auth_token to every node
@@ -122,7 +220,7 @@ def test_ray_up_labels_job_submit_and_ray_down(loopback_ssh: None) -> None:
     timings: dict[str, float] = {}
     start = time.monotonic()
     try:
-        _run(["ray", "up", "-y", str(CLUSTER_YAML)], timeout=180)
+        _run(["ray", "up", "-y", str(loopback_ssh)], timeout=180)
         timings["ray up"] = time.monotonic() - start
 
         # Workers are started by the head's autoscaler after `ray up` returns.
@@ -157,7 +255,7 @@ def test_ray_up_labels_job_submit_and_ray_down(loopback_ssh: None) -> None:
         assert len(_cluster_processes()) > 3
     finally:
         t = time.monotonic()
-        down = _run(["ray", "down", "-y", str(CLUSTER_YAML)], timeout=120, check=False)
+        down = _run(["ray", "down", "-y", str(loopback_ssh)], timeout=120, check=False)
         timings["ray down"] = time.monotonic() - t
         leftovers = _cluster_processes()
         if leftovers:  # clean up for the next run, then fail below

@@ -1,0 +1,30 @@
+"""The integration tier ends with a check that nothing it started is still running.
+
+Every process the tier starts carries this session's marker (``tests/process_leaks.py``); at the
+end of the session the processes that carry it and were not there at the start — with the ports
+they listen on — must be gone (after a grace period: Ray workers and SSH control masters take a
+few seconds to notice that their cluster went away). A leftover fails the session's last test
+with the list of what remains; nothing is killed here, so the failure shows what leaked.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from process_leaks import MARKER_VAR, describe, mark_session, snapshot, wait_for_no_leftovers
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind():
+    previous = os.environ.get(MARKER_VAR)
+    marker = mark_session()
+    before = snapshot()
+    yield marker
+    found = wait_for_no_leftovers(before, marker, grace_s=60.0)
+    if previous is None:
+        os.environ.pop(MARKER_VAR, None)
+    else:
+        os.environ[MARKER_VAR] = previous
+    assert not found, f"the integration tests left {len(found)} process(es) running:\n{describe(found)}"

@@ -1,0 +1,56 @@
+"""The suite-end leak check (tests/process_leaks.py) finds a marked process and its listening
+port, ignores processes without the marker and zombies, and clears once the process is gone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from process_leaks import MARKER_VAR, describe, leftovers, snapshot, wait_for_no_leftovers
+
+LISTENER = """
+import socket, sys, time
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen()
+print(s.getsockname()[1], flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.fixture
+def marker(monkeypatch) -> str:
+    value = f"unit-{os.getpid()}"
+    monkeypatch.setenv(MARKER_VAR, value)
+    return value
+
+
+def test_a_marked_listener_is_found_with_its_port_until_it_is_gone(marker):
+    before = snapshot()
+    marked = subprocess.Popen([sys.executable, "-c", LISTENER], stdout=subprocess.PIPE, text=True)
+    other_env = {k: v for k, v in os.environ.items() if k != MARKER_VAR}
+    unmarked = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=other_env)
+    try:
+        port = int(marked.stdout.readline())
+        found = leftovers(before, marker)
+        assert [p.pid for p in found] == [marked.pid]  # not the unmarked one, not this process
+        assert found[0].listening == (f"127.0.0.1:{port}",)
+        assert f"listening on 127.0.0.1:{port}" in describe(found)
+        assert leftovers(snapshot(), marker) == []  # the snapshot's processes are never leftovers
+    finally:
+        for proc in (marked, unmarked):
+            proc.kill()
+    marked.wait()
+    unmarked.wait()
+    assert wait_for_no_leftovers(before, marker, grace_s=5, poll_s=0.1) == []
+
+
+def test_zombies_are_not_leftovers(marker):
+    before = snapshot()
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped: a zombie
+        assert leftovers(before, marker) == []
+    finally:
+        child.wait()
