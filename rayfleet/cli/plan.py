@@ -26,6 +26,7 @@ YAML file (see ``examples/models``) or a preset name. Pure: no cluster needed.
 from __future__ import annotations
 
 import argparse
+import json
 
 from rayfleet.errors import SpecError
 
@@ -62,7 +63,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--plan", default=None, metavar="FIELD=VALUE,...",
                    help="price this plan instead of searching, e.g. 'tp=1,pp=16,ep=64,recompute=selective'")
     p.add_argument("--layout", action="store_true", help="also print plan 1's rank -> accelerator layout")
+    p.add_argument("--json", action="store_true", help="the ranked and rejected plans as one JSON object")
     p.set_defaults(func=handle_plan)
+
+
+def plans_json(result, *, fleet: str) -> dict:
+    """``rayfleet plan --json``: the search result as plain JSON (plans' fields, predicted costs)."""
+    from dataclasses import asdict
+
+    return {"fleet": fleet, "num_shapes": result.num_shapes,
+            "ranked": [{"rank": r.rank, "plan": r.plan.describe(), "fields": asdict(r.plan),
+                        "step_time_s": r.step_time_s, "tokens_per_s": r.cost.tokens_per_s, "mfu": r.cost.mfu,
+                        "peak_memory_gib": r.peak_memory_gib} for r in result.ranked],
+            "rejected": [asdict(r) for r in result.rejected],
+            "job_size": None if getattr(result, "job_size", None) is None else asdict(result.job_size)}
+
+
+def _print_plans(result, model, *, fleet: str, as_json: bool) -> None:
+    from rayfleet.placement.plan_tables import format_plans
+
+    print(json.dumps(plans_json(result, fleet=fleet), indent=2, default=str) if as_json
+          else format_plans(result, model, fleet=fleet))
 
 
 def _topology(args: argparse.Namespace):
@@ -85,7 +106,7 @@ def handle_plan(args: argparse.Namespace) -> int:
     from rayfleet.placement.fleet_capacity import fleet_capacity_of
     from rayfleet.placement.layout import build_layout
     from rayfleet.placement.model_spec import load_model_spec
-    from rayfleet.placement.plan_tables import format_layout, format_plans
+    from rayfleet.placement.plan_tables import format_layout
     from rayfleet.placement.planner import search_plans
     from rayfleet.placement.search_space import JobGoal, SearchSpace
 
@@ -111,15 +132,15 @@ def handle_plan(args: argparse.Namespace) -> int:
         capacity = fleet_capacity_of(args.fleet, num_racks=args.racks)
         result = search_plans(model, capacity, top_k=args.top, goal=goal, space=space)
         fleet = ", ".join(f"{n:,} x {t}" for t, n in sorted(capacity.counts.items()))
-        print(format_plans(result, model, fleet=fleet))
+        _print_plans(result, model, fleet=fleet, as_json=args.json)
         return 0 if result.ranked else 1
     topology = _topology(args)
     result = search(model, topology, top_k=args.top, goal=goal, space=space)
     fleet = ", ".join(f"{n} x {t}" for t, n in sorted(topology.accelerator_types().items()))
-    print(format_plans(result, model, fleet=f"{fleet} on {len(topology.nodes)} nodes"))
+    _print_plans(result, model, fleet=f"{fleet} on {len(topology.nodes)} nodes", as_json=args.json)
     if not result.ranked:
         return 1
-    if args.layout:
+    if args.layout and not args.json:
         layout = build_layout(result.ranked[0].plan, topology)
         print()
         print(f"layout of plan 1 ({result.ranked[0].plan.describe()}):")
@@ -177,7 +198,6 @@ def _price_given_plan(model, args: argparse.Namespace) -> int:
     from rayfleet.placement.cost_model import GIB, evaluate_plan
     from rayfleet.placement.fleet_capacity import fleet_capacity_of
     from rayfleet.placement.plan import even_stage_starts, validate_plan
-    from rayfleet.placement.plan_tables import format_plans
     from rayfleet.placement.search_results import PlanSearchResult, RankedPlan, Rejection
 
     capacity = fleet_capacity_of(args.fleet or f"{args.accelerator}:{(args.nodes or 8) * 8}", num_racks=args.racks)
@@ -187,7 +207,7 @@ def _price_given_plan(model, args: argparse.Namespace) -> int:
     accel = capacity.accelerators[types[0]]
     plan = parse_plan_text(args.plan, num_accelerators=capacity.counts[types[0]])
     head = f"given plan {plan.describe()} on {plan.world_size:,} x {accel.name}"
-    if plan.world_size > capacity.counts[types[0]]:
+    if plan.world_size > capacity.counts[types[0]] and not args.json:
         print(f"{head}: note: larger than the fleet's {capacity.counts[types[0]]:,}")
     # stages unset: checked on any split, then balanced by the cost model (as the search does)
     probe = plan.but(stage_starts=even_stage_starts(model.num_layers, plan.pp)) \
@@ -200,8 +220,8 @@ def _price_given_plan(model, args: argparse.Namespace) -> int:
                                           f"{cost.memory.stage} > {cost.usable_memory_bytes / GIB:.1f} GiB usable on "
                                           f"{accel.name}. Fix: more recompute, a higher zero stage, more pp/ep, "
                                           "or a smaller micro-batch"),)
-    print(format_plans(PlanSearchResult(ranked, rejected, 1, 0), model, fleet=head))
-    if not fits:  # still show what it would cost, so a user can compare with the search
+    _print_plans(PlanSearchResult(ranked, rejected, 1, 0), model, fleet=head, as_json=args.json)
+    if not fits and not args.json:  # still show what it would cost, so a user can compare with the search
         print(f"  priced anyway: step {cost.step_time_s:.3f} s, MFU {100 * cost.mfu:.1f}%, "
               f"bottleneck {cost.step.bottleneck}")
     return 0 if fits else 1

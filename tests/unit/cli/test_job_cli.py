@@ -3,6 +3,7 @@ cluster (an unreachable job API address fails fast with the fix)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -49,3 +50,22 @@ def test_unreachable_job_api_fails_with_the_address(capsys):
     code = main(["job", "list", "--address", "http://127.0.0.1:9"])
     err = capsys.readouterr().err
     assert code == 2 and "127.0.0.1:9" in err and "Fix:" in err
+
+
+def test_plan_json_lists_the_ranked_plans_best_first(capsys):
+    assert main(["plan", "mixtral-8x7b", "--fleet", "H100:64", "--top", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["rank"] for r in out["ranked"]] == [1, 2, 3] and out["fleet"] == "64 x H100"
+    assert all(r["fields"]["tp"] * r["fields"]["pp"] * r["fields"]["dp"] * r["fields"]["cp"] <= 64 for r in out["ranked"])
+    assert out["ranked"][0]["step_time_s"] > 0 and set(out) == {"fleet", "num_shapes", "ranked", "rejected", "job_size"}
+
+
+def test_plan_json_of_a_plan_that_does_not_fit_names_why(capsys):
+    assert main(["plan", "mixtral-8x7b", "--fleet", "H100:8", "--plan", "tp=1,ep=1,zero=0", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)  # only JSON: the notes of the table form are left out
+    assert out["ranked"] == [] and "memory" in out["rejected"][0]["reason"]
+
+
+def test_node_list_json_is_a_list(capsys):
+    assert main(["node", "list", "--json"]) == 0
+    assert isinstance(json.loads(capsys.readouterr().out), list)
