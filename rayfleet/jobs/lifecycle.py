@@ -22,7 +22,6 @@ Design decisions:
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shlex
 import time
@@ -183,20 +182,11 @@ def job_logs(client: Any, job_id: str) -> str:
 
 def follow_logs(client: Any, job_id: str) -> Iterator[str]:
     """The job's log from its start, chunk by chunk as the driver writes it, until the job ends
-    (Ray's ``tail_job_logs`` websocket, consumed from synchronous code)."""
+    (Ray's ``tail_job_logs`` websocket, through :mod:`rayfleet.jobs.log_stream`)."""
+    from rayfleet.jobs.log_stream import stream_job_logs
+
     get_job(client, job_id)
-    loop = asyncio.new_event_loop()
-    chunks = client.tail_job_logs(job_id)
-    try:
-        while True:
-            try:
-                chunk = loop.run_until_complete(chunks.__anext__())
-            except StopAsyncIteration:
-                return
-            yield chunk
-    finally:
-        loop.run_until_complete(chunks.aclose())
-        loop.close()
+    yield from stream_job_logs(client, job_id)
 
 
 def stop_job(client: Any, job_id: str, *, wait_s: float = 30.0, poll_s: float = 0.5) -> JobRecord:

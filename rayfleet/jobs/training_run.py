@@ -23,7 +23,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 from rayfleet.errors import RayfleetError
 
@@ -181,21 +181,25 @@ class TrainingRun:
         raise TimeoutError(f"training job {self.job_id} still {self.status()} after {timeout_s:.0f} s")
 
     def follow(self, *, out=sys.stdout, poll_s: float = 1.0) -> str:
-        """Print a progress line per new step until the job ends; returns the final status."""
-        started, seen = time.monotonic(), -1
-        for row in self._new_rows(poll_s):
-            if int(row.get("step", 0)) > seen:
-                seen = int(row.get("step", 0))
-                print(render_progress(row, total_steps=self.total_steps, started_s=started), file=out, flush=True)
-        return self.status()
+        """Print a progress line per new step until the job ends; returns the final status.
 
-    def _new_rows(self, poll_s: float) -> Iterator[dict[str, Any]]:
-        while True:
-            status = self.status()
-            yield from parse_metrics_lines(self.logs())
-            if status in TERMINAL:
-                return
+        Reads the log once, as it is written (Ray's ``tail_job_logs``); if that stream breaks
+        (the head restarted), falls back to polling the status every ``poll_s`` seconds."""
+        from rayfleet.jobs.log_stream import complete_lines, stream_job_logs
+
+        started, seen = time.monotonic(), -1
+        try:
+            for line in complete_lines(stream_job_logs(self.client, self.job_id)):
+                for row in parse_metrics_lines(line):
+                    if int(row.get("step", 0)) > seen:
+                        seen = int(row.get("step", 0))
+                        print(render_progress(row, total_steps=self.total_steps, started_s=started), file=out,
+                              flush=True)
+        except RuntimeError as exc:
+            print(f"rayfleet: log stream of {self.job_id} broke ({exc}); waiting for the job to end", file=out)
+        while (status := self.status()) not in TERMINAL:
             time.sleep(poll_s)
+        return status
 
     def _failure_message(self, status: str) -> str:
         info = self.info()

@@ -82,6 +82,11 @@ def test_follow_stop_list_and_resume_a_training_job(local_fleet, dataset, tmp_pa
 
     listed = {r["id"]: r for r in _cli_json(capsys, "job", "list", "--json", "--kind", "train", "--address", url)}
     assert listed[run.job_id]["status"] == "STOPPED"
+    capsys.readouterr()  # the CLI's --follow --json of an ended job: JSON lines, then it returns
+    assert main(["job", "logs", run.job_id, "--follow", "--json", "--address", url]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {line["job"] for line in lines} == {run.job_id}
+    assert len(parse_metrics_lines("".join(line["text"] for line in lines))) >= len(streamed)
 
     resumed = sdk.resume(run.job_id)
     try:

@@ -11,11 +11,12 @@ import pytest
 from ray.dashboard.modules.job.pydantic_models import JobDetails, JobType
 
 from rayfleet.errors import SpecError
+from rayfleet.jobs.log_stream import complete_lines
 from rayfleet.jobs.lifecycle import JobStateError, record_of, render_job, render_jobs, resume_request
 from rayfleet.jobs.runtime_env import BASE_ENV_VARS, RuntimeEnvSection, absolute_working_dir, ray_runtime_env
 from rayfleet.jobs.spec import TrainJobSpec
 from rayfleet.jobs.train import pin_checkpoint_uri
-from rayfleet.jobs.training_run import encode_spec, train_metadata, training_entrypoint
+from rayfleet.jobs.training_run import encode_spec, parse_metrics_lines, train_metadata, training_entrypoint
 
 SPEC = {"name": "tiny-life", "model": {"preset": "tiny"}, "data": {"uri": "/data/tokens", "seq_len": 64},
         "steps": 8, "global_batch_size": 4, "checkpoint": {"every_n_steps": 2, "persist_every": 1}}
@@ -137,3 +138,11 @@ def test_runtime_env_mistakes_name_the_field(runtime_env, field):
     with pytest.raises(SpecError) as err:
         TrainJobSpec.model_validate({**SPEC, "runtime_env": runtime_env})
     assert err.value.field == field and "Fix:" in str(err.value)
+
+
+def test_complete_lines_rejoins_lines_cut_between_chunks():
+    chunks = ["RAYFLEET_METRICS {\"st", "ep\": 1}\nplain line\nRAYFLEET_", "METRICS {\"step\": 2}\n", "tail"]
+    lines = list(complete_lines(iter(chunks)))
+    assert lines == ['RAYFLEET_METRICS {"step": 1}', "plain line", 'RAYFLEET_METRICS {"step": 2}', "tail"]
+    assert [r["step"] for r in parse_metrics_lines("\n".join(lines))] == [1, 2]
+    assert [r["step"] for r in parse_metrics_lines(chunks[0])] == []  # a cut line alone parses to nothing
