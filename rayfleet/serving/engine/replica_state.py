@@ -37,6 +37,11 @@ class ReplicaSnapshot:
     healthy: bool = True
     # The router's decayed ledger of work it assigned here (blocks); 0 when it keeps none.
     recent_work_blocks: float = 0.0
+    # Cumulative prefill tokens computed and the engine time they took (seconds, this replica's
+    # clock): the router learns the replica's prefill rate from their growth between reports
+    # (``routing.ttft_cost.PrefillRateEstimator``). 0 from engines that do not count them.
+    num_prefill_tokens_total: int = 0
+    prefill_seconds_total: float = 0.0
 
     @property
     def load_blocks(self) -> int:

@@ -95,6 +95,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from rayfleet.errors import SpecError
 from rayfleet.serving.engine.block_hash import BlockHash
@@ -156,6 +157,8 @@ class RouterPolicy:
     # Off by default (the built-in engine's router keeps the whole-excess price, which the
     # 64-replica replays rely on); the vLLM pool router turns it on (module doc).
     marginal_overload_at_home: bool = False
+    name: ClassVar[str] = "prefix_load"  # ``ttft_cost.prefill_policy`` selects it by this name
+    uses_ledgers: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         for name in ("load_weight", "overload_weight", "spread_weight", "activity_weight", "decode_weight"):
@@ -171,7 +174,8 @@ class RouterPolicy:
                        activity: Mapping[ReplicaId, float] | None = None,
                        mean_request_blocks: float | None = None,
                        mean_request_work: float | None = None,
-                       own_activity: Mapping[ReplicaId, float] | None = None) -> RouteDecision:
+                       own_activity: Mapping[ReplicaId, float] | None = None,
+                       **_other_costs_inputs: Any) -> RouteDecision:
         """Rank prefill replicas for a prompt whose full blocks hash to ``block_hashes``.
 
         ``num_prompt_blocks`` counts the partial last block too (default: ``len(block_hashes)``);
@@ -186,7 +190,8 @@ class RouterPolicy:
         (``recent_work.PrefixWorkLedger``: its conversation's last turn, a repeat), which is not
         competing activity; ``mean_request_work`` (the mean work the router books per request)
         is the least counted as own on a replica caching at least half of the prompt (the only
-        guess when the caller keeps no per-prompt ledger). Pure (reads the index).
+        guess when the caller keeps no per-prompt ledger). Other keywords (``ttft_cost.TTFTPolicy``'s
+        measured rates and token counts) are accepted and ignored. Pure (reads the index).
         Never raises.
         """
         num_blocks = len(block_hashes) if num_prompt_blocks is None else num_prompt_blocks

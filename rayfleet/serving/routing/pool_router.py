@@ -30,15 +30,17 @@ from rayfleet.serving.engine.replica_state import ReplicaSnapshot, ReplicaId
 from rayfleet.serving.routing.policy import RouterPolicy
 from rayfleet.serving.routing.prefix_index import PrefixIndex
 from rayfleet.serving.routing.recent_work import DecayedMean, PrefixWorkLedger, RecentWorkLedger
+from rayfleet.serving.routing.ttft_cost import PrefillRateEstimator, TTFTPolicy
 
 __all__ = ["Mode", "RouteHint", "PoolRouterCore", "ROUTING_STATS_KEYS"]
 
 Mode = Literal["prefix_aware", "round_robin"]
 
 ROUTING_STATS_KEYS = ("version", "num_total_blocks", "num_free_blocks", "num_active_blocks", "num_queued_blocks",
-                      "num_running_requests", "max_num_seqs")
+                      "num_running_requests", "max_num_seqs", "num_prefill_tokens_total", "prefill_seconds_total")
 """What a replica's ``record_routing_stats`` must publish for ``PoolRouterCore`` (extra keys are
-ignored): a ``version`` that changes with every publication and the ``ReplicaSnapshot`` numbers.
+ignored): a ``version`` that changes with every publication and the ``ReplicaSnapshot`` numbers
+(the two prefill totals are optional: without them a replica is priced at the pool's or the prior rate).
 Its cached block hashes (any engine: only equality matters) come as ``hash_log.HASH_LOG_KEYS``
 plus a periodic full ``block_hashes``, or as ``block_hashes`` alone (the whole set every time)."""
 
@@ -62,14 +64,16 @@ class RouteHint:
 class PoolRouterCore:
     """Ranks the replicas of one pool (``role``: prefill, decode or colocated). Plain class."""
 
-    def __init__(self, *, role: str, policy: RouterPolicy = RouterPolicy(), mode: Mode = "prefix_aware",
+    def __init__(self, *, role: str, policy: TTFTPolicy | RouterPolicy = TTFTPolicy(), mode: Mode = "prefix_aware",
                  load_memory_s: float = 300.0, activity_memory_s: float = 30.0,
-                 booking_grace_s: float = 10.0) -> None:
+                 booking_grace_s: float = 10.0, tokens_per_block: int = 16) -> None:
         if role not in ("prefill", "decode", "colocated"):
             raise SpecError("request_router_kwargs.role", role, "is not a pool role",
                             "use prefill, decode or colocated")
         self.role = role
         self.policy = policy
+        self.tokens_per_block = tokens_per_block  # what one routing block holds (the TTFT cost's unit)
+        self.prefill_rates = PrefillRateEstimator(prior_tokens_per_s=getattr(policy, "prior_tokens_per_s", 4000.0))
         self.mode = mode
         self.index = PrefixIndex()
         # Published hashes (and bookings) per replica, in ``index``; a booking outlives publications
@@ -100,10 +104,15 @@ class PoolRouterCore:
             return False
         self.flush_bookings()  # a booking must not land after the events that follow it
         self.versions[rid] = stats["version"]
-        self.snapshots[rid] = ReplicaSnapshot(
+        last = self.snapshots.get(rid)
+        self.snapshots[rid] = snap = ReplicaSnapshot(
             rid, int(stats["num_total_blocks"]), int(stats["num_free_blocks"]), int(stats["num_active_blocks"]),
             int(stats.get("num_queued_blocks", 0)), int(stats.get("num_running_requests", 0)),
-            int(stats.get("max_num_seqs", 0)))
+            int(stats.get("max_num_seqs", 0)), num_prefill_tokens_total=int(stats.get("num_prefill_tokens_total", 0)),
+            prefill_seconds_total=float(stats.get("prefill_seconds_total", 0.0)))
+        if last is not None and snap.num_prefill_tokens_total >= last.num_prefill_tokens_total:
+            self.prefill_rates.observe(rid, snap.num_prefill_tokens_total - last.num_prefill_tokens_total,
+                                       snap.prefill_seconds_total - last.prefill_seconds_total)
         self.hashes.observe(rid, stats, now_s)
         return True
 
@@ -158,7 +167,7 @@ class PoolRouterCore:
         return [[str(r)] for r in ranked]
 
     def _rank_prefill(self, snaps: list[ReplicaSnapshot], hint: RouteHint, now_s: float | None) -> list[ReplicaId]:
-        ledgers = now_s is not None
+        ledgers = now_s is not None and self.policy.uses_ledgers  # the TTFT cost reads none
         recent = {s.replica_id: self.recent_work.value(s.replica_id, now_s) for s in snaps} if ledgers else None
         active = {s.replica_id: self.activity.value(s.replica_id, now_s) for s in snaps} if ledgers else None
         hashes = list(hint.block_hashes)
@@ -170,7 +179,9 @@ class PoolRouterCore:
                                                   self.prompt_blocks.value(now_s) if ledgers else None),
                                               mean_request_work=self.request_work.value(now_s) if ledgers else None,
                                               own_activity=self.own_activity.own(hashes, matched, now_s)
-                                              if ledgers else None)
+                                              if ledgers else None,
+                                              prefill_rate=self.prefill_rates.rates([s.replica_id for s in snaps]),
+                                              tokens_per_block=self.tokens_per_block)
         ranked = list(decision.order)
         if ranked:
             hit = matched.get(ranked[0], 0)
@@ -178,7 +189,7 @@ class PoolRouterCore:
             self.snapshots[ranked[0]] = replace(snap, num_queued_blocks=snap.num_queued_blocks + num_blocks - hit)
             if len(hashes) > hit:  # the first ``hit`` are indexed there already
                 self._pending_bookings.append((ranked[0], hashes[hit:], now_s))
-            if ledgers:
+            if now_s is not None:  # booked whatever the cost reads (O(1); a switched policy finds them)
                 self.recent_work.add(ranked[0], num_blocks - hit, now_s)
                 self.activity.add(ranked[0], num_blocks - hit, now_s)
                 self.own_activity.add(ranked[0], hashes, num_blocks - hit, now_s)

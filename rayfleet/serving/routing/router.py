@@ -49,6 +49,7 @@ from rayfleet.serving.routing.prefix_index import PrefixIndex
 from rayfleet.serving.routing.policy import RouterPolicy
 from rayfleet.serving.routing.pool_router import ROUTING_STATS_KEYS, Mode, PoolRouterCore, RouteHint
 from rayfleet.serving.routing.recent_work import DecayedMean, PrefixWorkLedger, RecentWorkLedger
+from rayfleet.serving.routing.ttft_cost import PrefillRateEstimator, TTFTPolicy
 
 __all__ = ["RoutePlan", "RouterCore", "Router", "PolledReplica", "RouteHint", "PoolRouterCore",
            "ROUTING_STATS_KEYS", "register_pool_router", "pool_router"]
@@ -71,11 +72,14 @@ class RoutePlan:
 class RouterCore:
     """Mutable routing state for one app. ``roles``: role -> replica names."""
 
-    def __init__(self, *, roles: Mapping[str, Sequence[str]], policy: RouterPolicy = RouterPolicy(),
+    def __init__(self, *, roles: Mapping[str, Sequence[str]], policy: TTFTPolicy | RouterPolicy = TTFTPolicy(),
                  mode: Mode = "prefix_aware", block_size: int, model_id: str,
                  num_blocks_hint: int = 1 << 30, long_prefill: LongPrefillPolicy | None = None,
                  load_memory_s: float = 300.0, activity_memory_s: float = 30.0) -> None:
         self.long_prefill = long_prefill
+        # Measured prefill tokens/s per replica, from the growth of its reported totals.
+        self.prefill_rates = PrefillRateEstimator(prior_tokens_per_s=getattr(policy, "prior_tokens_per_s", 4000.0))
+        self._prefill_totals: dict[ReplicaId, tuple[int, float]] = {}
         self.recent_work = RecentWorkLedger(load_memory_s)
         self.activity = RecentWorkLedger(activity_memory_s)  # the same bookings, short memory
         self.own_activity = PrefixWorkLedger(activity_memory_s)  # ... and per prompt (its own turns)
@@ -107,9 +111,17 @@ class RouterCore:
             for ledger in (self.recent_work, self.activity):
                 ledger.join(rid, peers)
         self.snapshots[rid] = replace(snapshot, healthy=True)
+        self._learn_prefill_rate(rid, snapshot)
         if not was_healthy:  # its cache was lost with it: start its index afresh
             self.index.remove_replica(rid)
         self.index.apply_events(rid, events)
+
+    def _learn_prefill_rate(self, rid: ReplicaId, snapshot: ReplicaSnapshot) -> None:
+        totals = (snapshot.num_prefill_tokens_total, snapshot.prefill_seconds_total)
+        last = self._prefill_totals.get(rid)
+        self._prefill_totals[rid] = totals
+        if last is not None and totals[0] >= last[0]:  # lower totals: a restarted replica
+            self.prefill_rates.observe(rid, totals[0] - last[0], totals[1] - last[1])
 
     def mark_unhealthy(self, replica: str) -> None:
         self.flush_bookings()
@@ -148,10 +160,11 @@ class RouterCore:
                        if (s := self.snapshots[n]).healthy and n not in excluded]
         # The ledger goes to the policy as a map: a copied snapshot per replica per decision
         # (``dataclasses.replace``) was a third of a 64-replica decision.
+        ledgers = now_s is not None and self.policy.uses_ledgers  # the TTFT cost reads none
         recent = ({s.replica_id: self.recent_work.value(s.replica_id, now_s) for s in first_snaps}
-                  if now_s is not None else None)
+                  if ledgers else None)
         active = ({s.replica_id: self.activity.value(s.replica_id, now_s) for s in first_snaps}
-                  if now_s is not None else None)
+                  if ledgers else None)
         matched = self.index.match_prefix(hashes) if self.mode == "prefix_aware" else {}
         spans: tuple[SpanAssignment, ...] = ()
         if self.mode == "prefix_aware" and self.long_prefill is not None:
@@ -174,11 +187,15 @@ class RouterCore:
                                                   num_prompt_blocks=num_prompt_blocks, max_ranked=1,
                                                   recent_work=recent, activity=active,
                                                   mean_request_blocks=self.prompt_blocks.value(now_s)
-                                                  if now_s is not None else None,
+                                                  if ledgers else None,
                                                   mean_request_work=self.request_work.value(now_s)
-                                                  if now_s is not None else None,
+                                                  if ledgers else None,
                                                   own_activity=self.own_activity.own(hashes, matched, now_s)
-                                                  if now_s is not None else None)
+                                                  if ledgers else None,
+                                                  prefill_rate=self.prefill_rates.rates(
+                                                      [s.replica_id for s in first_snaps]),
+                                                  tokens_per_block=self.block_size,
+                                                  num_prompt_tokens=len(prompt_token_ids))
             first = decision.order
             reason = decision.reason
         if first and not spans:
@@ -188,7 +205,7 @@ class RouterCore:
                 chosen, num_queued_blocks=chosen.num_queued_blocks + num_prompt_blocks - hit)
             if len(hashes) > hit:  # its first ``hit`` are indexed there already
                 self._pending_bookings.append((chosen.replica_id, hashes[hit:]))
-            if now_s is not None:
+            if now_s is not None:  # booked whatever the cost reads (O(1); a switched policy finds them)
                 work = num_prompt_blocks - hit + -(-max_tokens // self.block_size)
                 self.recent_work.add(chosen.replica_id, work, now_s)
                 self.activity.add(chosen.replica_id, work, now_s)

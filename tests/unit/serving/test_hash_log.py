@@ -13,6 +13,7 @@ import pytest
 from rayfleet.errors import SpecError
 from rayfleet.serving.engine.block_pool import KVCacheEvent
 from rayfleet.serving.routing.hash_log import HashLogPublisher
+from rayfleet.serving.routing.policy import RouterPolicy
 from rayfleet.serving.routing.pool_router import PoolRouterCore, RouteHint
 from rayfleet.serving.engine.replica_state import ReplicaId
 
@@ -155,7 +156,9 @@ def test_publication_size_is_bounded_by_the_log_not_the_cache():
 
 def test_routed_prompt_is_indexed_after_the_decision_and_dropped_unless_published():
     replica = Replica(5, full_period_s=1e9)
-    core = PoolRouterCore(role="prefill")
+    # The block-unit cost keeps a burst of one prompt together; the TTFT cost would rightly send
+    # the repeat to the idle replica (its 9 queued blocks cost more than 9 blocks of prefill).
+    core = PoolRouterCore(role="prefill", policy=RouterPolicy())
     core.observe("r", replica.publish())
     core.observe("s", {"version": 1, **SNAP})
     prompt = tuple(bytes([i]) * 16 for i in range(8))

@@ -147,7 +147,8 @@ def test_a_replica_that_joins_starts_at_its_peers_recent_work_and_a_repeat_stays
     assert fresh.value("x", 0.0) == 0.0
 
     def stays_on_its_cache_after_a_restart(join: bool) -> list[bool]:
-        core = PoolRouterCore(role="prefill")
+        # The ledgers are the block-unit cost's input (the TTFT cost reads none): pin that cost.
+        core = PoolRouterCore(role="prefill", policy=RouterPolicy())
         core.observe("a", stats(1))
         core.observe("c", stats(1))
         t = 0.0
