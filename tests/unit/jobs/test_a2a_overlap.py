@@ -32,7 +32,7 @@ def _rank_main(mode: str, out_dir: str) -> None:
 
     from rayfleet.jobs.local_processes import leave_after_barrier
     from rayfleet.jobs.parallel.context import A2AStats
-    from rayfleet.jobs.parallel.expert_parallel import _issue, _wait
+    from rayfleet.models.expert_parallel import _issue, _wait
 
     dist.init_process_group("gloo")
     rank, group = dist.get_rank(), dist.group.WORLD

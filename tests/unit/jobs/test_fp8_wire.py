@@ -30,7 +30,7 @@ def _rank_main(out_dir: str) -> None:
     import torch.distributed as dist
 
     from rayfleet.jobs.local_processes import leave_after_barrier
-    from rayfleet.jobs.parallel.expert_parallel import ExpertParallelDispatcher, _from_wire, _to_wire
+    from rayfleet.models.expert_parallel import ExpertParallelDispatcher, _from_wire, _to_wire
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
