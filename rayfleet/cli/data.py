@@ -46,6 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               "URI/train and URI/val")
     prepare.add_argument("--val-fraction", type=float, default=0.1, metavar="F",
                          help="--source shakespeare: the last F of the text validates (default 0.1, as nanoGPT)")
+    prepare.add_argument("--vocab", choices=("char", "bytes"), default="char",
+                         help="--source shakespeare: char (nanoGPT's character vocabulary, default) or bytes "
+                              "(the byte tokenizer that presets and served checkpoints use; one document per speech)")
     prepare.add_argument("--out", required=True, metavar="URI", help="dataset folder URI")
     prepare.add_argument("--shard-tokens", type=int, default=1 << 22, metavar="N",
                          help="tokens per shard (default 4194304)")
@@ -125,15 +128,15 @@ def _prepare_shakespeare(args: argparse.Namespace) -> int:
     from rayfleet.storage.shakespeare import prepare_shakespeare
 
     if args.sources or args.tokenizer is not None:
-        raise SpecError("--source", "shakespeare", "builds its text and character vocabulary itself",
+        raise SpecError("--source", "shakespeare", "builds its text and vocabulary itself",
                         "drop SRC and --tokenizer, or use --source files")
     start = time.monotonic()
     splits = prepare_shakespeare(args.out, val_fraction=args.val_fraction, seq_len=args.seq_len,
-                                 shard_tokens=args.shard_tokens)
+                                 shard_tokens=args.shard_tokens, vocabulary=args.vocab)
     meta = splits.train.metadata
     print(f"wrote {splits.num_chars:,} characters of {len(meta['plays'])} plays ({meta['package']} "
           f"{meta['package_version']}, licence {meta['licence']}) in {time.monotonic() - start:.1f}s, "
-          f"vocabulary {splits.train.tokenizer['vocab_size']} characters:\n"
+          f"vocabulary {splits.train.tokenizer['vocab_size']} ({args.vocab}):\n"
           f"  train {splits.train.num_tokens:,} tokens at {splits.train_uri}\n"
           f"  val   {splits.val.num_tokens:,} tokens at {splits.val_uri}\n"
           f"use in a job: data: {{uri: {splits.train_uri}}}, eval: {{uri: {splits.val_uri}}}, "

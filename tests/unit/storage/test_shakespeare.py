@@ -96,3 +96,17 @@ def test_cli_source_shakespeare(tmp_path, capsys):
     bad = parser.parse_args(["data", "prepare", "--source", "shakespeare", "--out", str(tmp_path / "t"), "x.txt"])
     with pytest.raises(SpecError, match="drop SRC"):
         bad.func(bad)
+
+
+def test_bytes_vocabulary_makes_one_bos_eos_document_per_speech(tmp_path):
+    from rayfleet.models import ByteTokenizer
+
+    splits = prepare_shakespeare(str(tmp_path / "b"), vocabulary="bytes", seq_len=256, shard_tokens=1 << 16)
+    tok = ByteTokenizer()
+    assert splits.train.tokenizer == tok.to_dict() and splits.val.metadata["vocabulary"] == "bytes"
+    tokens = load_tokens(splits.train_uri).tolist()
+    assert tokens[0] == tok.bos_id and tok.decode(tokens[1:16]) == "First Citizen:\n"
+    speeches = shakespeare_text()[:int(len(shakespeare_text()) * 0.9)].strip("\n").split("\n\n")
+    assert splits.train.num_documents == len(speeches) and tokens.count(tok.eos_id) == len(speeches)
+    with pytest.raises(SpecError, match="--vocab"):
+        prepare_shakespeare(str(tmp_path / "x"), vocabulary="words")
