@@ -81,7 +81,7 @@ class Evaluator:
 
     def __init__(self, settings: EvalSettings, *, seq_len: int, global_batch_size: int, micro_batch_size: int,
                  dp_rank: int, dp_size: int, owns_loss: bool, device: torch.device,
-                 autocast: Callable[[], contextlib.AbstractContextManager]) -> None:
+                 autocast: Callable[[], contextlib.AbstractContextManager], cp_rank: int = 0, cp: int = 1) -> None:
         self.settings = settings
         self.samples = TokenSamples(settings.uri, seq_len)
         ids = eval_sample_ids(self.samples.num_samples, settings.batches * global_batch_size)
@@ -91,6 +91,7 @@ class Evaluator:
         longest_share = math.ceil(len(ids) / dp_size)
         self.num_forwards = math.ceil(longest_share / micro_batch_size)
         self.owns_loss, self.device, self.autocast = owns_loss, device, autocast
+        self.cp_rank, self.cp = cp_rank, cp  # CP ranks share samples; each scores its chunks
         self._batches: list[tuple[torch.Tensor, bool]] | None = None
 
     def due(self, step: int, *, last_step: int) -> bool:
@@ -108,6 +109,8 @@ class Evaluator:
 
     def evaluate(self, model: nn.Module) -> EvalResult:
         """Mean validation loss over the whole sample set (a collective: every rank calls it)."""
+        from rayfleet.jobs.parallel.context_parallel import model_inputs
+
         start = time.perf_counter()
         histories = [m for m in model.modules() if isinstance(m, AmaxHistory)]
         saved = [h.history.clone() for h in histories]
@@ -117,15 +120,15 @@ class Evaluator:
         try:
             with torch.no_grad():
                 for batch, counted in self._micro_batches():
-                    batch = batch.to(self.device)
+                    inputs, targets = model_inputs(batch.to(self.device), cp_rank=self.cp_rank, cp=self.cp)
                     with self.autocast():
-                        logits = model(batch[:, :-1])
+                        logits = model(inputs)
                     full = getattr(logits, "full_tensor", None)  # a DTensor from a TP output layer
                     logits = full() if callable(full) else logits
                     if counted and self.owns_loss:
                         loss_sum += float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                                          batch[:, 1:].reshape(-1), reduction="sum"))
-                        tokens += batch[:, 1:].numel()
+                                                          targets.reshape(-1), reduction="sum"))
+                        tokens += targets.numel()
         finally:
             model.train(was_training)
             for history, old in zip(histories, saved):
@@ -147,7 +150,8 @@ def build_evaluator(loop: LoopConfig, *, plan: ParallelPlan, ctx: Any, owns_loss
         raise ValueError(f"validation does not run pipeline-parallel plans (pp={plan.pp}); planning refuses them")
     return Evaluator(loop.eval, seq_len=loop.data.seq_len, global_batch_size=loop.global_batch_size,
                      micro_batch_size=plan.micro_batch_size, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
-                     owns_loss=owns_loss, device=device, autocast=autocast)
+                     owns_loss=owns_loss, device=device, autocast=autocast, cp_rank=getattr(ctx, "cp_rank", 0),
+                     cp=plan.cp)
 
 
 def eval_metrics(evaluator: Evaluator | None, model: nn.Module, *, step: int, last_step: int) -> dict[str, float]:

@@ -321,6 +321,10 @@ class TrainJobSpec(_Section):
         if self.schedule.warmup_steps > self.steps:
             raise SpecError("schedule.warmup_steps", self.schedule.warmup_steps, f"exceeds steps={self.steps}",
                             "use fewer warmup steps than training steps")
+        if self.plan is not None and self.plan.cp > 1 and self.data.seq_len % (2 * self.plan.cp):
+            raise SpecError("data.seq_len", self.data.seq_len, f"plan.cp={self.plan.cp} cuts each sequence into "
+                            f"2*cp={2 * self.plan.cp} equal chunks (load-balanced context parallelism)",
+                            f"use a seq_len divisible by {2 * self.plan.cp}, or a smaller cp")
         self._check_batch()
         self._check_workers()
         return self

@@ -20,7 +20,7 @@ from torch import nn
 
 from rayfleet.models.kv_cache import PagedBatch, paged_attention
 
-__all__ = ["RMSNorm", "rotary_cos_sin", "apply_rotary", "Attention", "FeedForward"]
+__all__ = ["RMSNorm", "rotary_cos_sin", "apply_rotary", "causal_attention", "Attention", "FeedForward"]
 
 
 class RMSNorm(nn.Module):
@@ -62,8 +62,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
     return rotated.to(x.dtype)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention over whole sequences: q ``[B, H, S, D]``, k/v ``[B, Hkv, S, D or Dv]``
+    (``Hkv`` divides ``H``: grouped-query heads are repeated here)."""
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
-    """Causal grouped-query attention; full-sequence (training) or paged (serving)."""
+    """Causal grouped-query attention; full-sequence (training) or paged (serving).
+
+    ``attend(q, k, v)`` is the full-sequence core (rotated q/k, un-repeated k/v heads):
+    :func:`causal_attention` unless a parallelizer swaps in another with the same contract
+    (context parallelism: ``jobs/parallel/context_parallel.py``).
+    """
+
+    attend = staticmethod(causal_attention)
 
     def __init__(self, *, dim: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  rope_theta: float, rope_interleaved: bool = True, qkv_bias: bool = False,
@@ -94,10 +110,7 @@ class Attention(nn.Module):
         q = apply_rotary(q, cos, sin, interleaved=self.rope_interleaved)
         k = apply_rotary(k, cos, sin, interleaved=self.rope_interleaved)
         if kv is None:
-            if self.num_heads != self.num_kv_heads:
-                rep = self.num_heads // self.num_kv_heads
-                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = self.attend(q, k, v)
         else:
             assert paged is not None, "paged forward needs both kv pools and PagedBatch"
             out = paged_attention(q, k, v, k_pool=kv[0], v_pool=kv[1], batch=paged)

@@ -23,13 +23,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayfleet.models.kv_cache import PagedBatch, paged_causal_mask, paged_write_gather
-from rayfleet.models.layers import RMSNorm, apply_rotary, rotary_cos_sin
+from rayfleet.models.layers import RMSNorm, apply_rotary, causal_attention, rotary_cos_sin
 
 __all__ = ["LatentAttention"]
 
 
 class LatentAttention(nn.Module):
-    """Causal MLA over ``num_heads`` heads of q/k width ``nope + rope`` and value width ``v``."""
+    """Causal MLA over ``num_heads`` heads of q/k width ``nope + rope`` and value width ``v``.
+
+    ``attend(q, k, v)``: the full-sequence core on the expanded heads, swappable as in ``Attention``.
+    """
+
+    attend = staticmethod(causal_attention)
 
     def __init__(self, *, dim: int, num_heads: int, q_lora_rank: int, kv_lora_rank: int,
                  nope_head_dim: int, rope_head_dim: int, v_head_dim: int, rope_theta: float,
@@ -79,7 +84,7 @@ class LatentAttention(nn.Module):
         k = torch.cat((k_nope, k_rot.expand(-1, self.num_heads, -1, -1)), dim=-1)
         q = torch.cat((q_nope, q_rot), dim=-1)
         if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = self.attend(q, k, v)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))

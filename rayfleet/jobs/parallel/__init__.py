@@ -10,9 +10,11 @@ from rayfleet.jobs.parallel.checkpoint_layout import from_checkpoint_layout, to_
 from rayfleet.jobs.parallel.collectives import (clip_grad_norm_, finalize_gradients, full_grad, full_state_dict,
                                                 pipeline_forward_backward, sync_expert_load)
 from rayfleet.jobs.parallel.context import A2AStats, ParallelContext, build_parallel_context
+from rayfleet.jobs.parallel.context_parallel import model_inputs
 from rayfleet.jobs.parallel.expert_parallel import ExpertParallelDispatcher
 
 __all__ = [
     "A2AStats", "ParallelContext", "ExpertParallelDispatcher", "build_parallel_context", "parallelize_model",
     "apply_recompute", "to_checkpoint_layout", "from_checkpoint_layout", "finalize_gradients", "full_grad", "clip_grad_norm_", "sync_expert_load", "full_state_dict", "pipeline_forward_backward",
+    "model_inputs",
 ]

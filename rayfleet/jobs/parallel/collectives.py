@@ -2,7 +2,8 @@
 
 After backward, ``finalize_gradients`` adds the reductions FSDP cannot express (TP-sum of
 the MoE layer's replicated parameters when TP peers split its tokens; expert gradients when
-experts are not FSDP-wrapped), then ``clip_grad_norm_`` computes the global norm over
+experts are not FSDP-wrapped; the CP-sum of every gradient the CP ranks replicate, since they
+saw distinct tokens of the same samples), then ``clip_grad_norm_`` computes the global norm over
 parameters that live on different meshes without double counting replicas.
 ``sync_expert_load``, ``full_grad`` and ``full_state_dict`` gather what metrics, tests and
 exports read; ``pipeline_forward_backward`` runs one step's micro-batches (``plan.pp > 1``).
@@ -45,6 +46,9 @@ def finalize_gradients(model: nn.Module, ctx: ParallelContext) -> None:
                     grad.div_(ctx.dp_size)
         elif ctx.moe_token_split and name.startswith(moe_prefixes):
             dist.all_reduce(grad, group=ctx.group("tp"))
+        if ctx.plan.cp > 1 and not (is_expert_param(name) and ctx.ep_size > 1):
+            # Routed experts under EP were summed over EDP above, which spans the CP ranks.
+            dist.all_reduce(grad, group=ctx.group("cp"))
 
 
 @torch.no_grad()
@@ -97,8 +101,11 @@ def sync_expert_load(load: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     """Sum per-layer expert loads ``[L, E]`` over the ranks that saw distinct tokens."""
     if ctx.moe_token_split:
         dist.all_reduce(load, group=ctx.stage_group)
-    elif ctx.dp_size > 1:
+        return load
+    if ctx.dp_size > 1:
         dist.all_reduce(load, group=ctx.group("dp"))
+    if ctx.plan.cp > 1:
+        dist.all_reduce(load, group=ctx.group("cp"))
     return load
 
 
