@@ -8,6 +8,7 @@ instead of starting at step 1.
 
 from __future__ import annotations
 
+import io
 import json
 import threading
 
@@ -60,6 +61,9 @@ def test_follow_stop_list_and_resume_a_training_job(local_fleet, dataset, tmp_pa
     sdk, url = local_fleet.sdk, local_fleet.dashboard_url
     run = sdk.train(_spec(dataset), storage_path=str(tmp_path / "runs"))
     follower = _Follower(sdk, run.job_id)
+    progress, progress_status = io.StringIO(), []  # `rayfleet train`'s own follow, on the same job
+    progress_thread = threading.Thread(target=lambda: progress_status.append(run.follow(out=progress)), daemon=True)
+    progress_thread.start()
     try:
         wait_until(lambda: len(parse_metrics_lines(follower.text)) >= 3 or follower.error is not None,
                    timeout_s=120, interval_s=0.5, what="three streamed metrics lines")
@@ -73,6 +77,8 @@ def test_follow_stop_list_and_resume_a_training_job(local_fleet, dataset, tmp_pa
         assert capsys.readouterr().out.strip() == f"{run.job_id}: STOPPED"
         follower.thread.join(timeout=30)  # the stream ends with the job
         assert not follower.thread.is_alive() and follower.error is None
+        progress_thread.join(timeout=30)
+        assert progress_status == ["STOPPED"] and "step 3/500" in progress.getvalue(), progress.getvalue()[-2000:]
     finally:
         run.cancel()
     streamed = parse_metrics_lines(follower.text)
