@@ -27,6 +27,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     run = fleet.train(spec, max_failures=args.max_failures)
     print(f"submitted {spec.name} as Ray job {run.job_id} (dashboard {run.dashboard_url})", flush=True)
     if args.detach:
+        print(f"follow it: rayfleet job logs --follow {run.job_id}; stop it: rayfleet job stop {run.job_id}")
         return 0
     status = run.follow()
     rows = run.metrics()
