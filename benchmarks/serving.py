@@ -494,16 +494,25 @@ def main() -> None:
                 replays.append(routing_replay(None, requests=requests[:600] if args.quick else requests,
                                               label=conversation_label(kw)))
         router = router_decision_time(trials=200 if args.quick else 2000)
-        result = {**replay, "router_decision": router, "conversation_traces": replays[1:]}
+        from _bounded_replay import bounded_record, bounded_replay, print_bounded  # beside this script
+
+        bounded = bounded_replay(quick=args.quick)
+        result = {**replay, "router_decision": router, "conversation_traces": replays[1:], "bounded_replay": bounded}
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(result, indent=1))
         for rp in replays:
             print_replay(rp)
+        print_bounded(bounded)
         goals, tables = replay_record(replays, router)
+        bounded_goals, bounded_tables = bounded_record(bounded)
         record_run(name="serving", quick=args.quick, params={"part": "router_replay", "trace": str(args.trace),
                                                              "conversations": args.conversations},
-                   figures={"router_decision": router, "replays": replays}, goals=goals, tables=tables)
+                   figures={"router_decision": router, "replays": replays,
+                            "bounded_replay": [{**t, "rows": [{k: round(v, 4) if isinstance(v, float) else v
+                                                               for k, v in row.items()} for row in t["rows"]]}
+                                               for t in bounded]},
+                   goals=goals + bounded_goals, tables={**tables, **bounded_tables})
         print(f"router decision, 64 replicas, {router['prompt_blocks']}-block prompts: choose p99 "
               f"{router['prefix_aware_p99_ms']:.3f} ms, full route p50 {router['route_p50_ms']:.3f} / p99 "
               f"{router['route_p99_ms']:.3f} ms wall, p99 {router['route_cpu_p99_ms']:.3f} ms thread CPU (goal <= 1 ms); "

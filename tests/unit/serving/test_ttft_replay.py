@@ -1,0 +1,71 @@
+"""The bounded-cache replay (``routing.ttft_replay``): PrefixCacheAffinityRouter's rule as Ray 2.60
+states it, and the TTFT router ahead of it on time to first token when caches are tight."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from rayfleet.errors import SpecError
+from rayfleet.serving.engine.block_hash import root_block_hash
+from rayfleet.serving.engine.replica_state import ReplicaId
+from rayfleet.serving.routing.trace_replay import TraceRequest, chain_block_hashes, multi_turn_trace
+from rayfleet.serving.routing.ttft_replay import _PrefixAffinity, replay_bounded, working_set_blocks
+
+ROOT = root_block_hash(model_id="trace")
+NAMES = [ReplicaId(f"r{i}") for i in range(3)]
+
+
+def chain(*ids: int):
+    return chain_block_hashes(ids, ROOT)
+
+
+def test_pca_rule_longest_match_then_shortest_queue_else_smallest_tree():
+    pca = _PrefixAffinity(NAMES)
+    idle = dict.fromkeys(NAMES, 0)
+    # Nothing matches (rate 0 < 0.1): the smallest tenants (all empty), then the shortest queue.
+    assert pca.choose(chain(1, 2), 1024, {**idle, "r0": 2}) == "r1"
+    assert pca.choose(chain(7, 8, 9), 1536, idle) == "r0"  # r0 and r2 hold nothing: the first of them
+    # r1 holds (1, 2): a prompt extending it matches 2 of 3 blocks (67%) and goes there, however
+    # long r1's queue is (imbalanced_threshold is inf: PCA never balances).
+    assert pca.choose(chain(1, 2, 3), 1536, {**idle, "r1": 50}) == "r1"
+    # A 1-of-20-block match (5% < 10%) is ignored: the smallest tree wins (r2 is empty).
+    assert pca.choose(chain(1, *range(100, 119)), 20 * 512, idle) == "r2"
+    # Its tree never forgets: the prompt routed to r2 still attracts its extension.
+    assert pca.choose(chain(1, *range(100, 120)), 21 * 512, idle) == "r2"
+
+
+def test_working_set_counts_distinct_chained_blocks():
+    reqs = [TraceRequest(0.0, 1024, 1, (1, 2)), TraceRequest(1.0, 1536, 1, (1, 2, 3)), TraceRequest(2.0, 512, 1, (2,))]
+    assert working_set_blocks(reqs) == 4  # (1), (1,2), (1,2,3), (2): a block depends on its prefix
+
+
+def test_ttft_router_beats_pca_on_ttft_when_caches_are_tight():
+    """600 turns of 80 conversations on 4 replicas whose caches hold 1/40 of the working set
+    each. Measured: rayfleet TTFT mean 1.90 s, p99 6.8 s, token hit rate 0.104, requests max/mean
+    1.17; PCA 3.35 s, 20.6 s, 0.203, 1.54 (it keeps sending a conversation to the replica whose
+    tree holds it, evicted or not, whatever the queue: twice the hits, three times the p99);
+    round robin 2.17 s, 7.6 s, 0.064. The hit rate is the term this cost gives up (module doc of
+    ``ttft_cost``: a hit is worth the seconds it saves now)."""
+    trace = multi_turn_trace(num_conversations=80, turns=8, seed=5, turn_blocks=(1, 6), system_blocks=2)[:600]
+    cache = max(1, working_set_blocks(trace) // 40)
+    ours = replay_bounded(trace, router="rayfleet", num_replicas=4, cache_blocks=cache, timer=time.thread_time)
+    pca = replay_bounded(trace, router="pca", num_replicas=4, cache_blocks=cache)
+    rr = replay_bounded(trace, router="round_robin", num_replicas=4, cache_blocks=cache)
+    assert ours.ttft_mean_s < pca.ttft_mean_s and ours.ttft_p99_s < pca.ttft_p99_s, (ours, pca)
+    assert ours.hit_rate > rr.hit_rate and ours.ttft_mean_s < rr.ttft_mean_s, (ours, rr)
+    assert pca.requests_max_mean > ours.requests_max_mean
+    assert 0 < ours.decision_p99_ms < 5.0
+    # Broken variant: a router that never sees published state (stale forever) routes by its own
+    # bookings alone: measured 2.01 s mean, 8.1 s p99.
+    blind = replay_bounded(trace, router="rayfleet", num_replicas=4, cache_blocks=cache, publish_interval_s=1e9)
+    assert blind.ttft_mean_s > ours.ttft_mean_s, (blind, ours)
+
+
+def test_replay_refuses_unknown_routers_and_empty_pools():
+    reqs = [TraceRequest(0.0, 512, 1, (1,))]
+    with pytest.raises(SpecError, match="pca"):
+        replay_bounded(reqs, router="affinity", num_replicas=2, cache_blocks=4)
+    with pytest.raises(SpecError):
+        replay_bounded(reqs, router="pca", num_replicas=0, cache_blocks=4)
