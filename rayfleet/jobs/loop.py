@@ -163,7 +163,7 @@ class _Run:
         counts = plan.replica_microbatches
         self.uneven = counts is not None and len(set(counts)) > 1
         self.grad_divide = float(getattr(ctx, "grad_divide_factor", None) or ctx.dp_size)
-        self.owns_loss = getattr(ctx, "tp_rank", 0) == 0 and getattr(ctx, "pp_rank", 0) == plan.pp - 1
+        self.owns_loss = getattr(ctx, "tp_rank", 0) == 0 and getattr(ctx, "pp_rank", 0) == plan.loss_pp_rank
         self.evaluator = build_evaluator(loop, plan=plan, ctx=ctx, owns_loss=self.owns_loss, device=self.device,
                                          autocast=lambda: _autocast(self.device, loop.precision))
         self.step = 0

@@ -97,14 +97,15 @@ CAPABILITIES: tuple[Capability, ...] = (
                "Schedule1F1B over the plan's stage_starts (jobs/parallel/pipeline.py)",
                "set pp: 1", lambda p, _: p.pp > 1 and p.vpp == 1 and not p.dualpipe, _attr("pp"),
                MappingProxyType({"pp": 2}), lambda s: replace(s, max_pp=1)),
-    Capability("pp.interleaved", "vpp>1", "plan.vpp", False,
-               "interleaved 1F1B (virtual pipeline stages) is not built by jobs/parallel/pipeline.py yet, which "
-               "builds Schedule1F1B only (issue 28 item 1)",
+    Capability("pp.interleaved", "vpp>1", "plan.vpp", True,
+               "ScheduleInterleaved1F1B over vpp model chunks a rank, rank r holding virtual stages r, r+pp, ... "
+               "with each rank's stage_starts layers split over its chunks (jobs/parallel/pipeline.py, "
+               "placement/pipeline_chunks.py)",
                "set vpp: 1 (plain 1F1B)", lambda p, _: p.vpp > 1, _attr("vpp"), MappingProxyType({"pp": 2, "vpp": 2}),
                lambda s: replace(s, virtual_stages=(1,))),
-    Capability("pp.dualpipev", "DualPipeV", "plan.dualpipe", False,
-               "the DualPipeV schedule is not built by jobs/parallel/pipeline.py yet, which builds Schedule1F1B "
-               "only (issue 28 item 1)",
+    Capability("pp.dualpipev", "DualPipeV", "plan.dualpipe", True,
+               "ScheduleDualPipeV over two model chunks a rank in a V, rank r holding virtual stages r and "
+               "2*pp-1-r (jobs/parallel/pipeline.py, placement/pipeline_chunks.py)",
                "set dualpipe: false (plain 1F1B)", lambda p, _: p.dualpipe, _attr("dualpipe"),
                MappingProxyType({"pp": 2, "dualpipe": True}), lambda s: replace(s, dualpipe=False)),
     Capability("cp", "cp>1", "plan.cp", False,

@@ -27,6 +27,7 @@ from typing import Literal, NamedTuple
 
 from rayfleet.errors import SpecError
 from rayfleet.placement.model_spec import ModelSpec
+from rayfleet.placement.pipeline_chunks import VirtualStage, num_chunks, virtual_stages
 
 __all__ = ["ParallelPlan", "RankCoords", "Recompute", "validate_plan", "even_stage_starts"]
 
@@ -145,6 +146,18 @@ class ParallelPlan:
     def stage_ranges(self, num_layers: int) -> tuple[range, ...]:
         """Layer range of each stage."""
         return _stage_ranges(self.stage_starts or even_stage_starts(num_layers, self.pp), num_layers)
+
+    def virtual_stages(self, num_layers: int) -> tuple[VirtualStage, ...]:
+        """Every virtual stage (layers and pipeline rank), in the model's order: ``pp`` of them for
+        1F1B, ``pp * vpp`` interleaved, ``2 * pp`` for DualPipeV (see ``pipeline_chunks``)."""
+        counts = [len(r) for r in self.stage_ranges(num_layers)]
+        return virtual_stages(counts, chunks=num_chunks(vpp=self.vpp, dualpipe=self.dualpipe), dualpipe=self.dualpipe)
+
+    @property
+    def loss_pp_rank(self) -> int:
+        """The pipeline rank running the last virtual stage (the head and the loss): rank 0 for
+        DualPipeV, whose V comes back, else the last rank."""
+        return 0 if self.dualpipe else self.pp - 1
 
     def tp_of_layer(self, layer: int) -> int:
         return self.layer_tp[layer] if self.layer_tp is not None else self.tp

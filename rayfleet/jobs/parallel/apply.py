@@ -10,8 +10,10 @@ The order (``parallelize_model``), as in torchtitan, and why:
    and their gradients rescaled from FSDP's EDP average to a DP average, because each EDP copy
    sees the tokens of its whole EP group (see ``context`` for ``grad_divide_factor``).
 0. Before all of them, pipeline parallelism (``plan.pp > 1``) cuts the model down to this rank's
-   stage (``pipeline``), so every later wrapper sees only the stage's modules; the loop then
-   runs each step's micro-batches through 1F1B (``pipeline_forward_backward``).
+   virtual stages (one for 1F1B, ``vpp`` interleaved, two for DualPipeV; ``pipeline``), so every
+   later wrapper sees only their modules; the loop then runs each step's micro-batches through
+   the plan's schedule (``pipeline_forward_backward``). Each virtual stage the schedule calls is
+   an FSDP2 root of its own.
 
 The step's collectives that follow this layout are in :mod:`rayfleet.jobs.parallel.collectives`,
 the experts' checkpoint layout in :mod:`rayfleet.jobs.parallel.checkpoint_layout`.
@@ -30,7 +32,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from rayfleet.jobs.parallel.context import ParallelContext
 from rayfleet.jobs.parallel.expert_parallel import apply_expert_parallel
-from rayfleet.jobs.parallel.pipeline import PipelineRunner, PipelineStageModule, split_stage
+from rayfleet.jobs.parallel.pipeline import (PipelineChunks, PipelineRunner, PipelineStageModule, split_stages,
+                                             stage_roots)
 from rayfleet.jobs.parallel.tensor_parallel import apply_tensor_parallel, split_moe_tokens
 from rayfleet.models.moe import MoELayer
 
@@ -62,9 +65,9 @@ def parallelize_model(model: nn.Module, ctx: ParallelContext) -> nn.Module:
     """Apply EP, TP, FSDP2 to ``model`` (materialized, FP8-converted or not), in that order."""
     plan = ctx.plan
     # 0. pipeline stage: keep only this stage's modules (before anything allocates shards)
+    stages = plan.virtual_stages(model.config.num_layers) if plan.pp > 1 else ()
     if plan.pp > 1:
-        model = split_stage(model, stage=ctx.pp_rank, num_stages=plan.pp,
-                            layer_ranges=plan.stage_ranges(model.config.num_layers))
+        model = split_stages(model, stages=stages, pp_rank=ctx.pp_rank)
     # 1. expert parallel
     if ctx.ep_size > 1:
         apply_expert_parallel(model, group=ctx.group("ep"), ep_rank=ctx.ep_rank, ep_size=ctx.ep_size,
@@ -86,7 +89,8 @@ def parallelize_model(model: nn.Module, ctx: ParallelContext) -> nn.Module:
         experts_apart = ctx.ep_size > 1
         ignored = {p for n, p in model.named_parameters() if is_expert_param(n)} \
             if experts_apart and not experts_fsdp_sharded(ctx) else None
-        blocks = model.blocks() if isinstance(model, PipelineStageModule) else list(getattr(model, "layers", []))
+        blocks = model.blocks() if isinstance(model, (PipelineStageModule, PipelineChunks)) \
+            else list(getattr(model, "layers", []))
         for block in blocks:
             if experts_fsdp_sharded(ctx):
                 for module in block.modules():
@@ -95,9 +99,11 @@ def parallelize_model(model: nn.Module, ctx: ParallelContext) -> nn.Module:
                         # (set_gradient_divide_factor(dp) would need PREMUL_SUM, which gloo lacks.)
                         fully_shard(module.experts, mesh=ctx.submesh("edp"), reshard_after_forward=reshard)
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored)
-        fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored)
+        for root in stage_roots(model):
+            fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored)
     if plan.pp > 1:
-        ctx.pipeline = PipelineRunner(model, stage=ctx.pp_rank, num_stages=plan.pp, device=ctx.device,
+        ctx.pipeline = PipelineRunner(model, stage_indices=[s.index for s in stages if s.rank == ctx.pp_rank],
+                                      num_stages=len(stages), dualpipe=plan.dualpipe, device=ctx.device,
                                       group=ctx.group("pp"))
     return model
 

@@ -8,8 +8,8 @@ Design decisions:
   ranks that talk here. Every rank builds both meshes in the same order (``new_group`` is a
   collective over the world).
 - Only the kinds the trainer implements are accepted, as the capability table
-  (``placement/capabilities.py``) lists them (today ``cp`` and ``etp`` must be 1, no virtual
-  stages or DualPipeV): a plan asking for more fails here with the field and the fix, not with
+  (``placement/capabilities.py``) lists them (today ``cp`` and ``etp`` must be 1; interleaved
+  and DualPipeV pipelines run): a plan asking for more fails here with the field and the fix, not with
   a wrong result later. The job's spec and ``resolve_plan`` read the same table first.
 - ``moe_token_split``: when TP > 1 and EP > 1, the TP peers of a rank hold the same tokens; they
   each route and dispatch a disjoint 1/tp slice (Megatron's sequence split before dispatch), so

@@ -1,34 +1,45 @@
-"""Pipeline parallelism with ``torch.distributed.pipelining``: stage modules and the 1F1B step.
+"""Pipeline parallelism with ``torch.distributed.pipelining``: stage modules and the step's
+schedule -- 1F1B, interleaved 1F1B (virtual stages) or DualPipeV, as the plan says.
 
 Design decisions:
-- A stage is a ``PipelineStageModule`` that *holds* the full model's submodules for its layer
-  range (embeddings on the first stage, final norm and output on the last), under the same
+- A virtual stage is a ``PipelineStageModule`` that *holds* the full model's submodules for its
+  layers (embeddings on the first stage, final norm and output on the last), under the same
   names: ``layers`` becomes a ``ModuleDict`` keyed by the global layer index, so state-dict keys
   are exactly the full model's and checkpoints of a pipelined run load anywhere. The rest of the
-  model is dropped before any parallel wrapper runs, so each rank allocates only its stage.
-- Stage boundaries are the plan's (``stage_ranges``): the planner may balance MoE and dense
-  layers unevenly.
-- 1F1B (``Schedule1F1B``) over the replica's micro-batches, with ``scale_grads=False``: the
-  loop's loss function already scales each micro-batch's summed token loss for the global
-  batch, so the schedule must not divide again. With FSDP2 inside a stage, the schedule
-  handles gradient sync across micro-batches itself.
-- The schedule and its stage are built on the first step for a given micro-batch count and
-  reused, with the stage's input/output metadata given (no shape-inference forward).
-- Expert load, loss and metrics stay per stage: the loop counts the loss on the last stage
-  (``owns_loss``) and its metric all-gather spans every rank, so every rank reports the same
-  global loss.
+  model is dropped before any parallel wrapper runs, so each rank allocates only its stages.
+- Which layers each virtual stage runs and which rank runs it is the plan's
+  (``ParallelPlan.virtual_stages``, ``placement/pipeline_chunks.py``): per-rank layer counts from
+  its stage starts, split over ``vpp`` chunks (interleaved: rank ``r`` holds virtual stages
+  ``r, r + pp, ...``) or two chunks in a V (DualPipeV: ``r`` and ``2 * pp - 1 - r``).
+- A rank with one chunk hands its ``PipelineStageModule`` on as the model (1F1B, as before). A
+  rank with several hands on a ``PipelineChunks``: it registers the chunks' submodules under the
+  full model's names (one state dict with the full model's keys: DCP, flash checkpoints and the
+  final export map parameters by name), while the chunk modules themselves stay unregistered
+  (in a tuple), each the root of its own FSDP group, as torchtitan's model parts are.
+- Schedules: ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleDualPipeV``, all with
+  ``scale_grads=False``: the loop's loss function already scales each micro-batch's summed token
+  loss for the global batch, so the schedule must not divide again. With FSDP2 inside a stage,
+  the schedule handles gradient sync across micro-batches itself. DualPipeV splits backward into
+  input- and weight-gradient passes (its zero-bubble part).
+- The schedule and its stages are built on the first step for a given micro-batch count and
+  reused, with each stage's input/output metadata given (no shape-inference forward).
+- Expert load, loss and metrics stay per stage: the loop counts the loss on the rank holding the
+  last virtual stage (``ParallelPlan.loss_pp_rank``) and its metric all-gather spans every rank,
+  so every rank reports the same global loss.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
 
-__all__ = ["PipelineStageModule", "split_stage", "PipelineRunner"]
+from rayfleet.placement.pipeline_chunks import VirtualStage
+
+__all__ = ["PipelineStageModule", "PipelineChunks", "split_stages", "stage_roots", "PipelineRunner"]
 
 
 class PipelineStageModule(nn.Module):
@@ -57,50 +68,95 @@ class PipelineStageModule(nn.Module):
         return self.output(self.norm(h)) if self.last else h
 
 
-def split_stage(model: nn.Module, *, stage: int, num_stages: int, layer_ranges: tuple[range, ...]) -> PipelineStageModule:
-    """This rank's stage of ``model`` (the other stages' modules are no longer referenced)."""
-    return PipelineStageModule(model, layer_ranges[stage], first=stage == 0, last=stage == num_stages - 1)
+class PipelineChunks(nn.Module):
+    """This rank's virtual stages (``chunks``, in schedule order) under the full model's names.
+
+    ``forward`` is not for calling: the schedule runs each chunk itself.
+    """
+
+    def __init__(self, model: nn.Module, chunks: Sequence[PipelineStageModule]) -> None:
+        super().__init__()
+        self.config = model.config
+        if any(c.first for c in chunks):
+            self.tok_embeddings = model.tok_embeddings
+        layers = sorted((int(k), m) for c in chunks for k, m in c.layers.items())
+        self.layers = nn.ModuleDict({str(i): m for i, m in layers})
+        if any(c.last for c in chunks):
+            self.norm = model.norm
+            self.output = model.output
+        self.chunks = tuple(chunks)  # a tuple: not registered, so no key is duplicated
+
+    def blocks(self) -> list[nn.Module]:
+        return list(self.layers.values())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("PipelineChunks runs through its pipeline schedule (PipelineRunner), chunk by chunk")
+
+
+def split_stages(model: nn.Module, *, stages: Sequence[VirtualStage], pp_rank: int
+                 ) -> PipelineStageModule | PipelineChunks:
+    """This rank's virtual stages of ``model`` (``stages``: all of them, in the model's order);
+    the other stages' modules are no longer referenced."""
+    last = len(stages) - 1
+    mine = [PipelineStageModule(model, s.layers, first=s.index == 0, last=s.index == last)
+            for s in stages if s.rank == pp_rank]
+    return mine[0] if len(mine) == 1 else PipelineChunks(model, mine)
+
+
+def stage_roots(model: nn.Module) -> tuple[nn.Module, ...]:
+    """The modules the schedule calls: FSDP2 makes each one a root (after the blocks)."""
+    return model.chunks if isinstance(model, PipelineChunks) else (model,)
 
 
 class PipelineRunner:
-    """Runs one step's micro-batches through the pipeline with 1F1B (forward and backward)."""
+    """Runs one step's micro-batches through this rank's virtual stages with the plan's schedule."""
 
-    def __init__(self, stage_module: PipelineStageModule, *, stage: int, num_stages: int, device: torch.device,
-                 group: Any) -> None:
-        self.stage_module, self.stage, self.num_stages = stage_module, stage, num_stages
+    def __init__(self, model: nn.Module, *, stage_indices: Sequence[int], num_stages: int, dualpipe: bool,
+                 device: torch.device, group: Any) -> None:
+        self.modules = stage_roots(model)
+        assert len(self.modules) == len(stage_indices), (len(self.modules), stage_indices)
+        self.stage_indices, self.num_stages, self.dualpipe = tuple(stage_indices), num_stages, dualpipe
+        self.config = model.config
         self.device, self.group = device, group
-        self._schedules: dict[int, Schedule1F1B] = {}
+        self.holds_first, self.holds_last = 0 in self.stage_indices, num_stages - 1 in self.stage_indices
+        self._schedules: dict[int, Any] = {}
         self._loss_fn: Callable | None = None
 
-    def _example_args(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Meta tensors of one micro-batch's stage input and output.
+    def _example_args(self, index: int, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Meta tensors of one micro-batch's input and output of virtual stage ``index``.
 
         Given up front, they make the schedule's metadata STATIC: no shape-inference forward (it
         would run the MoE all-to-alls, count expert load, and call the loss once more).
         Hidden states between stages are fp32 (the residual stream stays fp32 under autocast).
         """
         mb, seq = tokens.shape
-        dim = self.stage_module.config.dim
-        hidden = torch.empty(mb, seq, dim, dtype=torch.float32, device="meta")
+        hidden = torch.empty(mb, seq, self.config.dim, dtype=torch.float32, device="meta")
         # A received activation must require grad, or the stage sends no gradient back.
-        inp = torch.empty(mb, seq, dtype=tokens.dtype, device="meta") if self.stage == 0 \
+        inp = torch.empty(mb, seq, dtype=tokens.dtype, device="meta") if index == 0 \
             else torch.empty_like(hidden).requires_grad_(True)
-        if self.stage < self.num_stages - 1:
+        if index < self.num_stages - 1:
             return inp, hidden
         dtype = torch.get_autocast_dtype(self.device.type) if torch.is_autocast_enabled(self.device.type) \
             else torch.float32
-        return inp, torch.empty(mb, seq, self.stage_module.config.vocab_size, dtype=dtype, device="meta")
+        return inp, torch.empty(mb, seq, self.config.vocab_size, dtype=dtype, device="meta")
 
-    def _schedule(self, n: int, tokens: torch.Tensor) -> Schedule1F1B:
+    def _stage(self, module: nn.Module, index: int, tokens: torch.Tensor) -> PipelineStage:
+        inp, out = self._example_args(index, tokens)
+        last = index == self.num_stages - 1
+        return PipelineStage(module, index, self.num_stages, self.device, group=self.group,
+                             input_args=(inp,), output_args=(out,),
+                             input_grads=(None,) if index == 0 else (inp,),
+                             output_grads=(None,) if last else (out,))
+
+    def _schedule(self, n: int, tokens: torch.Tensor) -> Any:
         if n not in self._schedules:
-            inp, out = self._example_args(tokens)
-            last = self.stage == self.num_stages - 1
-            pipe_stage = PipelineStage(self.stage_module, self.stage, self.num_stages, self.device, group=self.group,
-                                       input_args=(inp,), output_args=(out,),
-                                       input_grads=(None,) if self.stage == 0 else (inp,),
-                                       output_grads=(None,) if last else (out,))
-            self._schedules[n] = Schedule1F1B(pipe_stage, n_microbatches=n, loss_fn=self._call_loss,
-                                              scale_grads=False)
+            stages = [self._stage(m, i, tokens) for m, i in zip(self.modules, self.stage_indices)]
+            if len(stages) == 1:
+                self._schedules[n] = Schedule1F1B(stages[0], n_microbatches=n, loss_fn=self._call_loss,
+                                                  scale_grads=False)
+            else:
+                kind = ScheduleDualPipeV if self.dualpipe else ScheduleInterleaved1F1B
+                self._schedules[n] = kind(stages, n_microbatches=n, loss_fn=self._call_loss, scale_grads=False)
         return self._schedules[n]
 
     def _call_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -111,12 +167,6 @@ class PipelineRunner:
                          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         self._loss_fn = loss_fn
         schedule = self._schedule(len(inputs), inputs[0])
-        batch = torch.cat(inputs)  # the schedule splits it back into len(inputs) micro-batches
-        if self.stage == 0 and self.num_stages == 1:
-            schedule.step(batch, target=torch.cat(targets))
-        elif self.stage == 0:
-            schedule.step(batch)
-        elif self.stage == self.num_stages - 1:
-            schedule.step(target=torch.cat(targets))
-        else:
-            schedule.step()
+        # the schedule splits the whole batch back into len(inputs) micro-batches
+        args = (torch.cat(inputs),) if self.holds_first else ()
+        schedule.step(*args, target=torch.cat(targets) if self.holds_last else None)

@@ -133,7 +133,8 @@ class _Fp8GroupedMm(torch.autograd.Function):
                     qg_t = quantize(grad_out[s:e].t(), dtype=gdt, block=recipe.input_block, scale=unit)[0]
                     qx_t = quantize(x[s:e].t(), dtype=E4M3, block=recipe.input_block, scale=unit)[0]
                 grad_w[g] = fp8_mm(qg_t, qx_t, out_dtype=torch.float32, use_scaled_mm=use)
-        ctx.qw = ctx.qx = None
+        # ctx.qw / ctx.qx stay until autograd frees this node: a schedule that splits backward
+        # (DualPipeV's input- then weight-gradient passes, retain_graph) runs it twice.
         return grad_x, grad_w.to(weight.dtype), None, None, None, None, None
 
 

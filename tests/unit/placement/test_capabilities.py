@@ -117,8 +117,12 @@ def test_the_jobs_search_space_is_the_tables() -> None:
     assert TRAINABLE_SPACE == runnable_space(SearchSpace(max_pp=1, zero_stage=3))
     assert set(TRAINABLE_SPACE.zero_ladder) <= set(runnable_space().zero_ladder)
     space = runnable_space()
-    assert space.context_parallel == (1,) and space.expert_tp_options == "1" and space.virtual_stages == (1,)
-    assert not space.dualpipe and space.optimizer_dtypes == ("fp32",) and space.activation_dtypes == ("bf16",)
+    assert space.context_parallel == (1,) and space.expert_tp_options == "1"
+    # interleaved and DualPipeV pipelines run (issue 28 item 1): virtual stages stay searched and
+    # DualPipeV is searched when asked (--dualpipe), as in the planner's own space
+    assert space.virtual_stages == SearchSpace().virtual_stages
+    assert runnable_space(SearchSpace(dualpipe=True)).dualpipe
+    assert space.optimizer_dtypes == ("fp32",) and space.activation_dtypes == ("bf16",)
     assert space.zero_ladder == (1, 2, 3) and space.max_pp == SearchSpace().max_pp
 
 
