@@ -194,7 +194,11 @@ def rebalance_experts(demand: torch.Tensor, *, num_physical_experts: int, num_gr
     num_groups: expert groups of the model (experts ``[g*E/G, (g+1)*E/G)`` form group g).
     num_nodes / num_devices: the expert-parallel fleet; devices split evenly over nodes.
     policy: "hierarchical" keeps each group and all its replicas on one node; "global" places
-        replicas anywhere; "auto" is hierarchical when num_nodes divides num_groups.
+        replicas anywhere; "auto" computes both (when num_nodes divides num_groups) and takes,
+        per layer, the hierarchical one unless its max/mean device load on ``demand`` (even
+        split, ``device_load``) is worse than the global one's: keeping groups on nodes saves
+        cross-node traffic, but under hard skew a node holding the hot groups is a bound no
+        device placement can beat, and then auto must not pay it.
 
     Steps (the worked example in tests/unit/serving/test_eplb.py follows them for layer 0):
       1. group loads -> pack groups onto nodes, ``G / N`` per node; renumber logical experts
@@ -216,7 +220,30 @@ def rebalance_experts(demand: torch.Tensor, *, num_physical_experts: int, num_gr
                  num_groups=num_groups, num_nodes=num_nodes, num_devices=num_devices, policy=policy)
     if policy == "global" or num_groups % num_nodes:
         num_groups, num_nodes = 1, 1
+    if policy == "auto" and num_nodes > 1:
+        return _better_per_layer(
+            weight, _place(weight, num_physical_experts, num_groups, num_nodes, num_devices),
+            _place(weight, num_physical_experts, 1, 1, num_devices), num_devices=num_devices)
+    return _place(weight, num_physical_experts, num_groups, num_nodes, num_devices)
 
+
+def _better_per_layer(weight: torch.Tensor, first: ExpertPlacement, second: ExpertPlacement, *,
+                      num_devices: int) -> ExpertPlacement:
+    """Per layer, ``first`` unless ``second`` has a lower max/mean device load on ``weight``."""
+    take_second = (balance_ratio(device_load(weight, second, num_devices=num_devices))
+                   < balance_ratio(device_load(weight, first, num_devices=num_devices)))
+    replicas = max(first.logical_to_physical.shape[2], second.logical_to_physical.shape[2])
+    pad = lambda l2p: torch.nn.functional.pad(l2p, (0, replicas - l2p.shape[2]), value=-1)  # noqa: E731
+    pick = lambda a, b: torch.where(take_second.view(-1, *([1] * (a.dim() - 1))), b, a)  # noqa: E731
+    return ExpertPlacement(pick(first.physical_to_logical, second.physical_to_logical),
+                           pick(pad(first.logical_to_physical), pad(second.logical_to_physical)),
+                           pick(first.logical_replica_count, second.logical_replica_count))
+
+
+def _place(weight: torch.Tensor, num_physical_experts: int, num_groups: int, num_nodes: int,
+           num_devices: int) -> ExpertPlacement:
+    """Steps 1-4 of ``rebalance_experts`` (one group per node: the global policy)."""
+    num_layers, num_logical = weight.shape
     group_size = num_logical // num_groups
     groups_per_node = num_groups // num_nodes
     logical_per_node = num_logical // num_nodes

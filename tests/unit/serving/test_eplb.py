@@ -28,7 +28,7 @@ README_REPLICA_COUNT = [[1, 2, 1, 1, 2, 2, 1, 1, 1, 1, 2, 1],
 
 def _readme_placement() -> ExpertPlacement:
     return rebalance_experts(torch.tensor(README_WEIGHT), num_physical_experts=16, num_groups=4,
-                             num_nodes=2, num_devices=8)
+                             num_nodes=2, num_devices=8, policy="hierarchical")
 
 
 def _check_maps(placement: ExpertPlacement, *, num_physical: int) -> None:
