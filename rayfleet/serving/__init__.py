@@ -28,6 +28,9 @@ _NAME_TO_MODULE = {
     "BlockId": "rayfleet.serving.engine.block_pool",
     "BlockPool": "rayfleet.serving.engine.block_pool",
     "KVCacheEvent": "rayfleet.serving.engine.block_pool",
+    "BlockStored": "rayfleet.serving.engine.kv_events",
+    "BlockRemoved": "rayfleet.serving.engine.kv_events",
+    "AllBlocksCleared": "rayfleet.serving.engine.kv_events",
     "EngineConfig": "rayfleet.serving.engine.engine_config",
     "EngineStats": "rayfleet.serving.engine.llm_engine",
     "GenerationResult": "rayfleet.serving.engine.llm_engine",
@@ -43,6 +46,7 @@ _NAME_TO_MODULE = {
     "ReplicaSnapshot": "rayfleet.serving.engine.replica_state",
     "RouteDecision": "rayfleet.serving.routing.policy",
     "RouterPolicy": "rayfleet.serving.routing.policy",
+    "TTFTPolicy": "rayfleet.serving.routing.ttft_cost",
     "SamplingParams": "rayfleet.serving.engine.sampling",
     "Scheduler": "rayfleet.serving.engine.scheduler",
     "SchedulerConfig": "rayfleet.serving.engine.scheduler",
@@ -63,12 +67,12 @@ def __getattr__(name: str):
 
 __all__ = [
     "BlockHash", "hash_block", "hash_full_blocks", "root_block_hash",
-    "BlockId", "BlockPool", "KVCacheEvent",
+    "BlockId", "BlockPool", "KVCacheEvent", "BlockStored", "BlockRemoved", "AllBlocksCleared",
     "EngineConfig", "EngineStats", "GenerationResult", "LLMEngine",
     "KVCacheManager", "KVCacheStats",
     "PrefixIndex", "ReplicaId",
     "FinishReason", "RequestId", "RequestOutput",
-    "ReplicaScore", "ReplicaSnapshot", "RouteDecision", "RouterPolicy",
+    "ReplicaScore", "ReplicaSnapshot", "RouteDecision", "RouterPolicy", "TTFTPolicy",
     "SamplingParams",
     "Scheduler", "SchedulerConfig", "SchedulerOutput",
 ]

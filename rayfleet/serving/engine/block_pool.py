@@ -13,8 +13,11 @@ Design decisions:
   them, so callers free a sequence's tail first and its shared prefix is evicted last.
 - One block per hash: if a second block with an already-cached hash is offered (two requests
   computed the same prefix concurrently), it simply stays uncached and is recycled first.
-- Optional KV events (hashes stored / evicted) let a replica tell a router's prefix index and
-  the KV tiers what it holds, without either reaching into the pool.
+- Optional KV events let a replica tell a router's prefix index and the KV tiers what it holds,
+  without either reaching into the pool. They are vLLM's (``kv_events``): ``BlockStored`` per
+  run of consecutive newly cached blocks (with parent hash and token ids when the caller passes
+  them), ``BlockRemoved`` for the cached blocks ``get_new_blocks`` evicts, ``AllBlocksCleared``
+  for a reset; so the index holds the replica's exact cache, evictions included.
 - ``eviction_listener`` (set by a KV tier connector) is called synchronously with the
   ``(block_id, hash)`` of every cached block ``get_new_blocks`` evicts, *before* the caller can
   write into them: the one moment their KV can still be copied to a lower tier.
@@ -29,6 +32,7 @@ from typing import NewType
 
 from rayfleet.errors import RayfleetError, SpecError
 from rayfleet.serving.engine.block_hash import BlockHash
+from rayfleet.serving.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 __all__ = ["BlockId", "KVBlock", "BlockPool", "KVCacheEvent", "NoFreeBlocksError"]
 
@@ -54,6 +58,7 @@ class KVCacheEvent:
 
     stored: tuple[BlockHash, ...] = ()
     removed: tuple[BlockHash, ...] = ()
+    cleared = False  # the pool publishes ``kv_events``' shapes; this one is built by hand (tests, replays)
 
 
 class BlockPool:
@@ -69,7 +74,7 @@ class BlockPool:
         self.blocks = [KVBlock(BlockId(i)) for i in range(num_blocks)]
         self._free: OrderedDict[BlockId, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._hash_to_block: dict[BlockHash, KVBlock] = {}
-        self._events: list[KVCacheEvent] | None = [] if enable_kv_events else None
+        self._events: list[KVEvent] | None = [] if enable_kv_events else None
         self.eviction_listener: Callable[[Sequence[tuple[BlockId, BlockHash]]], None] | None = None
 
     # -- queries (pure) -------------------------------------------------------------------------
@@ -119,7 +124,7 @@ class BlockPool:
             block.ref_cnt = 1
             taken.append(block)
         if removed and self._events is not None:
-            self._events.append(KVCacheEvent(removed=tuple(removed)))
+            self._events.append(BlockRemoved(tuple(removed)))
         if evicted and self.eviction_listener is not None:
             self.eviction_listener(evicted)
         return taken
@@ -145,17 +150,21 @@ class BlockPool:
                 if block.block_hash is None:
                     self._free.move_to_end(block.block_id, last=False)
 
-    def cache_full_blocks(self, blocks: Sequence[KVBlock], block_hashes: Sequence[BlockHash]) -> None:
+    def cache_full_blocks(self, blocks: Sequence[KVBlock], block_hashes: Sequence[BlockHash], *,
+                          parent_block_hash: BlockHash | None = None, token_ids: Sequence[int] = (),
+                          block_size: int = 0) -> None:
         """Make ``blocks[i]`` findable under ``block_hashes[i]`` (blocks already cached are skipped).
 
         The caller guarantees each block is full and its KV has been written. A hash that is
         already cached under another block leaves this block uncached. No-op when caching is off.
+        ``parent_block_hash`` (the hash before ``block_hashes[0]``), ``token_ids`` (the blocks'
+        tokens, ``block_size`` each) only fill the ``BlockStored`` events' fields.
         """
         if not self.enable_caching:
             return
         assert len(blocks) == len(block_hashes)
-        stored = []
-        for block, block_hash in zip(blocks, block_hashes):
+        runs: list[list[int]] = []  # indices of newly cached blocks, in runs of consecutive ones
+        for i, (block, block_hash) in enumerate(zip(blocks, block_hashes)):
             if block.block_hash is not None:
                 assert block.block_hash == block_hash, "a cached block changed its prefix"
                 continue
@@ -163,23 +172,32 @@ class BlockPool:
                 continue
             block.block_hash = block_hash
             self._hash_to_block[block_hash] = block
-            stored.append(block_hash)
-        if stored and self._events is not None:
-            self._events.append(KVCacheEvent(stored=tuple(stored)))
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        if self._events is None:
+            return
+        with_tokens = block_size > 0 and len(token_ids) == len(blocks) * block_size
+        for run in runs:
+            first, end = run[0], run[-1] + 1
+            self._events.append(BlockStored(
+                tuple(block_hashes[first:end]), block_hashes[first - 1] if first else parent_block_hash,
+                tuple(token_ids[first * block_size:end * block_size]) if with_tokens else (), block_size))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash if no block is referenced; returns whether it did."""
         if len(self._free) != self.num_blocks:
             return False
-        removed = tuple(self._hash_to_block)
+        had_any = bool(self._hash_to_block)
         for block in self.blocks:
             block.block_hash = None
         self._hash_to_block.clear()
-        if removed and self._events is not None:
-            self._events.append(KVCacheEvent(removed=removed))
+        if had_any and self._events is not None:
+            self._events.append(AllBlocksCleared())
         return True
 
-    def take_events(self) -> list[KVCacheEvent]:
+    def take_events(self) -> list[KVEvent]:
         """Events since the last call, oldest first (empty when events are disabled)."""
         if self._events is None:
             return []

@@ -134,7 +134,10 @@ class KVCacheManager:
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
         start = self._num_cached_blocks.get(request.request_id, 0)
         if num_full > start:
-            self.pool.cache_full_blocks(blocks[start:num_full], request.block_hashes[start:num_full])
+            bs = self.block_size
+            self.pool.cache_full_blocks(blocks[start:num_full], request.block_hashes[start:num_full],
+                                        parent_block_hash=request.block_hashes[start - 1] if start else None,
+                                        token_ids=request.all_token_ids[start * bs:num_full * bs], block_size=bs)
             self._num_cached_blocks[request.request_id] = num_full
 
     def free(self, request: Request) -> None:

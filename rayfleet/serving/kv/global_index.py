@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 from rayfleet.serving.engine.block_hash import BlockHash
 from rayfleet.serving.engine.block_pool import KVCacheEvent
+from rayfleet.serving.engine.kv_events import KVEvent, is_cleared
 from rayfleet.serving.kv.tiers import Tier, TierEvent
 
 __all__ = ["KVLocation", "GlobalKVIndex"]
@@ -77,10 +78,14 @@ class GlobalKVIndex:
             if event.removed:
                 self.discard(location, event.removed)
 
-    def apply_engine_events(self, node_id: str, replica_id: str, events: Iterable[KVCacheEvent]) -> None:
-        """Replay an engine replica's block-pool events in order."""
+    def apply_engine_events(self, node_id: str, replica_id: str, events: Iterable[KVEvent | KVCacheEvent]) -> None:
+        """Replay an engine replica's block-pool events in order (``engine.kv_events``'
+        ``AllBlocksCleared`` drops everything at that replica's engine location)."""
         location = KVLocation(node_id, Tier.ENGINE, replica_id)
         for event in events:
+            if is_cleared(event):
+                self.remove_location(location)
+                continue
             if event.stored:
                 self.add(location, event.stored)
             if event.removed:

@@ -49,6 +49,7 @@ from typing import Any
 
 from rayfleet.errors import SpecError
 from rayfleet.serving.engine.block_pool import KVCacheEvent
+from rayfleet.serving.engine.kv_events import KVEvent, is_cleared
 from rayfleet.serving.routing.prefix_index import PrefixIndex
 from rayfleet.serving.engine.replica_state import ReplicaId
 
@@ -82,10 +83,16 @@ class HashLogPublisher:
         self._last_full_s: float | None = None
         self._published_seq = 0  # events up to here were in an earlier publication
 
-    def apply(self, events: Iterable[KVCacheEvent]) -> bool:
+    def apply(self, events: Iterable[KVEvent | KVCacheEvent]) -> bool:
         """Apply the engine's KV events in order; True if the cached set changed."""
         changed = False
         for event in events:
+            if is_cleared(event):  # AllBlocksCleared: consumers drop everything at once
+                changed = changed or bool(self.cached)
+                if self.cached:
+                    self.cached.clear()
+                    self._new_epoch()
+                continue
             if not event.stored and not event.removed:
                 continue
             changed = True

@@ -8,7 +8,9 @@ Design decisions:
 - Matches are *contiguous* prefixes per replica: a replica that misses block i does not count
   block i+1 even if it holds it (an engine may evict a parent before its child, and a hit
   after a hole is useless: the engine's own lookup stops at the first miss too).
-- Fed by the engines' KV events (``BlockPool.take_events``), so it is eventually consistent:
+- Fed by the engines' KV events (``BlockPool.take_events``: vLLM's ``BlockStored`` /
+  ``BlockRemoved`` / ``AllBlocksCleared``, ``engine.kv_events``), so it holds each replica's
+  exact cache as of its last report, evictions included, and is eventually consistent:
   a stale entry costs one suboptimal routing choice, never a wrong answer (the engine does its
   own lookup). Plain class, no Ray, clock or I/O: the router actor owns one and so can a test
   or a simulator.
@@ -20,6 +22,7 @@ from collections.abc import Iterable, Sequence
 
 from rayfleet.serving.engine.block_hash import BlockHash
 from rayfleet.serving.engine.block_pool import KVCacheEvent
+from rayfleet.serving.engine.kv_events import KVEvent, is_cleared
 from rayfleet.serving.engine.replica_state import ReplicaId
 
 __all__ = ["PrefixIndex"]
@@ -82,9 +85,14 @@ class PrefixIndex:
                 else:
                     del self._hash_to_mask[h]
 
-    def apply_events(self, replica_id: ReplicaId, events: Iterable[KVCacheEvent]) -> None:
-        """Replay a replica's KV events in order."""
+    def apply_events(self, replica_id: ReplicaId, events: Iterable[KVEvent | KVCacheEvent]) -> None:
+        """Replay a replica's KV events in order (``AllBlocksCleared`` drops all it held)."""
         for event in events:
+            if is_cleared(event):
+                held = self._replica_to_hashes.get(replica_id)
+                if held:
+                    self.remove_blocks(replica_id, list(held))
+                continue
             if event.stored:
                 self.add_blocks(replica_id, event.stored)
             if event.removed:
