@@ -223,26 +223,26 @@ class _Run:
 
     def forward_backward(self, batch: StepBatch) -> tuple[float, int, torch.Tensor]:
         """(local loss sum, local target tokens, local expert load ``[moe_layers, E]``)."""
-        local_tokens = batch.num_local_tokens
+        local_tokens = batch.num_local_tokens // self.plan.cp  # a CP rank holds 1/cp of each sequence
         self.loss_sums: list[float] = []
         self.expert_load.zero_()
-        micro = [mb.to(self.device, non_blocking=True) for mb in batch.microbatches]
+        micro = [self.par.model_inputs(mb.to(self.device, non_blocking=True), cp_rank=getattr(self.ctx, "cp_rank", 0),
+                                       cp=self.plan.cp) for mb in batch.microbatches]  # (inputs, targets)
         if self.plan.pp > 1:
             pipeline = getattr(self.par, "pipeline_forward_backward", None)
             if pipeline is None:
                 raise RuntimeError("plan.pp > 1 needs rayfleet.jobs.parallel.pipeline_forward_backward")
             with _autocast(self.device, self.loop.precision):
-                pipeline(self.model, self.ctx, inputs=[mb[:, :-1] for mb in micro],
-                         targets=[mb[:, 1:] for mb in micro],
+                pipeline(self.model, self.ctx, inputs=[x for x, _ in micro], targets=[y for _, y in micro],
                          loss_fn=lambda logits, targets: self._loss(logits, targets, local_tokens=local_tokens))
             return sum(self.loss_sums), local_tokens, self.expert_load.clone()
         if self.uneven and hasattr(self.model, "set_reshard_after_forward"):
             self.model.set_reshard_after_forward(False)
-        for i, mb in enumerate(micro):
+        for i, (inputs, targets) in enumerate(micro):
             self._set_accumulating(i < len(micro) - 1)
             with _autocast(self.device, self.loop.precision):
-                logits = self.model(mb[:, :-1])
-            self._loss(logits, mb[:, 1:], local_tokens=local_tokens).backward()
+                logits = self.model(inputs)
+            self._loss(logits, targets, local_tokens=local_tokens).backward()
         return sum(self.loss_sums), local_tokens, self.expert_load.clone()
 
     def train_step(self) -> tuple[StepBatch, dict[str, float | list[float]], float, float]:
@@ -276,17 +276,17 @@ def train_worker(loop: LoopConfig, plan: ParallelPlan, *, report: Callable[[dict
                  should_stop: Callable[[], bool] | None = None, resume: TrainState | None = None,
                  hooks: TrainHooks | Sequence[TrainHooks] | None = None, device: torch.device | str | None = None,
                  loss_averaging: LossAveraging = "global_tokens", misroute_experts: bool = False,
-                 grad_probe: str | None = None) -> TrainSummary:
+                 grad_probe: str | None = None, cp_control: str = "none") -> TrainSummary:
     """Train ``loop`` (the job's loop slice) with ``plan`` on this rank; ``torch.distributed`` must be initialized.
 
     ``report(metrics)`` is called on every rank after every step (keys: ``metrics.METRIC_KEYS``).
     ``should_stop()`` is polled every step on every rank; when any rank says stop, all stop after
     the same step. ``resume`` continues from a saved :class:`TrainState`. ``hooks``: one, or several
-    called in order. ``device`` defaults to
-    the current CUDA device when CUDA is available, else CPU. At the end rank 0 writes the
-    full model to ``loop.output_uri`` (all ranks take part in gathering it); a stopped run
-    saves no final model (its state is the checkpoint hooks' business). ``misroute_experts`` is
-    the deliberately broken EP dispatch the parity tests must catch (never set it otherwise).
+    called in order. ``device`` defaults to the current CUDA device when CUDA is available, else
+    CPU. At the end rank 0 writes the full model to ``loop.output_uri`` (all ranks take part in
+    gathering it); a stopped run saves no final model (its state is the checkpoint hooks' business).
+    ``misroute_experts`` and ``cp_control`` are the deliberately broken EP dispatch and CP attention
+    (``context_parallel.CPControl``) the parity tests must catch (never set them otherwise).
     ``grad_probe`` names a parameter whose whole gradient (before clipping) is added to every
     step's metrics as ``grad_probe`` (a tensor; for tests, not for Ray reporting).
     """
@@ -299,7 +299,8 @@ def train_worker(loop: LoopConfig, plan: ParallelPlan, *, report: Callable[[dict
 
     hooks = HookChain([h for h in hooks if h is not None]) if isinstance(hooks, (list, tuple)) else hooks or TrainHooks()
     ctx = par.build_parallel_context(plan, device=torch.device(device), a2a_overlap=loop.a2a_overlap,
-                                     fp8_dispatch=loop.fp8_dispatch, misroute_experts=misroute_experts)
+                                     fp8_dispatch=loop.fp8_dispatch, misroute_experts=misroute_experts,
+                                     cp_control=cp_control)
     run = _Run(loop, plan, ctx, loss_averaging=loss_averaging, par=par, grad_probe=grad_probe)
     if resume is not None:
         run.load(resume)

@@ -108,9 +108,10 @@ CAPABILITIES: tuple[Capability, ...] = (
                "2*pp-1-r (jobs/parallel/pipeline.py, placement/pipeline_chunks.py)",
                "set dualpipe: false (plain 1F1B)", lambda p, _: p.dualpipe, _attr("dualpipe"),
                MappingProxyType({"pp": 2, "dualpipe": True}), lambda s: replace(s, dualpipe=False)),
-    Capability("cp", "cp>1", "plan.cp", False,
-               "context parallelism is not implemented by the train loop: attention sees whole sequences "
-               "(issue 28 item 2)",
+    Capability("cp", "cp>1", "plan.cp", True,
+               "load-balanced context parallelism: CP rank i holds sequence chunks i and 2*cp-1-i, attention "
+               "all-gathers K/V over the CP group and merges per-chunk partial softmaxes by log-sum-exp, GQA and "
+               "MLA alike; gradients summed over CP (jobs/parallel/context_parallel.py)",
                "set cp: 1 (split further with tp, ep or pp)", lambda p, _: p.cp > 1, _attr("cp"),
                MappingProxyType({"cp": 2}), lambda s: replace(s, context_parallel=(1,))),
     Capability("ep", "ep>1", "plan.ep", True,

@@ -229,9 +229,9 @@ def validate_plan(plan: ParallelPlan, model: ModelSpec, *, world_size: int | Non
                         f"tp*cp*dp*pp = {plan.world_size} but the fleet gives {world_size} accelerators",
                         f"choose degrees whose product is {world_size}, or change the fleet")
     _check_tensor_parallel(plan, model, scaleup_domain_size)
-    if not _divides(plan.cp, model.seq_len):
-        raise SpecError("plan.cp", plan.cp, f"does not divide seq_len={model.seq_len}",
-                        "use a context-parallel degree that divides the sequence length")
+    if plan.cp > 1 and not _divides(2 * plan.cp, model.seq_len):  # the trainer's load-balanced 2*cp chunks
+        raise SpecError("plan.cp", plan.cp, f"2*cp does not divide seq_len={model.seq_len}",
+                        "use a context-parallel degree with 2*cp dividing the sequence length")
     _check_experts(plan, model, scaleup_domain_size)
     _check_stages(plan, model)
     _check_batch(plan, model)

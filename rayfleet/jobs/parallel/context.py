@@ -8,13 +8,18 @@ Design decisions:
   ranks that talk here. Every rank builds both meshes in the same order (``new_group`` is a
   collective over the world).
 - Only the kinds the trainer implements are accepted, as the capability table
-  (``placement/capabilities.py``) lists them (today ``cp`` and ``etp`` must be 1; interleaved
-  and DualPipeV pipelines run): a plan asking for more fails here with the field and the fix, not with
+  (``placement/capabilities.py``) lists them (today ``etp`` must be 1; context parallelism,
+  interleaved and DualPipeV pipelines run): a plan asking for more fails here with the field and the fix, not with
   a wrong result later. The job's spec and ``resolve_plan`` read the same table first.
 - ``moe_token_split``: when TP > 1 and EP > 1, the TP peers of a rank hold the same tokens; they
   each route and dispatch a disjoint 1/tp slice (Megatron's sequence split before dispatch), so
   no token reaches an expert twice. The MoE layer's replicated parameters (router, shared
   experts) then hold partial gradients on each TP peer, summed in ``finalize_gradients``.
+- Context parallelism (``cp``): the CP ranks of a DP replica hold the same samples, each its
+  load-balanced share of every sequence (``context_parallel``). For parameter gradients they
+  are extra data-parallel ranks: FSDP2 stays over ``dp`` (``grad_divide_factor`` is still
+  ``dp``) and ``finalize_gradients`` sums the replicated gradients over ``cp``; the experts'
+  EDP group already spans the CP ranks (the expert grid folds over ``tp * cp * dp``).
 - The a2a statistics (``A2AStats``) live on the context: the dispatchers of every MoE layer add
   to them, and the loop reads the step's hidden fraction.
 """
@@ -99,6 +104,8 @@ class ParallelContext:
     a2a_overlap: bool = False
     fp8_dispatch: bool = False
     misroute_experts: bool = False  # BROKEN ON PURPOSE: the mis-routed EP control of the tests
+    cp_rank: int = 0
+    cp_control: str = "none"  # "none", or a BROKEN ON PURPOSE CP variant (context_parallel.CPControl)
     a2a: A2AStats = field(default_factory=A2AStats)
     pipeline: Any = None  # the PipelineRunner when plan.pp > 1 (set by parallelize_model)
     expert_ckpt_mesh: DeviceMesh | None = None  # (ep, edp) of this stage, ep-major: experts' global layout
@@ -114,6 +121,10 @@ class ParallelContext:
     @property
     def ep_size(self) -> int:
         return self.plan.ep
+
+    @property
+    def cp_size(self) -> int:
+        return self.plan.cp
 
     @property
     def edp_size(self) -> int:
@@ -148,7 +159,8 @@ def _check_supported(plan: ParallelPlan, world_size: int) -> None:
 
 
 def build_parallel_context(plan: ParallelPlan, *, device: torch.device, a2a_overlap: bool = False,
-                           fp8_dispatch: bool = False, misroute_experts: bool = False) -> ParallelContext:
+                           fp8_dispatch: bool = False, misroute_experts: bool = False,
+                           cp_control: str = "none") -> ParallelContext:
     """Collective over the default group: build both meshes and this rank's context."""
     world_size, rank = dist.get_world_size(), dist.get_rank()
     _check_supported(plan, world_size)
@@ -177,4 +189,4 @@ def build_parallel_context(plan: ParallelPlan, *, device: torch.device, a2a_over
                            dp_rank=c.dp, pp_rank=c.pp, ep_rank=c.ep, edp_rank=c.edp, mesh=mesh,
                            expert_mesh=expert_mesh, stage_group=stage_group, a2a_overlap=a2a_overlap,
                            fp8_dispatch=fp8_dispatch, misroute_experts=misroute_experts,
-                           expert_ckpt_mesh=ckpt_mesh)
+                           expert_ckpt_mesh=ckpt_mesh, cp_rank=c.cp, cp_control=cp_control)

@@ -7,10 +7,12 @@ Design decisions:
   chunks: equal work, where a contiguous split would leave the last rank ``2 * cp - 1`` times
   the first one's. Tokens, targets and rotary positions are cut the same way
   (:func:`split_for_context_parallel`); each token keeps its *global* position.
-- K/V exchange: all-gather of each layer's K and V over the CP group (Llama 3's CP), through
-  ``torch.distributed.nn.functional.all_gather`` so autograd carries dK/dV back (its backward
-  is a reduce-scatter on NCCL and an all-to-all plus sum on gloo; both run here). Rejected for
-  now: a point-to-point ring (Megatron's ``p2p`` CP) with its own ring backward. Memory
+- K/V exchange: all-gather of each layer's K and V over the CP group (Llama 3's CP) in an
+  autograd function of ours (:class:`_GatherOverGroup`) whose backward sums dK/dV back to their
+  owners: a reduce-scatter on NCCL, an ``all_to_all_single`` plus sum on gloo (which has no
+  reduce-scatter). Not ``torch.distributed.nn.functional.all_gather``: deprecated, and its gloo
+  backward scatters from *group* ranks as if they were global ranks, which fails on every CP
+  group but the first (CP2 x TP2 hit it). Rejected for now: a point-to-point ring (Megatron's ``p2p`` CP) with its own ring backward. Memory
   trade-off: each rank holds the whole sequence's K/V of one layer during that layer's
   attention (and, for backward, as saved activations): ``B * S * Hkv * D`` per tensor instead
   of the ring's ``2 * B * S/cp * Hkv * D`` in flight; with grouped-query heads K/V are a small
@@ -38,7 +40,6 @@ from typing import Any, Literal, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.nn.functional import all_gather
 
 from rayfleet.errors import SpecError
 from rayfleet.models.layers import Attention
@@ -165,6 +166,29 @@ def _global_chunks(gathered: Sequence[torch.Tensor], *, cp: int, control: CPCont
     return chunks
 
 
+class _GatherOverGroup(torch.autograd.Function):
+    """``x`` of every rank of ``group``, stacked ``[group_size, *x.shape]``; backward sums each
+    rank's gradient slice back to its owner."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous()
+        if dist.get_backend(ctx.group) == "nccl":
+            out = torch.empty(grad.shape[1:], dtype=grad.dtype, device=grad.device)
+            dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+            return out, None
+        received = torch.empty_like(grad)  # received[j]: rank j's gradient of this rank's x
+        dist.all_to_all_single(received, grad, group=ctx.group)
+        return received.sum(0), None
+
+
 class ContextParallelAttention:
     """The ``attend`` of an attention module under CP: gather K/V over ``group``, attend, merge."""
 
@@ -172,8 +196,8 @@ class ContextParallelAttention:
         self.group, self.cp_rank, self.cp, self.control = group, cp_rank, cp, control
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k_all = all_gather(k.contiguous(), group=self.group)
-        v_all = all_gather(v.contiguous(), group=self.group)
+        k_all = _GatherOverGroup.apply(k, self.group).unbind(0)
+        v_all = _GatherOverGroup.apply(v, self.group).unbind(0)
         return attend_chunks(q, _global_chunks(k_all, cp=self.cp, control=self.control),
                              _global_chunks(v_all, cp=self.cp, control=self.control),
                              cp_rank=self.cp_rank, cp=self.cp, control=self.control)
