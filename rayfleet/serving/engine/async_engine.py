@@ -29,6 +29,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from rayfleet.serving.engine.kv_connector import HandoffId, KVHandle, KVPayload, KVTransport
@@ -56,6 +57,9 @@ class AsyncEngine:
         self.max_step_s = max_step_s
         self.max_step_failures = max_step_failures
         self._step_started: float | None = None  # clock() at the start of the running step
+        # Engine seconds spent on prompt tokens: each step's time times its prompt tokens' share of
+        # the tokens it computed (reported beside the engine's prompt-token total, ``poll_state``).
+        self.prefill_seconds_total = 0.0
         self._num_step_failures = 0  # failed steps in a row
         self._loop_error: BaseException | None = None
         self._closing = False
@@ -95,9 +99,13 @@ class AsyncEngine:
         """Runs on the engine thread: one step, queue times, prefill results popped."""
         outputs = []
         if self.engine.has_unfinished_requests():
-            self._step_started = self.clock()
+            self._step_started = started = self.clock()
             try:
+                self.engine.last_step_prefill_tokens = 0  # a failed step computed nothing
                 outputs = self.engine.step()
+                if self.engine.last_step_prefill_tokens:
+                    self.prefill_seconds_total += (self.clock() - started) * (
+                        self.engine.last_step_prefill_tokens / max(1, self.engine.last_step_tokens))
                 if self.after_step is not None:
                     self.after_step()
                 self._num_step_failures = 0
@@ -335,7 +343,8 @@ class AsyncEngine:
     async def poll_state(self) -> ReplicaState:
         """Snapshot + KV events since the last poll (events are consumed: one poller)."""
         def collect() -> ReplicaState:
-            return ReplicaState(snapshot=self.engine.replica_snapshot(self.name),
+            return ReplicaState(snapshot=replace(self.engine.replica_snapshot(self.name),
+                                                 prefill_seconds_total=self.prefill_seconds_total),
                                 events=tuple(self.engine.take_kv_events()),
                                 kv=self.engine.kv_cache_manager.stats(), usage=self._usage(),
                                 max_model_len=self.engine.max_model_len,

@@ -149,6 +149,10 @@ class LLMEngine:
         self._prefill_params: dict[RequestId, SamplingParams] = {}
         self._prefill_results: dict[RequestId, PrefillResult] = {}
         self.last_scheduled_ids: tuple[RequestId, ...] = ()  # requests in the latest step
+        # Prompt tokens of the latest step, all its tokens, prompt tokens so far (the router's
+        # prefill-rate input; the async shell times steps: this class reads no clock).
+        self.last_step_prefill_tokens = self.last_step_tokens = 0
+        self.num_prefill_tokens_total = 0
 
     @classmethod
     def from_preset(cls, name: str = "tiny", config: EngineConfig = EngineConfig(), *, seed: int = 0,
@@ -265,6 +269,10 @@ class LLMEngine:
             self._log_failures()
             return self.scheduler.take_aborted_outputs()
         self.last_scheduled_ids = tuple(c.request_id for c in output.chunks)
+        self.last_step_prefill_tokens = sum(len(c.token_ids) for c in output.chunks if c.start_position
+                                            < self.scheduler.requests[c.request_id].num_prompt_tokens)
+        self.last_step_tokens = output.num_batched_tokens
+        self.num_prefill_tokens_total += self.last_step_prefill_tokens
         step_logits = self._execute(output)
         requests = [self.scheduler.requests[rid] for rid in step_logits.request_ids]
         rows = sample_rows(step_logits.logits, [r.sampling_params for r in requests],
@@ -389,4 +397,4 @@ class LLMEngine:
             num_free_blocks=stats.kv.num_free_blocks, num_active_blocks=stats.num_active_blocks,
             num_queued_blocks=-(-stats.num_queued_tokens // self.config.block_size),
             num_running_requests=stats.num_running, max_num_seqs=self.config.max_num_seqs,
-            healthy=healthy)
+            healthy=healthy, num_prefill_tokens_total=self.num_prefill_tokens_total)

@@ -103,3 +103,37 @@ def test_policies_are_selectable_by_name():
     assert isinstance(prefill_policy("prefix_load", load_weight=0.25), RouterPolicy)
     with pytest.raises(SpecError, match="predicted_ttft"):
         prefill_policy("affinity")
+
+
+def test_a_replica_reports_prefill_tokens_and_seconds_and_the_router_learns_its_rate(tiny_model):
+    """The built-in engine counts the prompt tokens it computes (decode tokens excluded) and its
+    async shell the step time they took; a router polling it learns a positive rate from them."""
+    import asyncio
+
+    from rayfleet.serving.engine.async_engine import AsyncEngine
+    from rayfleet.serving.engine.engine_config import EngineConfig
+    from rayfleet.serving.engine.llm_engine import LLMEngine
+    from rayfleet.serving.engine.sampling import SamplingParams
+
+    llm = LLMEngine(tiny_model, EngineConfig(block_size=4, num_blocks=64, vocab_limit=259,
+                                             max_num_batched_tokens=8, enable_kv_events=True))  # 8: prompt in chunks
+    engine = AsyncEngine(llm, name="colocated-0")
+    core = RouterCore(roles={"colocated": ["colocated-0"]}, block_size=4, model_id="tiny")
+    prompt = [256] + list(range(10, 29))
+
+    async def scenario():
+        first = await engine.poll_state()
+        core.observe("colocated-0", first.snapshot, first.events)
+        async for _ in engine.generate("r", prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)):
+            pass
+        return await engine.poll_state()
+
+    try:
+        state = asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    assert state.snapshot.num_prefill_tokens_total == len(prompt)  # 5 decode steps not counted
+    assert state.snapshot.prefill_seconds_total > 0
+    core.observe("colocated-0", state.snapshot, state.events)
+    assert core.prefill_rates.rate("colocated-0") != core.prefill_rates.prior_tokens_per_s
+    assert core.index.num_blocks_on(ReplicaId("colocated-0")) >= 5  # its BlockStored events landed
