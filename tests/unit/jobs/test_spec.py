@@ -53,7 +53,7 @@ def test_examples_exist() -> None:
     ("plan", "manual", "plan", "auto"),
     ("plan", {"dp": 2, "micro_batch_size": 3}, "plan.micro_batch_size", "divid"),
     ("plan", {"dp": 2, "replica_microbatches": [3, 2]}, "plan.replica_microbatches", "add up"),
-    ("plan", {"cp": 2}, "plan.cp", "cp: 1"),
+    ("plan", {"cp": 3}, "data.seq_len", "divisible by 6"),  # load-balanced CP: 2*cp chunks
     ("grad_accum", 3, "grad_accum", None),
     ("optimizer.lr", -1.0, "optimizer.lr", None),
     ("optimizer.betas", [0.9, 1.5], "optimizer.betas", "0.95"),
@@ -163,7 +163,7 @@ def test_model_spec_matches_model_parameter_count(job_dict) -> None:
     assert planner.global_batch_sequences == 8 and planner.seq_len == 32
 
 
-@pytest.mark.parametrize("field, value", [("etp", 2), ("cp", 2)])
+@pytest.mark.parametrize("field, value", [("etp", 2)])
 def test_splits_the_trainer_does_not_run_are_refused_at_the_spec(job_dict, field, value) -> None:
     spec = copy.deepcopy(job_dict)
     spec["plan"] = {"dp": 1, field: value}

@@ -104,12 +104,20 @@ def test_the_runnable_search_never_ranks_a_refused_kind(model, fleet, precision)
 
 
 def test_the_planners_default_search_ranks_what_the_trainer_refuses() -> None:
-    """The broken variant the runnable space guards against: llama3-8b on 1,024 H100 ranks CP and
-    interleaved plans, which the runs column marks."""
-    result = search_plans(preset("llama3-8b"), fleet_capacity_of("H100:1024"), top_k=5,
+    """The broken variant the runnable space guards against: Mixtral-8x7B on 1,024 H100 ranks
+    expert-TP plans, which the runs column marks. (llama3-8b's CP and interleaved plans there
+    were the example until the trainer ran them: issue 28 items 1 and 2.)"""
+    result = search_plans(preset("mixtral-8x7b"), fleet_capacity_of("H100:1024"), top_k=5,
                           goal=JobGoal.exactly(1024))
     labels = [runs_label(r.plan, precision="bf16") for r in result.ranked]
-    assert any(label.startswith("no:") and "cp>1" in label for label in labels)
+    assert any(label.startswith("no:") and "etp>1" in label for label in labels)
+
+
+def test_llama3_8b_cp_plans_on_1024_h100_are_runnable() -> None:
+    result = search_plans(preset("llama3-8b"), fleet_capacity_of("H100:1024"), top_k=5,
+                          goal=JobGoal.exactly(1024))
+    assert any(r.plan.cp > 1 for r in result.ranked)
+    assert all(runs_label(r.plan, precision="bf16") == "yes" for r in result.ranked)
 
 
 def test_the_jobs_search_space_is_the_tables() -> None:
@@ -117,7 +125,7 @@ def test_the_jobs_search_space_is_the_tables() -> None:
     assert TRAINABLE_SPACE == runnable_space(SearchSpace(max_pp=1, zero_stage=3))
     assert set(TRAINABLE_SPACE.zero_ladder) <= set(runnable_space().zero_ladder)
     space = runnable_space()
-    assert space.context_parallel == (1,) and space.expert_tp_options == "1"
+    assert space.context_parallel == SearchSpace().context_parallel and space.expert_tp_options == "1"
     # interleaved and DualPipeV pipelines run (issue 28 item 1): virtual stages stay searched and
     # DualPipeV is searched when asked (--dualpipe), as in the planner's own space
     assert space.virtual_stages == SearchSpace().virtual_stages
@@ -127,10 +135,12 @@ def test_the_jobs_search_space_is_the_tables() -> None:
 
 
 def test_flipping_a_row_flips_both_sides(monkeypatch) -> None:
-    """If the table says CP runs, the spec accepts cp: 2 and the runnable space searches CP."""
-    flipped = tuple(dataclasses.replace(c, runs=True) if c.kind == "cp" else c for c in CAPABILITIES)
+    """If the table says ETP runs, the spec accepts etp: 2 and the runnable space searches ETP."""
+    cap = capabilities.capability("etp")
+    with pytest.raises(SpecError):
+        TrainJobSpec.model_validate(_job(cap))
+    flipped = tuple(dataclasses.replace(c, runs=True) if c.kind == "etp" else c for c in CAPABILITIES)
     monkeypatch.setattr(capabilities, "CAPABILITIES", flipped)
-    cap = capabilities.capability("cp")
     TrainJobSpec.model_validate(_job(cap))  # accepted now
-    assert runnable_space().context_parallel is None
-    require_runnable(ParallelPlan(cp=2))
+    assert runnable_space().expert_tp_options == SearchSpace().expert_tp_options
+    require_runnable(ParallelPlan(tp=2, ep=2, etp=2))
