@@ -32,7 +32,7 @@ from typing import Any
 from rayfleet.serving.deploy.replica_client import ServeReplicaClient
 from rayfleet.serving.engine.replica_state import ReplicaState
 from rayfleet.serving.engine.replica_output import GenerationChunk
-from rayfleet.serving.engine.block_hash import hash_full_blocks, root_block_hash
+from rayfleet.serving.routing.prompt_hashes import PromptHashCache
 from rayfleet.serving.errors import ReplicaUnavailableError
 from rayfleet.serving.routing.router import RoutePlan, RouteHint
 
@@ -78,12 +78,12 @@ class PoolClient(ServeReplicaClient):
         self.failed = failed or FailedReplicas()
         self.request_to_replica = _Remembered()
         self.handoff_to_replica = _Remembered()
+        self.hash_cache = PromptHashCache(block_size=block_size, model_id=model_id)
 
     # -- hints and calls -----------------------------------------------------------------------
     def prompt_hint(self, prompt: list[int], cache_salt: str | None, max_tokens: int = 0) -> RouteHint:
-        hashes = hash_full_blocks(list(prompt), block_size=self.block_size,
-                                  root=root_block_hash(model_id=self.model_id, cache_salt=cache_salt))
-        return RouteHint(block_hashes=tuple(hashes), num_prompt_blocks=-(-len(prompt) // self.block_size),
+        hashes = self.hash_cache.hashes(prompt, cache_salt)  # once per prompt (``routing.prompt_hashes``)
+        return RouteHint(block_hashes=hashes, num_prompt_blocks=-(-len(prompt) // self.block_size),
                          num_blocks_needed=-(-(len(prompt) + max_tokens) // self.block_size),
                          avoid=self.failed.current())
 

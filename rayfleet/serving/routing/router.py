@@ -48,6 +48,7 @@ from rayfleet.serving.routing.long_prefill import LongPrefillPolicy, SpanAssignm
 from rayfleet.serving.routing.prefix_index import PrefixIndex
 from rayfleet.serving.routing.policy import RouterPolicy
 from rayfleet.serving.routing.pool_router import ROUTING_STATS_KEYS, Mode, PoolRouterCore, RouteHint
+from rayfleet.serving.routing.prompt_hashes import PromptHashCache
 from rayfleet.serving.routing.recent_work import DecayedMean, PrefixWorkLedger, RecentWorkLedger
 from rayfleet.serving.routing.ttft_cost import PrefillRateEstimator, TTFTPolicy
 
@@ -256,6 +257,8 @@ class Router:
                  poll_interval_s: float = 0.1, idle_poll_interval_s: float = 1.0) -> None:
         self.clients = dict(clients)
         self.core = core
+        # Hashing is the ingress's, once per prompt, never inside the decision (``prompt_hashes``).
+        self.hash_cache = PromptHashCache(block_size=core.block_size, model_id=core.model_id)
         self.poll_interval_s = poll_interval_s
         self.idle_poll_interval_s = max(idle_poll_interval_s, poll_interval_s)
         self.states: dict[str, ReplicaState] = {}
@@ -306,8 +309,9 @@ class Router:
         self._routed_since_poll = True
         if self._wake is not None:
             self._wake.set()
+        hashes = self.hash_cache.hashes(prompt_token_ids, cache_salt)
         plan = self.core.route(prompt_token_ids, max_tokens=max_tokens, cache_salt=cache_salt, exclude=exclude,
-                               now_s=time.monotonic())
+                               block_hashes=hashes, now_s=time.monotonic())
         # Index the routed prompt after the answer is on its way, not before (decision path).
         asyncio.get_running_loop().call_soon(self.core.flush_bookings)
         return plan
