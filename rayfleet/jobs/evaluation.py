@@ -19,6 +19,9 @@ Design decisions:
   FP8 delayed scaling's amax histories (updated by every forward) are saved and put back, so a run
   with validation trains exactly as one without. MoE load counted by the loop's forward hooks is
   reset at the next step's start, and router biases move only after training steps.
+- An evaluation runs between two steps, where the hang detector (``health.monitor``) sees no
+  progress: keep it well under ``RAYFLEET_HANG_TIMEOUT_S`` (120 s; 20 batches of the quality
+  benchmark take ~1 s) or the group is restarted as hung. Its time is reported as ``eval_time_s``.
 - Pipeline-parallel plans are refused (``planning.validate_job``): their forward runs inside a
   schedule that also backpropagates.
 """
