@@ -17,14 +17,18 @@ until reboot whatever the test does).
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
 
 import psutil
 
 __all__ = ["MARKER_VAR", "ProcessSnapshot", "Leftover", "mark_session", "snapshot", "leftovers",
-           "wait_for_no_leftovers", "describe"]
+           "wait_for_no_leftovers", "describe", "stop_process_tree", "files_restored"]
 
 MARKER_VAR = "RAYFLEET_PROCESS_MARKER"
 
@@ -103,3 +107,47 @@ def wait_for_no_leftovers(before: ProcessSnapshot, marker: str, *, grace_s: floa
 def describe(found: list[Leftover]) -> str:
     return "\n".join(f"  pid {p.pid} {p.name}: {p.cmdline}" + (f" (listening on {', '.join(p.listening)})"
                                                                  if p.listening else "") for p in found)
+
+
+# -- helpers for tests that start daemons or write outside their temp dirs ----------------------------
+def stop_process_tree(proc: subprocess.Popen, *, timeout_s: float = 10.0) -> None:
+    """SIGTERM ``proc`` and its descendants (sshd's per-connection processes), SIGKILL what is
+    left after ``timeout_s``, and reap ``proc``."""
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in (*tree, proc):
+        try:
+            p.terminate()
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            pass
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout_s)
+    _, alive = psutil.wait_procs(tree, timeout=timeout_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=timeout_s)  # gone (or a zombie of an orphan: nothing runs)
+
+
+@contextmanager
+def files_restored(paths: list[Path]) -> Iterator[None]:
+    """Put each of ``paths`` back as it was on leaving: the same bytes, mode and times, or absent."""
+    saved = {p: (p.read_bytes(), p.stat()) if p.is_file() else None for p in paths}
+    try:
+        yield
+    finally:
+        for path, was in saved.items():
+            if was is None:
+                path.unlink(missing_ok=True)
+            else:
+                data, st = was
+                path.write_bytes(data)
+                path.chmod(st.st_mode & 0o7777)
+                os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))

@@ -26,14 +26,13 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-import psutil
 import pytest
 import yaml
 
+from process_leaks import files_restored, stop_process_tree
 from rayfleet.platform import labels as L
 from rayfleet.platform.cluster_config import load_onprem_spec
 
@@ -106,43 +105,6 @@ def _die_with_parent() -> None:
     """In the child before exec: SIGTERM it when pytest dies (Linux PR_SET_PDEATHSIG), so even a
     killed test run takes its sshd with it."""
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 == PR_SET_PDEATHSIG
-
-
-def stop_process_tree(proc: subprocess.Popen, *, timeout_s: float = 10.0) -> None:
-    """SIGTERM ``proc`` and its descendants (sshd's per-connection processes), SIGKILL what is
-    left after ``timeout_s``, and reap ``proc``."""
-    try:
-        tree = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        tree = []
-    for p in (*tree, proc):
-        try:
-            p.terminate()
-        except (psutil.NoSuchProcess, ProcessLookupError):
-            pass
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=timeout_s)
-    _, alive = psutil.wait_procs(tree, timeout=timeout_s)
-    for p in alive:
-        p.kill()
-
-
-@contextmanager
-def files_restored(paths: list[Path]) -> Iterator[None]:
-    """Put each of ``paths`` back as it was on leaving: the same bytes and mode, or absent."""
-    saved = {p: (p.read_bytes(), p.stat().st_mode) if p.is_file() else None for p in paths}
-    try:
-        yield
-    finally:
-        for path, was in saved.items():
-            if was is None:
-                path.unlink(missing_ok=True)
-            else:
-                path.write_bytes(was[0])
-                path.chmod(was[1] & 0o7777)
 
 
 @pytest.fixture(scope="module")
