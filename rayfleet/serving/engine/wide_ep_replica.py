@@ -70,6 +70,7 @@ class WideEPReplica:
         self.exchange_s: dict[int, float] = defaultdict(float)
         self.exchange_bytes: dict[int, int] = defaultdict(int)
         self.device_load: list[torch.Tensor] = []  # per step [L, ranks] copies computed per rank
+        self.expert_load: list[torch.Tensor] = []  # per step [L, E] routed copies, all ranks
         self.moves: list[tuple[int, str, int, float]] = []  # (step, reason, slots received, seconds)
         self.num_steps = 0
 
@@ -100,8 +101,9 @@ class WideEPReplica:
         slots = reports[0].physical.shape[1] // self.num_ranks
         sent = torch.stack([r.physical for r in reports]).sum(0)  # [L, P] copies per slot, all ranks
         self.device_load.append(sent.view(sent.shape[0], self.num_ranks, slots).sum(-1))
+        self.expert_load.append(torch.stack([r.logical for r in reports]).sum(0))
         if self.eplb is not None:
-            decision = self.eplb.observe_step(torch.stack([r.logical for r in reports]).sum(0))
+            decision = self.eplb.observe_step(self.expert_load[-1])
             if isinstance(decision, ApplyPlacement):
                 self.next_placement = decision.placement
                 self.moves.append((self.num_steps, decision.reason, 0, 0.0))

@@ -13,8 +13,9 @@ Design decisions:
   is worse than ``shift_trigger`` times what a placement fitted on that window would give,
   the old windows describe traffic that is gone; the history is cut to the latest window and
   the policy re-places at once. Otherwise it re-places every ``rebalance_every_windows``
-  windows, and only when the candidate is better on the recorded windows (a move costs a
-  weight transfer).
+  windows when the percentile demand gives a different placement. (Judging the candidate on
+  the recorded windows first was tried: it is biased towards the past and kept stale
+  placements under drift.)
 - Loads are judged as the engine routes: ``routing="balanced"`` is
   ``replica_split.balanced_split`` (device-level water-filling), ``"even"`` splits an expert's
   tokens evenly over its replicas (``eplb.device_load``).
@@ -135,12 +136,10 @@ class LiveEPLBPolicy:
             return self._apply(self.place(window), "shift", current)
         if self.windows_since_apply < c.rebalance_every_windows:
             return self._decide(KeepPlacement("not due", current))
-        history = torch.stack(list(self.history))
-        candidate = self.place(expert_demand(history, percentile=c.percentile))
-        on_history = lambda p: sum(self.balance(w, p) for w in history) / len(history)  # noqa: E731
-        if on_history(candidate) < 0.99 * on_history(self.placement):
-            return self._apply(candidate, "periodic", current)
-        return self._decide(KeepPlacement("no better candidate", current))
+        candidate = self.place(expert_demand(torch.stack(list(self.history)), percentile=c.percentile))
+        if torch.equal(candidate.physical_to_logical, self.placement.physical_to_logical):
+            return self._decide(KeepPlacement("same placement", current))
+        return self._apply(candidate, "periodic", current)
 
     def _apply(self, placement: ExpertPlacement, reason: str, current: float) -> ApplyPlacement:
         self.placement = placement

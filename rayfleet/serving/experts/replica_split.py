@@ -31,30 +31,30 @@ from rayfleet.serving.experts.eplb import ExpertPlacement
 __all__ = ["balanced_split", "rank_quotas", "assign_copies", "balanced_device_load"]
 
 
-def _even(amount: int, num: int) -> torch.Tensor:
+def _even(amount: int, num: int) -> list[int]:
     """``amount`` split over ``num`` replicas, the remainder to the lower replica ranks."""
-    whole = torch.full((num,), amount // num, dtype=torch.int64)
-    whole[: amount % num] += 1
-    return whole
+    return [amount // num + (1 if j < amount % num else 0) for j in range(num)]
 
 
-def _water_fill(amount: int, devs: torch.Tensor, device: torch.Tensor) -> torch.Tensor:
+def _water_fill(amount: int, devs: list[int], device: list[float]) -> list[int]:
     """Integer amounts per replica on devices ``devs`` that raise the lowest of ``device`` loads
-    together (replicas sharing a device share its amount)."""
-    unique = torch.unique(devs)  # sorted
-    level = device[unique]
-    order = torch.argsort(level, stable=True)
-    sorted_level = level[order]
-    # Water level: the largest m with (amount + sum of the m lowest) / m >= the m-th lowest.
-    water = (amount + torch.cumsum(sorted_level, 0)) / torch.arange(1, unique.numel() + 1, dtype=torch.float64)
-    fill = int((water >= sorted_level).nonzero().max()) + 1
-    give = torch.zeros(unique.numel(), dtype=torch.float64)
-    give[order[:fill]] = (water[fill - 1] - sorted_level[:fill]).clamp(min=0)
-    share = give[torch.searchsorted(unique, devs)] / torch.bincount(devs)[devs].double()
-    whole = share.floor().to(torch.int64)
-    rest = amount - int(whole.sum())
+    together (replicas sharing a device share its amount). Plain Python: a handful of replicas
+    per expert, where tensor ops would cost more than the arithmetic."""
+    unique = sorted(set(devs), key=lambda d: (device[d], d))
+    total, water, fill = 0.0, 0.0, 0
+    for m, d in enumerate(unique, start=1):  # the largest m whose water level reaches the m-th lowest
+        total += device[d]
+        level = (amount + total) / m
+        if level < device[d]:
+            break
+        water, fill = level, m
+    give = {d: max(0.0, water - device[d]) for d in unique[:fill]}
+    sharing = {d: devs.count(d) for d in give}
+    whole = [int(give.get(d, 0.0) / sharing.get(d, 1)) for d in devs]
+    rest = amount - sum(whole)
     if rest:  # one token each to the replicas whose devices end lowest (lower rank on ties)
-        whole[torch.argsort(device[devs] + whole.double(), stable=True)[:rest]] += 1
+        for j in sorted(range(len(devs)), key=lambda j: (device[devs[j]] + whole[j], j))[:rest]:
+            whole[j] += 1
     return whole
 
 
@@ -69,24 +69,26 @@ def balanced_split(counts: torch.Tensor, logical_to_physical: torch.Tensor, logi
     given all others' load, which never raises the busiest device (coordinate descent on the
     max), so the result is never worse than the even split.
     """
-    counts = counts.to(torch.int64).cpu()
-    l2p = logical_to_physical.cpu()
+    amounts = [int(c) for c in counts.tolist()]
     replicas = logical_replica_count.tolist()
-    num_physical = int(l2p.max()) + 1
-    quota = torch.zeros(num_physical, dtype=torch.int64)
-    for e, r in enumerate(replicas):
-        quota[l2p[e, :r]] = _even(int(counts[e]), r)
-    device = torch.zeros(-(-num_physical // slots_per_device), dtype=torch.float64)
-    device.index_add_(0, torch.arange(num_physical) // slots_per_device, quota.double())
-    multi = sorted((e for e, r in enumerate(replicas) if r > 1 and int(counts[e])), key=lambda e: (-int(counts[e]), e))
+    slots = [row[:r] for row, r in zip(logical_to_physical.tolist(), replicas)]
+    num_physical = max(max(row) for row in slots) + 1
+    quota = [0] * num_physical
+    device = [0.0] * -(-num_physical // slots_per_device)
+    for e, row in enumerate(slots):
+        for p, q in zip(row, _even(amounts[e], len(row))):
+            quota[p] = q
+            device[p // slots_per_device] += q
+    multi = sorted((e for e, r in enumerate(replicas) if r > 1 and amounts[e]), key=lambda e: (-amounts[e], e))
     for _ in range(passes):
         for e in multi:
-            slots = l2p[e, :replicas[e]]
-            devs = slots // slots_per_device
-            device.index_add_(0, devs, -quota[slots].double())
-            quota[slots] = _water_fill(int(counts[e]), devs, device)
-            device.index_add_(0, devs, quota[slots].double())
-    return quota
+            devs = [p // slots_per_device for p in slots[e]]
+            for p, d in zip(slots[e], devs):
+                device[d] -= quota[p]
+            for p, d, q in zip(slots[e], devs, _water_fill(amounts[e], devs, device)):
+                quota[p] = q
+                device[d] += q
+    return torch.tensor(quota, dtype=torch.int64)
 
 
 def rank_quotas(counts_by_rank: torch.Tensor, quota: torch.Tensor, logical_to_physical: torch.Tensor,
