@@ -17,6 +17,15 @@ Design decisions:
   policy balances) nor saturated (where queues only grow).
 - The router's ledger of recent work (``ReplicaSnapshot.recent_work_blocks``) decays with
   ``load_memory_s``, as ``RouterCore`` keeps it live.
+- What the router sees is what the live router sees (``book_running``, the default): each
+  replica publishes its state every ``publish_interval_s`` (a poll period), and between
+  publications the router books its own decisions, as ``RouterCore.route`` does. A publication
+  carries the replica's queued prompt blocks (requests not yet in service: their uncached
+  blocks), its running requests and their KV blocks (``num_active_blocks``: in service from the
+  start of their prefill until ``decode_step_s`` per output token after its end, continuous
+  batching) and the KV events (stored / evicted) since the previous one; the index sees an
+  eviction only then. ``book_running=False`` is the replay before issue 30: the FIFO's outstanding
+  work as queued blocks, no running requests, state current at every decision.
 - ``load_max_mean`` is max/mean over replicas of the work each was assigned over the whole trace
   (what a replica actually had to compute), so stickiness that overloads one replica shows.
 - Pure apart from the optional ``timer``: no Ray, no I/O beyond reading the trace file.
@@ -27,11 +36,12 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rayfleet.errors import SpecError
 from rayfleet.serving.engine.block_hash import BlockHash, hash_block, root_block_hash
+from rayfleet.serving.engine.block_pool import KVCacheEvent
 from rayfleet.serving.engine.replica_state import ReplicaSnapshot, ReplicaId
 from rayfleet.serving.routing.policy import RouterPolicy
 from rayfleet.serving.routing.prefix_index import PrefixIndex
@@ -122,6 +132,19 @@ class _ReplicaModel:
         self.cache_blocks = cache_blocks
         self.busy_until = 0.0
         self.assigned_work = 0.0
+        # Routed requests as (service start, end of decode, uncached prompt blocks, KV blocks), and
+        # KV events since the last publication (``book_running``).
+        self.inflight: list[tuple[float, float, int, int]] = []
+        self.events: list[KVCacheEvent] = []
+
+    def publish(self, now: float, cache_blocks: int) -> ReplicaSnapshot:
+        """What the engine reports at ``now``: queued prompt blocks, running requests and their
+        KV blocks (module doc). Drops requests that ended."""
+        self.inflight = [f for f in self.inflight if f[1] > now]
+        queued = sum(f[2] for f in self.inflight if f[0] > now)
+        running = [f for f in self.inflight if f[0] <= now]
+        return ReplicaSnapshot(self.name, cache_blocks, cache_blocks, sum(f[3] for f in running),
+                               num_queued_blocks=queued, num_running_requests=len(running))
 
     def cached_prefix(self, chain: Sequence[BlockHash]) -> int:
         n = 0
@@ -145,12 +168,14 @@ class _ReplicaModel:
 def replay_routing(requests: Sequence[TraceRequest], *, policy: RouterPolicy | None, num_replicas: int,
                    cache_blocks: int, utilization: float = 0.8, decode_token_cost: float = 8.0,
                    load_memory_s: float = LOAD_MEMORY_S, activity_memory_s: float = ACTIVITY_MEMORY_S,
-                   label: str = "", own_ledger: bool = True,
+                   label: str = "", own_ledger: bool = True, book_running: bool = True,
+                   publish_interval_s: float = 0.1, decode_step_s: float = 0.02,
                    timer: Callable[[], float] | None = None) -> ReplayResult:
     """Route every request in arrival order; ``policy=None`` is round robin (the baseline).
 
-    ``cache_blocks`` is each replica's cache size in trace blocks. Raises ``SpecError`` for a
-    non-positive replica count or cache size.
+    ``cache_blocks`` is each replica's cache size in trace blocks; ``policy`` may be any prefill
+    cost (``RouterPolicy``, ``ttft_cost.TTFTPolicy``: it gets the replicas' rate in tokens/s).
+    Raises ``SpecError`` for a non-positive replica count or cache size.
     """
     if num_replicas < 1 or cache_blocks < 1:
         raise SpecError("num_replicas/cache_blocks", (num_replicas, cache_blocks), "must be positive",
@@ -168,21 +193,32 @@ def replay_routing(requests: Sequence[TraceRequest], *, policy: RouterPolicy | N
     ledger, activity = RecentWorkLedger(load_memory_s), RecentWorkLedger(activity_memory_s)
     own_activity = PrefixWorkLedger(activity_memory_s)
     prompt_blocks, request_work = DecayedMean(load_memory_s), DecayedMean(load_memory_s)
+    rates = {r.name: rate for r in replicas}
+    published: dict[ReplicaId, ReplicaSnapshot] = {}
+    next_publication = requests[0].arrival_s if requests else 0.0
     for n, (req, chain) in enumerate(zip(requests, chains)):
         now = req.arrival_s
+        if policy is not None and book_running and now >= next_publication:
+            tick = now - (now - next_publication) % publish_interval_s if publish_interval_s > 0 else now
+            for r in replicas:
+                published[r.name] = r.publish(tick, cache_blocks)
+                index.apply_events(r.name, r.events)
+                r.events = []
+            next_publication = tick + publish_interval_s
         if policy is None:
             chosen = replicas[n % num_replicas]
         else:
-            snaps = [ReplicaSnapshot(r.name, cache_blocks, cache_blocks, 0,
-                                     num_queued_blocks=int(max(0.0, r.busy_until - now) * rate / TRACE_BLOCK_TOKENS))
-                     for r in replicas]
+            snaps = ([published[r.name] for r in replicas] if book_running else
+                     [ReplicaSnapshot(r.name, cache_blocks, cache_blocks, 0, num_queued_blocks=int(
+                         max(0.0, r.busy_until - now) * rate / TRACE_BLOCK_TOKENS)) for r in replicas])
             start = timer() if timer else 0.0
             matched = index.match_prefix(chain)
             decision = policy.choose_prefill(
                 snaps, chain, index, max_ranked=1, matched=matched, recent_work={r.name: ledger.value(r.name, now) for r in replicas},
                 activity={r.name: activity.value(r.name, now) for r in replicas},
                 mean_request_blocks=prompt_blocks.value(now), mean_request_work=request_work.value(now),
-                own_activity=own_activity.own(chain, matched, now) if own_ledger else None)
+                own_activity=own_activity.own(chain, matched, now) if own_ledger else None,
+                prefill_rate=rates, tokens_per_block=TRACE_BLOCK_TOKENS, num_prompt_tokens=req.input_tokens)
             index.add_blocks(decision.replica_id, chain)  # the router books the prompt at once
             if timer:
                 times.append(timer() - start)
@@ -198,9 +234,18 @@ def replay_routing(requests: Sequence[TraceRequest], *, policy: RouterPolicy | N
         own_activity.add(chosen.name, chain, work / TRACE_BLOCK_TOKENS, now)
         prompt_blocks.add(len(chain), now)
         request_work.add(work / TRACE_BLOCK_TOKENS, now)
-        chosen.busy_until = max(chosen.busy_until, now) + work / rate
+        start = max(chosen.busy_until, now)
+        chosen.busy_until = start + work / rate
         evicted = chosen.admit(chain)
-        if policy is not None:
+        if book_running and policy is not None:
+            prompt_blocks_uncached = -(-uncached_tokens // TRACE_BLOCK_TOKENS)
+            chosen.inflight.append((start, start + uncached_tokens / rate + req.output_tokens * decode_step_s,
+                                    prompt_blocks_uncached, len(chain) + -(-req.output_tokens // TRACE_BLOCK_TOKENS)))
+            chosen.events.append(KVCacheEvent(stored=tuple(chain), removed=tuple(evicted)))
+            # The router books its decision until the next publication (``RouterCore.route``).
+            snap = published[chosen.name]
+            published[chosen.name] = replace(snap, num_queued_blocks=snap.num_queued_blocks + prompt_blocks_uncached)
+        elif policy is not None:
             index.add_blocks(chosen.name, chain)
             index.remove_blocks(chosen.name, evicted)
     loads = [r.assigned_work for r in replicas]

@@ -12,6 +12,7 @@ from rayfleet.errors import SpecError
 from rayfleet.serving.engine.block_hash import hash_full_blocks, root_block_hash
 from rayfleet.serving.engine.replica_state import ReplicaSnapshot, ReplicaId
 from rayfleet.serving.routing.policy import RouterPolicy
+from rayfleet.serving.routing.ttft_cost import TTFTPolicy
 from rayfleet.serving.routing.prefix_index import PrefixIndex
 from rayfleet.serving.routing.recent_work import RecentWorkLedger
 from rayfleet.serving.routing.router import RouterCore
@@ -129,9 +130,27 @@ def test_mooncake_trace_reader_and_bound(tmp_path):
         read_mooncake_trace(path)
 
 
-def _replay(trace, policy, num_replicas):
+def _replay(trace, policy, num_replicas, *, book_running=False):
+    """The two tests below measure the block-unit cost in the replay as it was before issue 30
+    (``book_running=False``: no running requests, state current at every decision);
+    ``test_replay_that_books_running_requests`` replays as the live router sees."""
     distinct = len({b for r in trace for b in r.block_ids})  # the benchmark's cache rule: 2x fair share
-    return replay_routing(trace, policy=policy, num_replicas=num_replicas, cache_blocks=-(-2 * distinct // num_replicas))
+    return replay_routing(trace, policy=policy, num_replicas=num_replicas, book_running=book_running,
+                          cache_blocks=-(-2 * distinct // num_replicas))
+
+
+def test_replay_that_books_running_requests():
+    """Running requests booked as the live router books them (published every 0.1 s, its own
+    decisions in between): the block-unit cost prices running blocks as load and falls to 0.77
+    of the hit bound at 8 replicas (0.99 unbooked, issue 30); the TTFT cost keeps 0.996 (a
+    running decode costs a queued request one token a step, not a block of prefill). Its load
+    max/mean is 1.22 (measured; 2.8 at 64 replicas): it balances waiting time, not work."""
+    trace = multi_turn_trace(num_conversations=200, turns=8, seed=1, turn_blocks=(1, 8), system_blocks=4)
+    ttft = _replay(trace, TTFTPolicy(), 8, book_running=True)
+    assert ttft.share_of_bound >= 0.95, ttft
+    block_unit = _replay(trace, RouterPolicy(), 8, book_running=True)
+    assert block_unit.share_of_bound < 0.8, block_unit  # the broken variant the issue names
+    assert _replay(trace, RouterPolicy(), 8).share_of_bound > 0.95  # ... which the unbooked replay hid
 
 
 def test_replay_on_conversations_keeps_hits_and_balance():
