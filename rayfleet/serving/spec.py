@@ -123,7 +123,7 @@ class VLLMSpec(_Strict):
     decode (``mode: disaggregated``): ``nixl`` (host memory on CPU, GPU memory on GPU) or
     ``shared_storage`` (vLLM's ExampleConnector through the directory ``kv_storage_path``).
     ``request_router``: the pools' Serve RequestRouter: ``rayfleet`` (rayfleet's prefix+load
-    policy, ``router.policy`` and ``router.load_weight``; colocated pools), ``prefix_cache_affinity``
+    policy, ``router.policy``, ``router.cost`` and ``router.load_weight``; colocated pools), ``prefix_cache_affinity``
     (Serve LLM's ``PrefixCacheAffinityRouter``) or ``power_of_two`` (Serve's default); unset:
     ``rayfleet`` for a colocated pool, ``power_of_two`` for prefill/decode."""
 
@@ -146,7 +146,13 @@ class VLLMSpec(_Strict):
 
 
 class RouterSpec(_Strict):
+    """``policy``: prefix-aware routing or round robin. ``cost`` (prefix-aware): what the router
+    minimises: ``predicted_ttft`` (seconds of queued + uncached prefill at each replica's
+    measured rate plus the decodes batched with it; ``routing.ttft_cost``) or ``prefix_load``
+    (the block-unit cost with fitted weights it replaced; ``load_weight`` is its weight)."""
+
     policy: Literal["prefix_aware", "round_robin"] = "prefix_aware"
+    cost: Literal["predicted_ttft", "prefix_load"] = "predicted_ttft"
     load_weight: float = Field(0.5, ge=0)
     poll_interval_s: float = Field(0.1, gt=0)  # replica polls while there is work
     idle_poll_interval_s: float = Field(1.0, gt=0)  # ... and while there is none (a route wakes it)

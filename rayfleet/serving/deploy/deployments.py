@@ -258,7 +258,9 @@ def pool_deployment_options(spec: ServeSpec, role: str) -> dict[str, Any]:
     pool = spec.pools()[role]
     router = RequestRouterConfig(
         request_router_class=PrefixLoadRequestRouter,
-        request_router_kwargs={"role": role, "load_weight": spec.router.load_weight, "mode": spec.router.policy},
+        request_router_kwargs={"role": role, "load_weight": spec.router.load_weight, "mode": spec.router.policy,
+                               "cost": spec.router.cost, "tokens_per_block": spec.engine.block_size,
+                               "step_token_budget": max(2, spec.engine.max_num_batched_tokens)},
         # Replicas publish their state this often (Serve's controller collects and broadcasts it);
         # between publications the router books what it routed.
         request_routing_stats_period_s=max(0.5, spec.router.poll_interval_s), request_routing_stats_timeout_s=5.0)

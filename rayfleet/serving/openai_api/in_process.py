@@ -23,7 +23,7 @@ from rayfleet.serving.deploy.inference_service import InferenceService
 from rayfleet.serving.deploy.replica_client import LocalReplicaClient
 from rayfleet.serving.deploy.serving_metrics import ServingMetrics
 from rayfleet.serving.openai_api.app import build_openai_app
-from rayfleet.serving.routing.policy import RouterPolicy
+from rayfleet.serving.routing.ttft_cost import prefill_policy
 from rayfleet.serving.routing.router import Router, RouterCore
 from rayfleet.serving.spec import ServeSpec
 
@@ -79,7 +79,9 @@ def build_local(spec: ServeSpec | dict) -> LocalServing:
                                         transport=LocalTransport(owner=name, lease_s=spec.kv_transfer.lease_s),
                                         after_step=balancer.after_step if balancer is not None else None)
     clients = {n: LocalReplicaClient(e) for n, e in engines.items()}
-    core = RouterCore(roles=spec.replica_names(), policy=RouterPolicy(load_weight=spec.router.load_weight),
+    cost = (prefill_policy("prefix_load", load_weight=spec.router.load_weight) if spec.router.cost == "prefix_load"
+            else prefill_policy("predicted_ttft", step_token_budget=max(2, config.max_num_batched_tokens)))
+    core = RouterCore(roles=spec.replica_names(), policy=cost,
                       mode=spec.router.policy, block_size=config.block_size, model_id=config.model_id,
                       num_blocks_hint=config.num_blocks, long_prefill=spec.long_prefill_policy())
     router = Router(clients, core, poll_interval_s=spec.router.poll_interval_s,

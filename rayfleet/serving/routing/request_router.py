@@ -49,6 +49,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from rayfleet.serving.routing.policy import RouterPolicy
 from rayfleet.serving.routing import router as _router
 from rayfleet.serving.routing.pool_router import PoolRouterCore, RouteHint
+from rayfleet.serving.routing.ttft_cost import prefill_policy
 
 __all__ = ["PrefixLoadRequestRouter"]
 
@@ -59,11 +60,16 @@ class PrefixLoadRequestRouter(RequestRouter):
 
     def initialize_state(self, *, role: str = "prefill", load_weight: float = 0.5, mode: str = "prefix_aware",
                          hint_kwarg: str = "route", best_attempts: int = 3, spread_weight: float | None = None,
+                         cost: str = "predicted_ttft", tokens_per_block: int = 16, step_token_budget: int = 2048,
                          **_: Any) -> None:
-        # ``spread_weight``: the policy's opt-in spread term (``RouterPolicy``; None: its default).
-        policy = RouterPolicy(load_weight=load_weight) if spread_weight is None else RouterPolicy(
-            load_weight=load_weight, spread_weight=spread_weight)
-        self.core = PoolRouterCore(role=role, policy=policy, mode=mode)
+        # ``cost``: ``ttft_cost.PREFILL_POLICIES``; ``load_weight``/``spread_weight`` are the
+        # prefix_load cost's (None: its default), ``step_token_budget`` the TTFT cost's.
+        if cost == "prefix_load":
+            policy = RouterPolicy(load_weight=load_weight) if spread_weight is None else RouterPolicy(
+                load_weight=load_weight, spread_weight=spread_weight)
+        else:
+            policy = prefill_policy(cost, step_token_budget=step_token_budget)
+        self.core = PoolRouterCore(role=role, policy=policy, mode=mode, tokens_per_block=tokens_per_block)
         self.hint_kwarg = hint_kwarg
         self.best_attempts = max(1, int(best_attempts))  # module doc: probes that miss a busy replica
         self.num_fallbacks = 0  # choose_replicas calls answered with every candidate (errors, lost pins)

@@ -187,6 +187,7 @@ def request_router_config(spec: ServeSpec) -> dict[str, Any] | None:
     if name == "rayfleet":
         config["request_router_kwargs"] = {
             "role": "colocated", "mode": spec.router.policy, "load_weight": spec.router.load_weight,
+            "cost": spec.router.cost, "tokens_per_block": spec.engine.block_size,
             "block_chars": spec.engine.block_size * DEFAULT_CHARS_PER_TOKEN}
         config["request_routing_stats_period_s"] = ROUTING_STATS_PERIOD_S
     return config

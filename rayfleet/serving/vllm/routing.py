@@ -6,7 +6,8 @@ prompt's text blocks, the same ones ``server.RayfleetLLMServer`` publishes) and 
 decision to the shared ``PoolRouterCore`` (prefix overlap weighed against load, with the
 router's own booking between two stats publications).
 
-Two prices differ from the built-in engine's router, because vLLM batches a new prefill with
+With ``cost: prefix_load`` (the default is the TTFT cost, ``routing.ttft_cost``, which needs no
+per-engine prices), two prices differ from the built-in engine's router, because vLLM batches a new prefill with
 the running decodes at its next step (continuous batching, chunked prefill), and because what
 its pools serve is conversations whose later turns are cached on one replica:
 
@@ -31,6 +32,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest
 
+from rayfleet.serving.routing.policy import RouterPolicy
 from rayfleet.serving.routing.request_router import PrefixLoadRequestRouter
 from rayfleet.serving.routing.router import RouteHint
 from rayfleet.serving.vllm.text_blocks import DEFAULT_CHARS_PER_TOKEN, request_text, text_block_hashes
@@ -45,6 +47,8 @@ class VLLMPrefixLoadRequestRouter(PrefixLoadRequestRouter):
                          marginal_overload_at_home: bool = True, **kwargs: Any) -> None:
         super().initialize_state(**kwargs)
         self.block_chars = block_chars
+        if not isinstance(self.core.policy, RouterPolicy):
+            return  # the TTFT cost (the default) prices running decodes itself: no block prices to set
         if decode_weight is None:  # one token of a block_size-token block (module doc)
             decode_weight = DEFAULT_CHARS_PER_TOKEN / block_chars
         self.core.policy = replace(self.core.policy, decode_weight=decode_weight,

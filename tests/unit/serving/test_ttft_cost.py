@@ -137,3 +137,14 @@ def test_a_replica_reports_prefill_tokens_and_seconds_and_the_router_learns_its_
     core.observe("colocated-0", state.snapshot, state.events)
     assert core.prefill_rates.rate("colocated-0") != core.prefill_rates.prior_tokens_per_s
     assert core.index.num_blocks_on(ReplicaId("colocated-0")) >= 5  # its BlockStored events landed
+
+
+def test_serve_spec_selects_the_cost_by_name():
+    from pydantic import ValidationError
+
+    from rayfleet.serving.spec import RouterSpec
+
+    assert RouterSpec().cost == "predicted_ttft"
+    assert RouterSpec(cost="prefix_load").cost == "prefix_load"
+    with pytest.raises((ValidationError, SpecError)):
+        RouterSpec(cost="affinity")
