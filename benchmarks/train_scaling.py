@@ -1,7 +1,7 @@
 """Training throughput: tokens/s for 1, 2 and 4 workers beside the ideal, the communication
 share of step time per parallel dimension, the a2a hidden fraction, and the MFU estimate.
 
-    python benchmarks/train_scaling.py [--quick] [--part all|scaling|platform] [--steps 8]
+    python benchmarks/train_scaling.py [--quick] [--part all|scaling|platform|pipeline] [--steps 8]
                                        [--json benchmarks/results/train_scaling.json]
 
 Platform against a bare loop (``--part platform``; issue 19): the same model (tiny MoE, fp32),
@@ -25,6 +25,11 @@ reductions. Shares are of rank 0's wall time in those steps; collectives run on 
 threads, so overlapped time counts too (the a2a hidden fraction says how much of EP's is
 hidden). MFU is against the catalogue's peak of the job's declared accelerator (H100), so on a
 CPU it is tiny: it shows the estimate works, not GPU efficiency.
+
+Pipeline bubble (``--part pipeline``; issue 28 item 7): 1F1B, interleaved 1F1B (VP2) and DualPipeV
+at the same PP (2) and micro-batch count (8; quick: 4), each rank's measured idle share of the
+pipeline beside the cost model's (``placement/pipeline_schedule.py``) priced with the measured
+per-micro-batch compute; how it is measured is in ``benchmarks/_pipeline_bubble.py``.
 
 Where CUDA is available, the same script also compares FP8 (tensorwise) with BF16 end to end
 on the ``small`` preset in one process (goal: FP8 >= 1.2x BF16).
@@ -51,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from _pipeline_bubble import measure_bubbles, print_bubbles  # noqa: E402  (beside this script)
 from common import Goal, Table, record_run  # noqa: E402  (benchmarks/common.py, beside this script)
 from rayfleet.jobs.local_processes import run_local_many  # noqa: E402
 from rayfleet.jobs.spec import TrainJobSpec  # noqa: E402
@@ -352,7 +358,7 @@ def main() -> None:
     parser.add_argument("--json", default="benchmarks/results/train_scaling.json")
     parser.add_argument("--quick", action="store_true",
                         help="fewer plans and steps; the platform comparison without the paced variant")
-    parser.add_argument("--part", choices=("all", "scaling", "platform"), default="all")
+    parser.add_argument("--part", choices=("all", "scaling", "platform", "pipeline"), default="all")
     parser.add_argument("--platform-steps", type=int, default=60)
     parser.add_argument("--platform-workers", default=None,
                         help="comma-separated RANKS[:SPARE_CORES] for the platform comparison: SPARE_CORES of the "
@@ -360,7 +366,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.steps, args.warmup, args.platform_steps = min(args.steps, 5), min(args.warmup, 2), 30
-    platform_result, platform_more = None, {}
+    platform_result, platform_more, bubbles = None, {}, None
+    if args.part in ("all", "pipeline"):
+        with tempfile.TemporaryDirectory(prefix="rayfleet-bench-") as tmp:
+            bubbles = measure_bubbles(_dataset(tmp), tmp, microbatches=4 if args.quick else 8, steps=args.steps,
+                                      warmup=args.warmup)
+        print_bubbles(bubbles)
+        if args.part == "pipeline":
+            _write_json(args.json, {"pipeline_bubble": bubbles})
+            _record(args, [], bubbles=bubbles)
+            return
     if args.part in ("all", "platform"):
         counts = [tuple(int(x) for x in (c + ":0").split(":")[:2])
                   for c in (args.platform_workers or ("2" if args.quick else "2,1:1")).split(",")]
@@ -431,12 +446,16 @@ def main() -> None:
     print(f"total {elapsed:.0f} s")
     for result in [platform_result, *platform_more.values()] if platform_result is not None else []:
         print_platform(result)
+    if bubbles is not None:
+        print_bubbles(bubbles)
     _write_json(args.json, {"machine": platform.machine(), "cores": cores, "rows": rows, "gpu_fp8_vs_bf16": gpu,
-                            "platform_vs_bare": platform_result, **platform_more})
-    _record(args, [platform_result, *platform_more.values()] if platform_result is not None else [], rows, gpu)
+                            "platform_vs_bare": platform_result, **platform_more, "pipeline_bubble": bubbles})
+    _record(args, [platform_result, *platform_more.values()] if platform_result is not None else [], rows, gpu,
+            bubbles=bubbles)
 
 
-def _record(args, platform_results: list[dict], rows: list[dict] | None = None, gpu: list[dict] | None = None) -> None:
+def _record(args, platform_results: list[dict], rows: list[dict] | None = None, gpu: list[dict] | None = None,
+            *, bubbles: dict | None = None) -> None:
     """This run's ledger entry: the platform/bare goal (>= 0.97) for each platform comparison, FP8/BF16 on a GPU."""
     goals, table_rows = [], []
     for result in platform_results:
@@ -452,13 +471,20 @@ def _record(args, platform_results: list[dict], rows: list[dict] | None = None, 
     if gpu and len(gpu) == 2:
         goals.append(Goal("GPU FP8 / BF16 tokens/s", ">=", 1.2, gpu[1]["tokens_per_s"] / gpu[0]["tokens_per_s"]))
     tables = {}
+    if bubbles is not None:
+        tables["pipeline_bubble"] = Table(
+            ["schedule", "plan", "micro-batches", "measured bubble", "model bubble", "pipeline s", "model s"],
+            [[r["schedule"], r["plan"], str(r["microbatches"]), f"{r['measured_bubble']:.3f}",
+              f"{r['model_bubble']:.3f}", f"{r['pipeline_s']:.3f}", f"{r['model_pipeline_s']:.3f}"]
+             for r in bubbles["rows"]])
     if table_rows:
         tables["platform_vs_bare"] = Table(["plan / cores left to the platform", "bare s/step", "rayfleet s/step",
                                             "platform/bare", "load at end"], table_rows)
     record_run(name="train_scaling", quick=args.quick,
                params={"part": args.part, "steps": args.steps, "warmup": args.warmup,
                        "platform_steps": args.platform_steps, "platform_workers": args.platform_workers},
-               figures={"platform_vs_bare": platform_results, "rows": rows, "gpu_fp8_vs_bf16": gpu},
+               figures={"platform_vs_bare": platform_results, "rows": rows, "gpu_fp8_vs_bf16": gpu,
+                        "pipeline_bubble": bubbles},
                goals=goals, tables=tables)
 
 
