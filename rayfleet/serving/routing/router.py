@@ -11,6 +11,10 @@ Design decisions:
   loses the blocks the request will need, and the prompt's hashes are indexed on the prefill
   replica at once (it will cache them within a step; SGLang's router does the same). The next
   poll overwrites the guesses with the truth.
+- The prefill cost is ``ttft_cost.TTFTPolicy`` by default (predicted TTFT in seconds;
+  ``policy.RouterPolicy``, the block-unit cost, stays selectable). Each replica's prefill rate
+  is learned from the growth of the prompt tokens and prefill seconds its snapshots report
+  (``PrefillRateEstimator``); a snapshot whose totals fell (a restarted replica) is no sample.
 - ``round_robin`` is the baseline the benchmark compares with: it ignores prefixes and load.
 - Long prompts (``long_prefill``, see ``long_context``): when the uncached part of a prompt
   reaches the policy's threshold, the plan also carries spans over several first-role replicas,
