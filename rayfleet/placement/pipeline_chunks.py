@@ -17,6 +17,10 @@ Design decisions:
   ``pp - 1`` for 1F1B and interleaving, as the planner's balance assumes, but rank 0 for
   DualPipeV (the V comes back). The planner charges the head to the last rank's stage, so for
   DualPipeV rank 0's real cost is higher than the balance assumed (by the head's share).
+- The schedules' own conditions on the micro-batch count are checked before a job starts
+  (``check_microbatches``; ``resolve_plan`` and the worker call it): DualPipeV needs ``2 * pp``,
+  and torch's interleaved 1F1B runs rounds of ``pp`` micro-batches (``m`` a multiple of
+  ``max(1, m // pp)``), which the planner's ``interleaving_possible`` (``m >= pp``) does not ask.
 - A rank with fewer layers than chunks cannot run (a chunk without layers would still send and
   receive every micro-batch): refused with the field and the fix. ``validate_plan`` does not
   check it because the planner validates shapes with placeholder boundaries (one layer a stage).
@@ -31,7 +35,7 @@ from typing import NamedTuple
 
 from rayfleet.errors import SpecError
 
-__all__ = ["VirtualStage", "num_chunks", "stage_rank", "virtual_stages"]
+__all__ = ["VirtualStage", "check_microbatches", "num_chunks", "stage_rank", "virtual_stages"]
 
 
 class VirtualStage(NamedTuple):
@@ -89,3 +93,19 @@ def virtual_stages(rank_layer_counts: Sequence[int], *, chunks: int, dualpipe: b
         out.append(VirtualStage(index, rank, range(start, start + size)))
         start += size
     return tuple(out)
+
+
+def check_microbatches(num_microbatches: int, *, pp: int, vpp: int, dualpipe: bool) -> None:
+    """Raise :class:`SpecError` when the plan's schedule cannot run ``num_microbatches`` a step
+    (per DP replica): torch's ``ScheduleDualPipeV`` and ``ScheduleInterleaved1F1B`` conditions."""
+    m = num_microbatches
+    if dualpipe and m < 2 * pp:
+        raise SpecError("plan.dualpipe", True, f"DualPipeV needs at least 2*pp = {2 * pp} micro-batches per replica "
+                        f"and step; this plan gives {m}",
+                        "use dualpipe: false, fewer stages, or more micro-batches (a larger global batch or a smaller "
+                        "micro_batch_size)")
+    rounds = max(1, m // pp)
+    if not dualpipe and vpp > 1 and m % rounds:
+        raise SpecError("plan.vpp", vpp, f"interleaved 1F1B runs micro-batches in {rounds} rounds of pp={pp}; "
+                        f"{m} micro-batches per replica and step do not split into them",
+                        f"use a micro-batch count that is a multiple of pp (e.g. {rounds * pp}), or vpp: 1")

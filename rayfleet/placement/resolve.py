@@ -41,6 +41,7 @@ from rayfleet.placement.cost_params import CostParams
 from rayfleet.placement.fleet_capacity import FleetCapacity
 from rayfleet.placement.memory_model import MemoryBreakdown
 from rayfleet.placement.model_spec import ModelSpec
+from rayfleet.placement.pipeline_chunks import check_microbatches
 from rayfleet.placement.plan import ParallelPlan, validate_plan
 from rayfleet.placement.planner import search_plans
 from rayfleet.placement.search_space import SearchSpace
@@ -141,6 +142,9 @@ def resolve_plan(model: ModelSpec, request: PlanRequest, capacity: FleetCapacity
         require_runnable(plan, precision=model.precision)
         validate_plan(plan, model, world_size=world_size, scaleup_domain_size=None)
         _check_grad_accum(request, plan)
+        if plan.pp > 1:  # the schedule's own conditions on the micro-batch count (pipeline_chunks)
+            for m in plan.replica_microbatches or (plan.num_microbatches(model.global_batch_sequences),):
+                check_microbatches(m, pp=plan.pp, vpp=plan.vpp, dualpipe=plan.dualpipe)
         memory, gib = _check_memory(model, plan, capacity, request.params)
         return ResolvedPlan(plan=plan, peak_memory_gib=gib, searched=False, memory=memory)
     return _searched(model, request, capacity)

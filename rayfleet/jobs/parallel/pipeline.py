@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
 
-from rayfleet.placement.pipeline_chunks import VirtualStage
+from rayfleet.placement.pipeline_chunks import VirtualStage, check_microbatches
 
 __all__ = ["PipelineStageModule", "PipelineChunks", "split_stages", "stage_roots", "PipelineRunner"]
 
@@ -150,6 +150,9 @@ class PipelineRunner:
 
     def _schedule(self, n: int, tokens: torch.Tensor) -> Any:
         if n not in self._schedules:
+            chunks = len(self.stage_indices)
+            check_microbatches(n, pp=self.num_stages // chunks, vpp=1 if self.dualpipe else chunks,
+                               dualpipe=self.dualpipe)
             stages = [self._stage(m, i, tokens) for m, i in zip(self.modules, self.stage_indices)]
             if len(stages) == 1:
                 self._schedules[n] = Schedule1F1B(stages[0], n_microbatches=n, loss_fn=self._call_loss,

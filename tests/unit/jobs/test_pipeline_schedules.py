@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from rayfleet.errors import SpecError
-from rayfleet.placement.pipeline_chunks import virtual_stages
+from rayfleet.placement.pipeline_chunks import check_microbatches, virtual_stages
 from rayfleet.placement.plan import ParallelPlan
 
 HERE = Path(__file__).resolve()
@@ -44,6 +44,29 @@ def test_virtual_stages_follow_the_plans_rank_counts_and_torchs_mappings() -> No
     assert ParallelPlan(pp=2, dualpipe=True).loss_pp_rank == 0
     with pytest.raises(SpecError, match="plan.vpp"):  # a rank with fewer layers than chunks
         ParallelPlan(pp=2, vpp=2, stage_starts=(0, 4)).virtual_stages(5)
+
+
+def test_micro_batch_counts_the_schedules_cannot_run_are_refused_before_the_job_starts() -> None:
+    from rayfleet.jobs.planning import job_plan, plan_inputs
+    from rayfleet.jobs.spec import TrainJobSpec
+
+    check_microbatches(4, pp=2, vpp=2, dualpipe=False)
+    check_microbatches(3, pp=4, vpp=2, dualpipe=False)  # one round of fewer than pp: torch runs it
+    check_microbatches(4, pp=2, vpp=1, dualpipe=True)
+    with pytest.raises(SpecError, match="plan.vpp"):
+        check_microbatches(5, pp=2, vpp=2, dualpipe=False)  # rounds of 2: 5 does not split
+    with pytest.raises(SpecError, match="plan.dualpipe"):
+        check_microbatches(3, pp=2, vpp=1, dualpipe=True)
+
+    def job(global_batch: int) -> TrainJobSpec:
+        return TrainJobSpec.model_validate({
+            "name": "mb", "model": {"preset": "tiny", "config": {"num_layers": 4}}, "data": {"uri": "/nonexistent"},
+            "steps": 1, "global_batch_size": global_batch, "plan": {"pp": 2, "vpp": 2, "micro_batch_size": 2},
+            "resources": {"num_workers": 2}})
+
+    assert job_plan(plan_inputs(job(8)), world_size=2).plan.vpp == 2
+    with pytest.raises(SpecError, match="plan.vpp"):
+        job_plan(plan_inputs(job(10)), world_size=2)  # 5 micro-batches of 2 sequences
 
 
 def _rank_main(out_dir: str) -> None:
