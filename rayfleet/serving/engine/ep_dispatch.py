@@ -91,8 +91,10 @@ class WideEPDispatcher:
     def run_experts(self, experts: GroupedExperts, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
                     *, num_experts: int, capacity: int | None) -> tuple[torch.Tensor, int]:
         assert capacity is None, "wide-EP serving is dropless (capacity_factor=None)"
-        counts = torch.bincount(topk_idx.reshape(-1).cpu(), minlength=num_experts)
-        counts_by_rank = self._gather_counts(counts)
+        # The collective runs on the activations' device (NCCL needs CUDA tensors); the split is
+        # computed on the host from the gathered counts.
+        counts_by_rank = self._gather_counts(torch.bincount(topk_idx.reshape(-1), minlength=num_experts)).cpu()
+        counts = counts_by_rank[self.rank]
         quota = balanced_split(counts_by_rank.sum(0), self.logical_to_physical, self.logical_replica_count,
                                slots_per_device=self.slots_per_rank, passes=3 if self.routing == "balanced" else 0)
         mine = rank_quotas(counts_by_rank, quota, self.logical_to_physical, self.logical_replica_count)[self.rank]
@@ -146,7 +148,7 @@ def move_expert_weights(experts: GroupedExperts, *, old_p2l: torch.Tensor, new_p
         send_splits.append(len(fed))
         recv_splits.append(sum(1 for q in range(rank * slots, (rank + 1) * slots)
                                if remote[q] and rank_of_slot[source[q]] == dest))
-    received = all_to_all_rows(flat[torch.tensor(send, dtype=torch.int64)], out_splits=recv_splits,
+    received = all_to_all_rows(flat[torch.tensor(send, dtype=torch.int64, device=flat.device)], out_splits=recv_splits,
                                in_splits=send_splits, group=group)
     # Received rows are source-rank-major, slot order within a source.
     mine = range(rank * slots, (rank + 1) * slots)

@@ -45,7 +45,7 @@ class LockstepModelRunner(ModelRunner):
         chunks = output.chunks
         groups = [[i for i, c in enumerate(chunks) if len(c.token_ids) == 1],
                   [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]]
-        needed = torch.tensor([bool(g) for g in groups], dtype=torch.int64)
+        needed = torch.tensor([bool(g) for g in groups], dtype=torch.int64, device=self.device)
         dist.all_reduce(needed, op=dist.ReduceOp.MAX, group=self.group)
         picked: dict[int, torch.Tensor] = {}
         for group, anyone in zip(groups, needed.tolist()):

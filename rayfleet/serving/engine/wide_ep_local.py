@@ -12,6 +12,8 @@ Design decisions:
   so the surviving ranks exit instead of waiting forever in a collective.
 - Each rank uses ``threads_per_rank`` intra-op threads, so a gang on a small machine does not
   oversubscribe its cores.
+- ``backend="nccl"`` puts rank r on ``cuda:r`` (one GPU per rank; NCCL refuses two ranks on
+  one GPU). Written for GPU hosts but not yet run on one: the development machines have no GPU.
 """
 
 from __future__ import annotations
@@ -45,13 +47,17 @@ def _free_port() -> int:
 
 def _rank_main(rank: int, num_ranks: int, port: int, recipe: ModelRecipe, engine_config: EngineConfig,
                placement: ExpertPlacement, routing: str, misroute: bool, threads: int, timeout_s: float,
-               inbox, outbox) -> None:
+               backend: str, inbox, outbox) -> None:
     torch.set_num_threads(threads)
+    device = "cpu" if backend == "gloo" else f"cuda:{rank}"
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks,
+        if device != "cpu":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks,
                                 timeout=timedelta(seconds=timeout_s))
         worker = WideEPRank(rank=rank, num_ranks=num_ranks, group=dist.group.WORLD, recipe=recipe,
-                            engine_config=engine_config, placement=placement, routing=routing, misroute=misroute)
+                            engine_config=engine_config, placement=placement, routing=routing, misroute=misroute,
+                            device=device)
         outbox.put(("ready", rank))
         while (command := inbox.get()) is not None:
             outbox.put(("report", worker.step(command)))
@@ -68,7 +74,8 @@ class LocalGang:
 
     def __init__(self, *, num_ranks: int, recipe: ModelRecipe, engine_config: EngineConfig,
                  placement: ExpertPlacement, routing: Literal["balanced", "even"] = "balanced",
-                 misroute: bool = False, threads_per_rank: int = 1, timeout_s: float = 120.0) -> None:
+                 misroute: bool = False, threads_per_rank: int = 1, timeout_s: float = 120.0,
+                 backend: Literal["gloo", "nccl"] = "gloo") -> None:
         self.num_ranks, self.timeout_s = num_ranks, timeout_s
         ctx = mp.get_context("spawn")
         port = _free_port()
@@ -76,7 +83,7 @@ class LocalGang:
         self.outboxes = [ctx.Queue() for _ in range(num_ranks)]
         self.procs = [ctx.Process(target=_rank_main, daemon=True,
                                   args=(r, num_ranks, port, recipe, engine_config, placement, routing, misroute,
-                                        threads_per_rank, timeout_s, self.inboxes[r], self.outboxes[r]))
+                                        threads_per_rank, timeout_s, backend, self.inboxes[r], self.outboxes[r]))
                       for r in range(num_ranks)]
         for proc in self.procs:
             proc.start()

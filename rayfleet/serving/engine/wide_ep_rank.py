@@ -45,9 +45,9 @@ class ModelRecipe:
     seed: int = 0
     dtype: str = "float32"
 
-    def build(self):
+    def build(self, device: str = "cpu"):
         return build_model(preset(self.name, **dict(self.overrides)), seed=self.seed,
-                           dtype=getattr(torch, self.dtype))
+                           dtype=getattr(torch, self.dtype), device=device)
 
 
 @dataclass(frozen=True)
@@ -102,9 +102,10 @@ class WideEPRank:
 
     def __init__(self, *, rank: int, num_ranks: int, group: dist.ProcessGroup, recipe: ModelRecipe,
                  engine_config: EngineConfig, placement: ExpertPlacement,
-                 routing: Literal["balanced", "even"] = "balanced", misroute: bool = False) -> None:
+                 routing: Literal["balanced", "even"] = "balanced", misroute: bool = False,
+                 device: str = "cpu") -> None:
         self.rank, self.num_ranks, self.group = rank, num_ranks, group
-        model = recipe.build()
+        model = recipe.build(device)
         self.layers = model.moe_layers()
         self.placement = placement
         slots = placement.physical_to_logical.shape[1] // num_ranks
@@ -112,7 +113,7 @@ class WideEPRank:
         self.dispatchers: list[WideEPDispatcher] = []
         for i, layer in enumerate(self.layers):
             experts = layer.experts
-            held = placement.physical_to_logical[i, mine]
+            held = placement.physical_to_logical[i, mine].to(experts.w1.device)
             for name in ("w1", "w2", "w3"):  # keep this rank's slots only; the full copy is dropped
                 full = getattr(experts, name)
                 setattr(experts, name, torch.nn.Parameter(full.detach()[held].clone(), requires_grad=False))
@@ -165,4 +166,5 @@ class WideEPRank:
             logical=torch.stack([w[0] for w in windows]), physical=torch.stack([w[1] for w in windows]),
             exchange=tuple(d.stats.take() for d in self.dispatchers), slots_received=received, move_s=move_s,
             num_empty_forwards=self.runner.num_empty_forwards - empty_before,
-            slot_checksums=torch.stack([layer.experts.w1.detach().double().sum(dim=(1, 2)) for layer in self.layers]))
+            slot_checksums=torch.stack([layer.experts.w1.detach().double().sum(dim=(1, 2)).cpu()
+                                        for layer in self.layers]))

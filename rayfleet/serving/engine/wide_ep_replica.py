@@ -12,7 +12,8 @@ Design decisions:
 - Figures are gathered here from the reports: per-rank queue depth (waiting requests, queued
   tokens) and busy time, per-layer exchange time and off-rank bytes, per-step device expert
   load (copies per rank, from the slots' counts), and per-request queue wait (submission to
-  the start of the step that produced its first token) by rank. The clock is injected.
+  the start of the step that produced its first token, in seconds and in steps: the step
+  count does not depend on how loaded the host is) by rank. The clock is injected.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class RankFigures:
     queue_depth: list[int] = field(default_factory=list)  # waiting requests after each step
     queued_tokens: list[int] = field(default_factory=list)
     waits_s: list[float] = field(default_factory=list)
+    waits_steps: list[int] = field(default_factory=list)  # steps that ran before the one giving the first token
     empty_forwards: int = 0
 
 
@@ -64,7 +66,7 @@ class WideEPReplica:
         self.pending: list[list[NewRequest]] = [[] for _ in range(num_ranks)]
         self.next_placement: ExpertPlacement | None = None
         self.rank_of: dict[str, int] = {}
-        self.submitted_at: dict[str, float] = {}
+        self.submitted_at: dict[str, tuple[float, int]] = {}  # (clock, steps run before it)
         self.first_token_seen: set[str] = set()
         self.ranks = [RankFigures() for _ in range(num_ranks)]
         self.exchange_s: dict[int, float] = defaultdict(float)
@@ -79,7 +81,7 @@ class WideEPReplica:
         rank = self.dp.choose(prompt_token_ids)
         self.pending[rank].append(NewRequest(request_id, tuple(int(t) for t in prompt_token_ids), params))
         self.rank_of[request_id] = rank
-        self.submitted_at[request_id] = self.clock()
+        self.submitted_at[request_id] = (self.clock(), self.num_steps)
         self.ranks[rank].num_requests += 1
         return rank
 
@@ -88,12 +90,12 @@ class WideEPReplica:
         placement, self.next_placement = self.next_placement, None
         commands = [StepCommand(tuple(reqs), (), placement) for reqs in self.pending]
         self.pending = [[] for _ in range(self.num_ranks)]
-        started = self.clock()
+        started, index = self.clock(), self.num_steps
         reports = self.gang.step(commands)
         self.num_steps += 1
         updates: list[TokenUpdate] = []
         for report in reports:
-            self._account(report, started)
+            self._account(report, started, index)
             updates.extend(report.updates)
         if placement is not None:
             self.moves[-1] = self.moves[-1][:2] + (sum(r.slots_received for r in reports),
@@ -109,7 +111,7 @@ class WideEPReplica:
                 self.moves.append((self.num_steps, decision.reason, 0, 0.0))
         return updates
 
-    def _account(self, report: StepReport, started: float) -> None:
+    def _account(self, report: StepReport, started: float, index: int) -> None:
         figures = self.ranks[report.rank]
         figures.busy_s += report.busy_s
         figures.step_s += report.step_s
@@ -123,7 +125,9 @@ class WideEPReplica:
         for update in report.updates:
             if update.request_id not in self.first_token_seen and update.new_token_ids:
                 self.first_token_seen.add(update.request_id)
-                figures.waits_s.append(max(0.0, started - self.submitted_at[update.request_id]))
+                at, steps_before = self.submitted_at[update.request_id]
+                figures.waits_s.append(max(0.0, started - at))
+                figures.waits_steps.append(index - steps_before)
 
     def run_until_done(self, request_ids: Sequence[str], *, max_steps: int = 100_000,
                        arrivals: Callable[[int], None] | None = None) -> dict[str, list[int]]:
