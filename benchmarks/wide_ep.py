@@ -6,8 +6,8 @@
 What runs: a wide-EP replica (``rayfleet.serving.engine.wide_ep_*``) on local gloo processes,
 each rank an engine with its own scheduler and paged KV cache, MoE layers exchanging tokens
 through training's EP dispatcher. The model is the tiny preset with 8 experts, no shared
-expert and init std 0.1 (so routed experts decide the tokens), float64; slots = 8 + 2 per
-extra rank. Per gang, on the same processes:
+expert and init std 0.1 (so routed experts decide the tokens), float64; one redundant
+expert slot per rank. Per gang, on the same processes:
 1. equality: the same greedy requests on the gang and on the single-process ``LLMEngine``;
    per MoE layer, the exchange's transfer time and off-rank bytes per step;
 2. DP queueing: a stream of requests with mixed prompt lengths (2 per step), routed to ranks
@@ -139,7 +139,7 @@ def _live_eplb(gang: LocalGang, num_ranks: int, slots: int, *, num_requests: int
 
 
 def run_gang(num_ranks: int, *, quick: bool, prompts, reference) -> dict:
-    slots = 8 + 2 * (num_ranks - 1)
+    slots = 8 if num_ranks == 1 else 8 + num_ranks  # one redundant slot per rank
     initial = rebalance_experts(torch.ones(2, 8), num_physical_experts=slots, num_groups=1, num_nodes=1,
                                 num_devices=num_ranks, policy="global")
     started = time.perf_counter()

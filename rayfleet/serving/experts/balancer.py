@@ -23,7 +23,8 @@ Design decisions:
   batch; nothing is dropped or recomputed. On an accelerator fleet this is where the weight copy
   to the new slots (and an all-to-all dispatcher across devices) goes; in one process every
   "device" is a group of slots of one tensor, so the device loads are exact counts but the
-  expert-parallel exchange itself is not exercised (training's EP dispatcher does that).
+  expert-parallel exchange itself is not exercised here; the multi-rank replica
+  (``engine/wide_ep_*``) runs it, through training's EP dispatcher, with real weight moves.
 - FP8-converted experts override ``GroupedExperts.linear``; the replicated dispatcher runs the
   plain grouped GEMM, so it refuses such layers rather than silently changing numerics.
 """
