@@ -11,7 +11,9 @@ How the bubble is measured: a hook installed in each rank wraps the compute call
 with ``perf_counter``. A rank's *busy* time is the sum of its compute calls (the schedule waits
 for received activations and gradients outside them); its pipeline time is the whole
 ``forward_backward``. Measured bubble = ``1 - busy / pipeline`` per rank and step, median over
-the steps after warm-up, mean over ranks.
+the steps after warm-up (of every repeat), mean over ranks. The schedules run ``repeats`` times in
+alternating order (1F1B, VP2, DualPipeV, then backwards), so a load change on a shared machine
+does not fall on one schedule only.
 
 The cost model's bubble: ``placement.pipeline_schedule.pipeline_seconds`` priced with each
 rank's measured per-micro-batch busy time as its stage time (and, for DualPipeV, its measured
@@ -101,11 +103,12 @@ def _plans(pp: int, mbs: int) -> list[tuple[str, ParallelPlan]]:
             ("DualPipeV", ParallelPlan(pp=pp, dualpipe=True, micro_batch_size=mbs))]
 
 
-def _row(name: str, plan: ParallelPlan, ranks: list[list[dict[str, float]]], *, m: int, warmup: int) -> dict:
+def _row(name: str, plan: ParallelPlan, ranks: list[list[dict[str, float]]], *, m: int) -> dict:
+    """``ranks[r]``: rank ``r``'s measured steps (warm-up steps already dropped)."""
     def median(rank_steps: list[dict[str, float]], keys: tuple[str, ...]) -> float:
-        return statistics.median(sum(s.get(k, 0.0) for k in keys) for s in rank_steps[warmup:])
+        return statistics.median(sum(s.get(k, 0.0) for k in keys) for s in rank_steps)
 
-    idle = [statistics.median(1 - sum(s.get(k, 0.0) for k in _COMPUTE) / s["pipeline"] for s in steps[warmup:])
+    idle = [statistics.median(1 - sum(s.get(k, 0.0) for k in _COMPUTE) / s["pipeline"] for s in steps)
             for steps in ranks]
     busy = [median(steps, _COMPUTE) / m for steps in ranks]  # per micro-batch, all chunks of the rank
     backward = [median(steps, ("backward", "backward_input", "backward_weight")) / m for steps in ranks]
@@ -121,9 +124,9 @@ def _row(name: str, plan: ParallelPlan, ranks: list[list[dict[str, float]]], *, 
 
 
 def measure_bubbles(dataset: str, tmp: str, *, pp: int = 2, microbatches: int = 8, mbs: int = 2, seq: int = 64,
-                    num_layers: int = 8, steps: int = 6, warmup: int = 2) -> dict:
-    """Run 1F1B, interleaved VP2 and DualPipeV with ``microbatches`` per step over ``pp`` ranks;
-    one row per schedule (measured and modelled bubble, seconds)."""
+                    num_layers: int = 8, steps: int = 6, warmup: int = 2, repeats: int = 2) -> dict:
+    """Run 1F1B, interleaved VP2 and DualPipeV with ``microbatches`` per step over ``pp`` ranks,
+    ``repeats`` times in alternating order; one row per schedule (measured and modelled bubble, seconds)."""
     spec = TrainJobSpec.model_validate({
         "name": "bubble", "model": {"preset": "tiny", "config": {"num_layers": num_layers}},
         "data": {"uri": dataset, "seq_len": seq}, "steps": steps, "global_batch_size": microbatches * mbs,
@@ -131,12 +134,14 @@ def measure_bubbles(dataset: str, tmp: str, *, pp: int = 2, microbatches: int = 
     out_dir = Path(tmp, "bubble")
     out_dir.mkdir(parents=True, exist_ok=True)
     plans = _plans(pp, mbs)
-    run_local_many(spec, [(plan, {}) for _, plan in plans], hooks=BubbleProbe(str(out_dir)))
-    rows = []
-    for index, (name, plan) in enumerate(plans):
-        ranks = [json.loads(Path(out_dir, f"run{index}-rank{r}.json").read_text()) for r in range(plan.world_size)]
-        rows.append(_row(name, plan, ranks, m=microbatches, warmup=warmup))
-    return {"rows": rows, "steps": steps, "warmup": warmup, "tokens_per_microbatch": mbs * seq,
+    order = [i for rep in range(repeats) for i in (range(len(plans)) if rep % 2 == 0 else reversed(range(len(plans))))]
+    run_local_many(spec, [(plans[i][1], {}) for i in order], hooks=BubbleProbe(str(out_dir)))
+    measured: dict[int, list[list[dict[str, float]]]] = {i: [[] for _ in range(pp)] for i in range(len(plans))}
+    for run, i in enumerate(order):
+        for r in range(pp):
+            measured[i][r] += json.loads(Path(out_dir, f"run{run}-rank{r}.json").read_text())[warmup:]
+    rows = [_row(name, plan, measured[i], m=microbatches) for i, (name, plan) in enumerate(plans)]
+    return {"rows": rows, "steps": steps, "warmup": warmup, "repeats": repeats, "tokens_per_microbatch": mbs * seq,
             "num_layers": num_layers, "load_avg_1m_at_end": round(os.getloadavg()[0], 2)}
 
 
@@ -144,7 +149,8 @@ def print_bubbles(result: dict) -> None:
     rows = result["rows"]
     print(f"\npipeline bubble: tiny MoE, {result['num_layers']} layers, PP{rows[0]['pp']}, {rows[0]['microbatches']} "
           f"micro-batches of {result['tokens_per_microbatch']} tokens, gloo ranks, median of steps "
-          f"{result['warmup'] + 1}..{result['steps']} (1-min load average at the end: {result['load_avg_1m_at_end']})")
+          f"{result['warmup'] + 1}..{result['steps']} of {result['repeats']} runs each "
+          f"(1-min load average at the end: {result['load_avg_1m_at_end']})")
     header = f"{'schedule':<18}{'measured':>10}{'model':>8}{'pipeline s':>12}{'model s':>9}{'busy ms/mb by rank':>22}"
     print(header)
     print("-" * len(header))

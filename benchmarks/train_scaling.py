@@ -370,7 +370,7 @@ def main() -> None:
     if args.part in ("all", "pipeline"):
         with tempfile.TemporaryDirectory(prefix="rayfleet-bench-") as tmp:
             bubbles = measure_bubbles(_dataset(tmp), tmp, microbatches=4 if args.quick else 8, steps=args.steps,
-                                      warmup=args.warmup)
+                                      warmup=args.warmup, repeats=1 if args.quick else 2)
         print_bubbles(bubbles)
         if args.part == "pipeline":
             _write_json(args.json, {"pipeline_bubble": bubbles})

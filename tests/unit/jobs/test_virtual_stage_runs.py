@@ -97,17 +97,26 @@ def test_virtual_stage_runs_match_and_checkpoints_move_between_pp2_vp2_and_dp2(t
             torch.testing.assert_close(got, reference[2:], rtol=RESUMED_RTOL, atol=0)
 
 
-def test_virtual_stages_with_fsdp_and_expert_parallel_inside_each_stage(token_dataset) -> None:
-    """Four ranks: PP2 x VP2 x DP2 (each chunk its own FSDP2 root) and PP2 DualPipeV x DP2 x EP2."""
-    spec = TrainJobSpec.model_validate({
-        "name": "vpp-dp", "model": {"preset": "tiny", "config": {"num_layers": 4}},
-        "data": {"uri": token_dataset, "seq_len": 32}, "steps": 2, "global_batch_size": 16, "precision": "fp32",
-        "optimizer": {"lr": 1e-2, "weight_decay": 0.1}, "schedule": {"warmup_steps": 1},
-        "comm": {"a2a_overlap": False}})
-    reference = torch.tensor(run_local(spec, ParallelPlan(dp=1, micro_batch_size=2)).losses, dtype=torch.float64)
+def test_virtual_stages_with_fsdp_and_expert_parallel_inside_each_stage(token_dataset, tmp_path) -> None:
+    """Four ranks: PP2 x VP2 x DP2 (each chunk its own FSDP2 root) and PP2 DualPipeV x DP2 x EP2; the
+    last run's export (rank 0 gathers every chunk of every stage) is the whole, plain model."""
+    from rayfleet.models import build_model
+    from rayfleet.storage.model_registry import load_servable
+
+    job = {"name": "vpp-dp", "model": {"preset": "tiny", "config": {"num_layers": 4}},
+           "data": {"uri": token_dataset, "seq_len": 32}, "steps": 2, "global_batch_size": 16, "precision": "fp32",
+           "optimizer": {"lr": 1e-2, "weight_decay": 0.1}, "schedule": {"warmup_steps": 1},
+           "comm": {"a2a_overlap": False}}
+    reference = torch.tensor(run_local(TrainJobSpec.model_validate(job), ParallelPlan(dp=1, micro_batch_size=2)).losses,
+                             dtype=torch.float64)
+    spec = TrainJobSpec.model_validate({**job, "output": {"uri": str(tmp_path / "model")}})
     results = run_local_many(spec, [(ParallelPlan(pp=2, vpp=2, dp=2, micro_batch_size=2), {}),
                                     (ParallelPlan(pp=2, dualpipe=True, dp=2, ep=2, micro_batch_size=2), {})])
     for result in results:
         for summary in result.summaries:
             torch.testing.assert_close(torch.tensor(summary.losses, dtype=torch.float64), reference,
                                        rtol=RESUMED_RTOL, atol=0)
+    servable = load_servable(str(tmp_path / "model"))
+    plain = build_model(servable.config, device="meta").state_dict()
+    assert set(servable.state_dict) == set(plain)
+    assert all(servable.state_dict[k].shape == plain[k].shape for k in plain)
