@@ -3,7 +3,8 @@
 Virtual stages (``placement/pipeline_chunks.py``) are checked against torch's own stage-to-rank
 mappings. Then two ranks, each a process running this file, build the same 4-layer tiny MoE,
 run one step's 4 micro-batches through the whole model (the reference) and through
-``parallelize_model`` + ``PipelineRunner`` (PP2 x VP2 interleaved, PP2 DualPipeV), FP32 and FP8;
+``parallelize_model`` + ``PipelineRunner`` (PP2 x VP2 interleaved, PP2 DualPipeV), FP32 and FP8,
+and the same in FP32 for a Hugging Face dense Llama and Qwen3-MoE mapped onto our transformer;
 the loss of every micro-batch and the gradient of every parameter must match. The broken
 variant deals each rank's chunks in the wrong order (same layers a rank, wrong virtual stages)
 and must fail the same check.
@@ -22,7 +23,8 @@ from rayfleet.placement.pipeline_chunks import check_microbatches, virtual_stage
 from rayfleet.placement.plan import ParallelPlan
 
 HERE = Path(__file__).resolve()
-VARIANTS = ("interleaved", "dualpipev", "interleaved-fp8", "dualpipev-fp8", "interleaved-misordered")
+VARIANTS = ("interleaved", "dualpipev", "interleaved-fp8", "dualpipev-fp8", "llama-interleaved", "llama-dualpipev",
+            "qwen3moe-interleaved", "qwen3moe-dualpipev", "interleaved-misordered")
 MICRO, MBS, SEQ = 4, 2, 16
 
 
@@ -82,15 +84,24 @@ def _rank_main(out_dir: str) -> None:
     from rayfleet.models import build_model, materialize
     from rayfleet.models.config import preset
     from rayfleet.models.fp8 import convert_to_fp8
+    from rayfleet.models.hf.config_map import from_hf_config
 
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    config = dataclasses.replace(preset("tiny"), num_layers=4)
-    tokens = torch.randint(0, config.vocab_size, (MICRO, MBS, SEQ + 1), generator=torch.Generator().manual_seed(1))
-    inputs, targets = [t[:, :-1] for t in tokens], [t[:, 1:] for t in tokens]
+    hf = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=64,
+              rms_norm_eps=1e-6, rope_theta=10000.0, num_key_value_heads=2, intermediate_size=64)
+    configs = {"tiny": dataclasses.replace(preset("tiny"), num_layers=4),
+               "llama": from_hf_config({**hf, "architectures": ["LlamaForCausalLM"]}).config,
+               "qwen3moe": from_hf_config({**hf, "architectures": ["Qwen3MoeForCausalLM"], "head_dim": 8,
+                                           "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                                           "norm_topk_prob": True}).config}
     scale = 1.0 / (MICRO * MBS * SEQ)
     report = {}
     for variant in VARIANTS:
+        config = configs[variant.split("-")[0] if variant.split("-")[0] in configs else "tiny"]
+        tokens = torch.randint(0, config.vocab_size, (MICRO, MBS, SEQ + 1), generator=torch.Generator().manual_seed(1))
+        inputs, targets = [t[:, :-1] for t in tokens], [t[:, 1:] for t in tokens]
+
         def model():
             m = materialize(build_model(config, device="meta"), device="cpu", seed=3)
             if variant.endswith("fp8"):
