@@ -10,7 +10,7 @@ expert and init std 0.1 (so routed experts decide the tokens), float64; one redu
 expert slot per rank. Per gang, on the same processes:
 1. equality: the same greedy requests on the gang and on the single-process ``LLMEngine``;
    per MoE layer, the exchange's transfer time and off-rank bytes per step;
-2. DP queueing: a stream of requests with mixed prompt lengths (2 per step), routed to ranks
+2. DP queueing: a stream of requests with mixed prompt lengths (one per rank per step), routed to ranks
    round-robin (no DP balancing) and by the DP balancer (lightest queue in tokens): p99 wait
    from submission to the step that produced the first token, per rank, in steps (the goal:
    independent of host load) and in seconds;
@@ -94,8 +94,8 @@ def _queueing(gang: LocalGang, num_ranks: int, policy: str, *, num_requests: int
     ids = [f"{tag}-{i}" for i in range(num_requests)]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
-    def arrive(step: int) -> None:
-        for i in range(2 * step, min(2 * step + 2, num_requests)):
+    def arrive(step: int) -> None:  # one arrival per rank per step: the same load per rank at any gang size
+        for i in range(num_ranks * step, min(num_ranks * (step + 1), num_requests)):
             front.submit(ids[i], prompts[i], params)
 
     front.run_until_done(ids, arrivals=arrive)
@@ -147,7 +147,7 @@ def run_gang(num_ranks: int, *, quick: bool, prompts, reference) -> dict:
         out = {"start_s": time.perf_counter() - started, "slots": slots}
         out["equality"] = _equality(gang, num_ranks, prompts, reference)
         if num_ranks > 1:
-            n = 16 if quick else 48
+            n = (8 if quick else 24) * num_ranks
             out["dp"] = {p: _queueing(gang, num_ranks, p, num_requests=n, tag=f"dp-{p}")
                          for p in ("round_robin", "balanced")}
             out["eplb"] = _live_eplb(gang, num_ranks, slots, num_requests=40 if quick else 96, initial=initial)
