@@ -12,17 +12,21 @@ Design decisions:
   owners: a reduce-scatter on NCCL, an ``all_to_all_single`` plus sum on gloo (which has no
   reduce-scatter). Not ``torch.distributed.nn.functional.all_gather``: deprecated, and its gloo
   backward scatters from *group* ranks as if they were global ranks, which fails on every CP
-  group but the first (CP2 x TP2 hit it). Rejected for now: a point-to-point ring (Megatron's ``p2p`` CP) with its own ring backward. Memory
-  trade-off: each rank holds the whole sequence's K/V of one layer during that layer's
-  attention (and, for backward, as saved activations): ``B * S * Hkv * D`` per tensor instead
-  of the ring's ``2 * B * S/cp * Hkv * D`` in flight; with grouped-query heads K/V are a small
-  part of a layer's activations, and the gather is one collective instead of ``cp - 1``
-  dependent steps. The per-chunk-pair math below is what a ring would run step by step.
+  group but the first (CP2 x TP2 hit it). Rejected for now: a point-to-point ring (Megatron's
+  ``p2p`` CP) with its own ring backward. Memory trade-off: each rank holds the whole
+  sequence's K/V of one layer during that layer's attention (and, for backward, as saved
+  activations): ``B * S * Hkv * D`` per tensor instead of the ring's ``2 * B * S/cp * Hkv * D``
+  in flight; with grouped-query heads K/V are a small part of a layer's activations, and the
+  gather is one collective instead of ``cp - 1`` dependent steps. The per-chunk-pair math below
+  is what a ring would run step by step.
 - Online-softmax merge: each query chunk attends to the chunks before it (no mask) and to its
   own chunk (causal mask) as separate blocks, each giving ``(out, lse)``; the blocks merge by
   log-sum-exp (:func:`merge_partials`), as flash/ring attention do. Chunks after the query
   chunk are skipped, never masked. The block math runs in fp32 with explicit scores so autograd
-  is exact on every backend (``scaled_dot_product_attention`` does not return the lse).
+  is exact on every backend (``scaled_dot_product_attention`` does not return the lse). Its
+  cost: the scores ``[B, H, 2c, <= S]`` of each layer are materialized and kept for backward,
+  O(S^2 / cp) per rank, which at long context on GPUs outweighs the K/V gather; a fused kernel
+  that returns the lse (flash attention's forward/backward) is the replacement there.
 - Installed from outside the model (:func:`apply_context_parallel`): the attention modules'
   ``attend`` is swapped, and a forward pre-hook replaces the ``positions`` argument of a
   full-sequence forward with the rank's global positions, so the model, the pipeline stages and

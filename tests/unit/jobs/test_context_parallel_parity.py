@@ -43,7 +43,8 @@ def _assert_matches(result, reference) -> None:
     expected = reference.metrics[0][0]["grad_probe"]
     for summary, metrics in zip(result.summaries, result.metrics):  # every rank reports the global loss
         torch.testing.assert_close(torch.tensor(summary.losses, dtype=torch.float64), ref, rtol=LOSS_RTOL, atol=0)
-        assert metrics[-1]["val_loss"] == pytest.approx(ref_val, rel=LOSS_RTOL)
+        if "val_loss" in metrics[-1]:  # the runs with validation
+            assert metrics[-1]["val_loss"] == pytest.approx(ref_val, rel=LOSS_RTOL)
         assert metrics[0]["tokens"] == reference.metrics[0][0]["tokens"]  # CP ranks' tokens are not double counted
         torch.testing.assert_close(metrics[0]["grad_probe"], expected, rtol=GRAD_RTOL, atol=1e-7)
 
@@ -61,6 +62,7 @@ def test_cp2_and_cp2_ep2_match_and_broken_cp_variants_do_not(spec, references) -
         (ParallelPlan(cp=2, micro_batch_size=2), {"grad_probe": ROUTER, "cp_control": "rank_order_kv"}),
         (ParallelPlan(cp=2, micro_batch_size=2), {"grad_probe": ROUTER, "cp_control": "unmasked_diagonal"}),
     ])
+    assert "val_loss" in results[0].metrics[0][-1]  # validation ran on the CP-split samples too
     _assert_matches(results[0], references[ROUTER])
     _assert_matches(results[1], references[EXPERT])
     for broken in results[2:]:
@@ -69,11 +71,28 @@ def test_cp2_and_cp2_ep2_match_and_broken_cp_variants_do_not(spec, references) -
             _assert_matches(broken, references[ROUTER])
 
 
-def test_four_ranks_cp2_with_tp2_and_with_dp2_ep2_match(spec, references) -> None:
-    """CP2 x TP2 (DTensor heads split inside each CP rank); CP2 x DP2 x EP2 (FSDP2 over DP, experts over EDP=2)."""
-    results = run_local_many(spec, [
+def test_four_ranks_cp2_with_tp2_dp2_ep2_and_pp2_match(spec, references) -> None:
+    """CP2 x TP2 (DTensor heads split inside each CP rank; its CP groups {0, 2} and {1, 3} are
+    where torch.distributed.nn.functional.all_gather's gloo backward failed); CP2 x DP2 x EP2
+    (FSDP2 over DP, experts over EDP=2); PP2 x CP2 (1F1B over CP-split micro-batches, losses).
+    Without validation, which pipelined plans do not run (it does not change the training)."""
+    results = run_local_many(spec.model_copy(update={"eval": None}), [
         (ParallelPlan(cp=2, tp=2, micro_batch_size=2), {"grad_probe": ROUTER}),
         (ParallelPlan(cp=2, dp=2, ep=2, micro_batch_size=1), {"grad_probe": EXPERT}),
+        (ParallelPlan(pp=2, cp=2, micro_batch_size=1), {}),
     ])
     _assert_matches(results[0], references[ROUTER])
     _assert_matches(results[1], references[EXPERT])
+    ref = torch.tensor(references[ROUTER].losses, dtype=torch.float64)
+    torch.testing.assert_close(torch.tensor(results[2].losses, dtype=torch.float64), ref, rtol=LOSS_RTOL, atol=0)
+
+
+def test_fp8_cp2_with_recompute_stays_close_to_the_fp8_reference(spec) -> None:
+    """FP8 (tensorwise) scales each GEMM by its rank's own tokens, so CP2 is near the FP8
+    single-process run, not equal (measured gap 0.1%; FP8's per-step noise is up to ~0.5%)."""
+    fp8 = spec.model_copy(update={"precision": "tensorwise", "eval": None})
+    ref = run_local(fp8, ParallelPlan(dp=1, micro_batch_size=2))
+    (cp2,) = run_local_many(fp8, [(ParallelPlan(cp=2, micro_batch_size=2, recompute="selective"), {})])
+    losses = torch.tensor(cp2.losses)
+    assert torch.isfinite(losses).all() and losses[-1] < losses[0]
+    assert _loss_gap(cp2, ref) < 0.01
