@@ -20,7 +20,8 @@ Design decisions:
 - The schedules' own conditions on the micro-batch count are checked before a job starts
   (``check_microbatches``; ``resolve_plan`` and the worker call it): DualPipeV needs ``2 * pp``,
   and torch's interleaved 1F1B runs rounds of ``pp`` micro-batches (``m`` a multiple of
-  ``max(1, m // pp)``), which the planner's ``interleaving_possible`` (``m >= pp``) does not ask.
+  ``max(1, m // pp)``); the planner's ``interleaving_possible`` asks the same, so it offers
+  virtual stages only where the trainer runs them.
 - A rank with fewer layers than chunks cannot run (a chunk without layers would still send and
   receive every micro-batch): refused with the field and the fix. ``validate_plan`` does not
   check it because the planner validates shapes with placeholder boundaries (one layer a stage).

@@ -46,8 +46,11 @@ __all__ = ["dualpipe_possible", "interleaving_possible", "pipeline_seconds"]
 
 
 def interleaving_possible(num_microbatches: int, pp: int) -> bool:
-    """Whether Megatron's interleaved schedule runs ``num_microbatches`` per replica over ``pp`` stages."""
-    return pp > 1 and num_microbatches >= pp
+    """Whether the interleaved schedule runs ``num_microbatches`` per replica over ``pp`` stages:
+    Megatron's ``m >= pp``, and the rounds of ``pp`` torch's ``ScheduleInterleaved1F1B`` (what
+    ``rayfleet train`` runs) splits them into (``m`` a multiple of ``m // pp``; see
+    ``pipeline_chunks.check_microbatches``)."""
+    return pp > 1 and num_microbatches >= pp and num_microbatches % (num_microbatches // pp) == 0
 
 
 def dualpipe_possible(num_microbatches: int, pp: int) -> bool:

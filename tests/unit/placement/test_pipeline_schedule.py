@@ -66,6 +66,8 @@ def test_dualpipev_worked_example() -> None:
     assert pipeline_seconds([3.0] * 4, num_microbatches=8, vpp=2) == pytest.approx(28.5)
     assert dualpipe_possible(8, 4) and not dualpipe_possible(7, 4)
     assert interleaving_possible(4, 4) and not interleaving_possible(3, 4) and not interleaving_possible(8, 1)
+    # torch's interleaved 1F1B (what the trainer runs) splits m into rounds of pp: 9 over 4 is 2 rounds of 4.5
+    assert interleaving_possible(12, 4) and interleaving_possible(6, 4) and not interleaving_possible(9, 4)
 
 
 def test_pipeline_with_fewer_microbatches_than_stages_takes_every_stage() -> None:
