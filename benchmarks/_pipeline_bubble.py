@@ -47,12 +47,14 @@ _COMPUTE = ("forward", "backward", "backward_input", "backward_weight", "loss")
 
 def _timed(key_of, fn):
     def wrapper(*args, **kwargs):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             return fn(*args, **kwargs)
         finally:
             if _ACTIVE is not None:
-                _ACTIVE[key_of(args, kwargs)] += time.perf_counter() - start
+                key = key_of(args, kwargs)
+                _ACTIVE[key] += time.perf_counter() - start
+                _ACTIVE[key + ":cpu"] += time.thread_time() - cpu
     wrapper.__wrapped_for_bubble__ = True
     return wrapper
 
@@ -111,6 +113,7 @@ def _row(name: str, plan: ParallelPlan, ranks: list[list[dict[str, float]]], *, 
     idle = [statistics.median(1 - sum(s.get(k, 0.0) for k in _COMPUTE) / s["pipeline"] for s in steps)
             for steps in ranks]
     busy = [median(steps, _COMPUTE) / m for steps in ranks]  # per micro-batch, all chunks of the rank
+    busy_cpu = [median(steps, tuple(f"{k}:cpu" for k in _COMPUTE)) / m for steps in ranks]
     backward = [median(steps, ("backward", "backward_input", "backward_weight")) / m for steps in ranks]
     weight = [median(steps, ("backward_weight",)) / m for steps in ranks]
     wall = statistics.mean(median(steps, ("pipeline",)) for steps in ranks)
@@ -120,6 +123,7 @@ def _row(name: str, plan: ParallelPlan, ranks: list[list[dict[str, float]]], *, 
     return {"schedule": name, "plan": plan.describe(), "pp": plan.pp, "microbatches": m,
             "measured_bubble": statistics.mean(idle), "model_bubble": 1 - m * statistics.mean(busy) / model_s,
             "pipeline_s": wall, "model_pipeline_s": model_s, "busy_s_per_microbatch": busy,
+            "busy_cpu_s_per_microbatch": busy_cpu,
             "backward_s_per_microbatch": backward, "weight_grad_s_per_microbatch": weight}
 
 
@@ -151,12 +155,15 @@ def print_bubbles(result: dict) -> None:
           f"micro-batches of {result['tokens_per_microbatch']} tokens, gloo ranks, median of steps "
           f"{result['warmup'] + 1}..{result['steps']} of {result['repeats']} runs each "
           f"(1-min load average at the end: {result['load_avg_1m_at_end']})")
-    header = f"{'schedule':<18}{'measured':>10}{'model':>8}{'pipeline s':>12}{'model s':>9}{'busy ms/mb by rank':>22}"
+    header = (f"{'schedule':<18}{'measured':>10}{'model':>8}{'pipeline s':>12}{'model s':>9}"
+              f"{'busy ms/mb by rank':>22}{'of it CPU ms':>16}")
     print(header)
     print("-" * len(header))
     for r in rows:
         busy = " ".join(f"{1e3 * b:.1f}" for b in r["busy_s_per_microbatch"])
+        cpu = " ".join(f"{1e3 * b:.1f}" for b in r["busy_cpu_s_per_microbatch"])
         print(f"{r['schedule']:<18}{r['measured_bubble']:>10.3f}{r['model_bubble']:>8.3f}{r['pipeline_s']:>12.3f}"
-              f"{r['model_pipeline_s']:>9.3f}{busy:>22}")
+              f"{r['model_pipeline_s']:>9.3f}{busy:>22}{cpu:>16}")
     print("bubble = idle share of a rank's pipeline time (1 - compute / pipeline); model = "
-          "placement/pipeline_schedule.py priced with the measured per-micro-batch compute of each rank")
+          "placement/pipeline_schedule.py priced with the measured per-micro-batch compute of each rank; "
+          "CPU = the compute calls' own thread CPU time (busy wall minus CPU: the rank computing without a core)")
