@@ -1,7 +1,8 @@
 """A wide-EP replica on real gloo processes: greedy tokens equal the single-process engine's.
 
 Each gang costs a few seconds of process start-up (more on a loaded machine), so one 2-rank
-gang checks equality *and* a weight move mid-generation, and one more runs the broken variant
+gang checks equality, a forced weight move mid-generation, and then live EPLB deciding its own
+moves under shifting traffic (no request lost, tokens unchanged); one more runs the broken variant
 (the EP dispatcher's ``misroute``: rows go to the wrong rank's experts), which must differ.
 The model has no shared expert and a larger init so that routed experts decide the tokens
 (with the tiny preset's defaults a wrong expert changes no greedy token: a test that cannot fail).
@@ -19,6 +20,7 @@ from rayfleet.serving.engine.wide_ep_local import LocalGang
 from rayfleet.serving.engine.wide_ep_rank import ModelRecipe, StepCommand
 from rayfleet.serving.engine.wide_ep_replica import WideEPReplica
 from rayfleet.serving.experts.eplb import rebalance_experts
+from rayfleet.serving.experts.live_eplb import LiveEPLBConfig, LiveEPLBPolicy
 
 RECIPE = ModelRecipe("tiny", (("num_experts", 8), ("num_shared_experts", 0), ("init_std", 0.1)), seed=0,
                      dtype="float64")
@@ -65,7 +67,10 @@ def test_two_rank_replica_matches_single_process_and_moves_weights_mid_run():
         # Weights really moved: each rank's slots now hold the skewed placement's experts, and
         # some of them came from the other rank.
         report = gang.step([StepCommand()] * NUM_RANKS)
+        live = _live_phase(gang, initial=skewed)
     assert got == expected
+    assert live["tokens"] == live["expected"]  # every request finished, same tokens, across live moves
+    assert live["moves"] and all(received > 0 for _, _, received, _ in live["moves"]), live["moves"]
     assert {r.rank for r in report} == {0, 1}
     full = RECIPE.build()
     for r in report:
@@ -88,3 +93,20 @@ def test_misrouted_expert_exchange_changes_the_tokens():
                    placement=_placement(torch.ones(2, 8)), misroute=True) as gang:
         got = WideEPReplica(gang, num_ranks=NUM_RANKS, block_size=CONFIG.block_size).generate(prompts, PARAMS)
     assert got != expected
+
+
+def _live_phase(gang: LocalGang, *, initial) -> dict:
+    """The front's own live EPLB on the same gang: traffic shifts from one "topic" (a few token
+    ids, which the router sends to few experts) to another, requests arriving two per step; the
+    policy decides the moves (window 2 steps, re-place every window or on a shift)."""
+    config = LiveEPLBConfig(num_devices=NUM_RANKS, num_physical_experts=NUM_SLOTS, policy="global", window_steps=2,
+                            history_windows=2, rebalance_every_windows=1)
+    front = WideEPReplica(gang, num_ranks=NUM_RANKS, block_size=CONFIG.block_size,
+                          eplb=LiveEPLBPolicy(config, num_layers=2, num_experts=8, initial=initial))
+    gen = torch.Generator().manual_seed(5)
+    topics = [torch.tensor([5, 17, 33]), torch.tensor([101, 150, 201, 250])]
+    prompts = [topics[i >= 8][torch.randint(0, len(topics[i >= 8]), (12,), generator=gen)].tolist() for i in range(16)]
+    ids = [f"live-{i}" for i in range(len(prompts))]
+    tokens = front.run_until_done(ids, arrivals=lambda s: [front.submit(ids[i], prompts[i], PARAMS)
+                                                           for i in range(2 * s, min(2 * s + 2, len(ids)))])
+    return {"tokens": [tokens[r] for r in ids], "expected": _reference(prompts), "moves": front.moves}
