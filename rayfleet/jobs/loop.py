@@ -300,7 +300,7 @@ def train_worker(loop: LoopConfig, plan: ParallelPlan, *, report: Callable[[dict
     hooks = HookChain([h for h in hooks if h is not None]) if isinstance(hooks, (list, tuple)) else hooks or TrainHooks()
     ctx = par.build_parallel_context(plan, device=torch.device(device), a2a_overlap=loop.a2a_overlap,
                                      fp8_dispatch=loop.fp8_dispatch, misroute_experts=misroute_experts,
-                                     cp_control=cp_control)
+                                     cp_control=cp_control, cp_exchange=loop.cp_exchange)
     run = _Run(loop, plan, ctx, loss_averaging=loss_averaging, par=par, grad_probe=grad_probe)
     if resume is not None:
         run.load(resume)

@@ -153,10 +153,13 @@ class PlanSection(_Section):
 
 
 class CommSection(_Section):
-    """How collectives run: expert all-to-all overlap and FP8 dispatch (FP8 recipes only)."""
+    """How collectives run: expert all-to-all overlap, FP8 dispatch (FP8 recipes only) and how
+    context-parallel attention exchanges K/V (``all_gather``: one collective, whole-sequence K/V
+    and scores kept per rank; ``ring``: point-to-point, O(S/cp) per rank, cp dependent hops)."""
 
     a2a_overlap: bool = True
     fp8_dispatch: bool = True
+    cp_exchange: Literal["all_gather", "ring"] = "all_gather"
 
 
 class OptimizerSection(_Section):

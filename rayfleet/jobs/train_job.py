@@ -90,6 +90,7 @@ class LoopConfig:
     a2a_overlap: bool
     fp8_dispatch: bool
     accelerator: str
+    cp_exchange: str = "all_gather"
     output_uri: str | None = None
     eval: EvalSettings | None = None
 
@@ -155,7 +156,7 @@ def loop_config(spec: TrainJobSpec) -> LoopConfig:
         schedule=ScheduleSettings(kind=sched.kind, warmup_steps=sched.warmup_steps, min_lr_ratio=sched.min_lr_ratio),
         steps=spec.steps, global_batch_size=spec.global_batch_size, grad_clip=spec.grad_clip,
         a2a_overlap=spec.comm.a2a_overlap,
-        fp8_dispatch=spec.comm.fp8_dispatch and is_fp8_precision(spec.precision),
+        fp8_dispatch=spec.comm.fp8_dispatch and is_fp8_precision(spec.precision), cp_exchange=spec.comm.cp_exchange,
         accelerator=spec.resources.accelerator, output_uri=spec.output.uri if spec.output is not None else None,
         eval=EvalSettings(uri=ev.uri, every_n_steps=ev.every_n_steps, batches=ev.batches) if ev is not None else None)
 

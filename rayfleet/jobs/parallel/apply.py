@@ -5,8 +5,9 @@ The order (``parallelize_model``), as in torchtitan, and why:
    wrappers after it only ever see the local experts.
 2. Tensor parallelism (DTensor) second: it turns attention/dense weights into TP-sharded
    DTensors, which FSDP2 then shards again over DP (2-D FSDP+TP).
-2b. Context parallelism (``plan.cp > 1``) swaps each attention's core for the all-gather-K/V,
-   load-balanced one (``context_parallel``); it adds no parameters, so its place between TP and
+2b. Context parallelism (``plan.cp > 1``) swaps each attention's core for a load-balanced CP
+   one, K/V all-gathered (``context_parallel``) or on a ring (``context_parallel_ring``,
+   ``comm.cp_exchange: ring``); it adds no parameters, so its place between TP and
    FSDP only keeps it beside the other attention change.
 3. FSDP2 last, per transformer block then the root: over DP for everything but the routed
    experts; the experts are sharded over EDP (the ranks holding copies of the same experts)
@@ -34,7 +35,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from rayfleet.jobs.parallel.context import ParallelContext
-from rayfleet.jobs.parallel.context_parallel import apply_context_parallel
+from rayfleet.jobs.parallel.context_parallel import ContextParallelAttention, apply_context_parallel
+from rayfleet.jobs.parallel.context_parallel_ring import RingAttention
 from rayfleet.jobs.parallel.expert_parallel import apply_expert_parallel
 from rayfleet.jobs.parallel.pipeline import (PipelineChunks, PipelineRunner, PipelineStageModule, split_stages,
                                              stage_roots)
@@ -84,8 +86,10 @@ def parallelize_model(model: nn.Module, ctx: ParallelContext) -> nn.Module:
             split_moe_tokens(model, group=ctx.group("tp"), tp_rank=ctx.tp_rank, tp=ctx.tp_size)
     # 2b. context parallel: attention across the CP group (the loop feeds each rank its chunks)
     if ctx.cp_size > 1:
-        apply_context_parallel(model, group=ctx.group("cp"), cp_rank=ctx.cp_rank, cp=ctx.cp_size,
-                               control=ctx.cp_control)  # type: ignore[arg-type]
+        core = RingAttention if ctx.cp_exchange == "ring" else ContextParallelAttention
+        attend = core(group=ctx.group("cp"), cp_rank=ctx.cp_rank, cp=ctx.cp_size,
+                      control=ctx.cp_control)  # type: ignore[arg-type]
+        apply_context_parallel(model, attend=attend, cp_rank=ctx.cp_rank, cp=ctx.cp_size)
     # Activation recompute before FSDP, so FSDP's hooks wrap the recomputing forward (the
     # recompute then re-gathers parameters like any forward). Module names stay unchanged.
     if plan.recompute != "none":

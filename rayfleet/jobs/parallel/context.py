@@ -106,6 +106,7 @@ class ParallelContext:
     misroute_experts: bool = False  # BROKEN ON PURPOSE: the mis-routed EP control of the tests
     cp_rank: int = 0
     cp_control: str = "none"  # "none", or a BROKEN ON PURPOSE CP variant (context_parallel.CPControl)
+    cp_exchange: str = "all_gather"  # or "ring" (context_parallel_ring)
     a2a: A2AStats = field(default_factory=A2AStats)
     pipeline: Any = None  # the PipelineRunner when plan.pp > 1 (set by parallelize_model)
     expert_ckpt_mesh: DeviceMesh | None = None  # (ep, edp) of this stage, ep-major: experts' global layout
@@ -160,7 +161,7 @@ def _check_supported(plan: ParallelPlan, world_size: int) -> None:
 
 def build_parallel_context(plan: ParallelPlan, *, device: torch.device, a2a_overlap: bool = False,
                            fp8_dispatch: bool = False, misroute_experts: bool = False,
-                           cp_control: str = "none") -> ParallelContext:
+                           cp_control: str = "none", cp_exchange: str = "all_gather") -> ParallelContext:
     """Collective over the default group: build both meshes and this rank's context."""
     world_size, rank = dist.get_world_size(), dist.get_rank()
     _check_supported(plan, world_size)
@@ -189,4 +190,5 @@ def build_parallel_context(plan: ParallelPlan, *, device: torch.device, a2a_over
                            dp_rank=c.dp, pp_rank=c.pp, ep_rank=c.ep, edp_rank=c.edp, mesh=mesh,
                            expert_mesh=expert_mesh, stage_group=stage_group, a2a_overlap=a2a_overlap,
                            fp8_dispatch=fp8_dispatch, misroute_experts=misroute_experts,
-                           expert_ckpt_mesh=ckpt_mesh, cp_rank=c.cp, cp_control=cp_control)
+                           expert_ckpt_mesh=ckpt_mesh, cp_rank=c.cp, cp_control=cp_control,
+                           cp_exchange=cp_exchange)

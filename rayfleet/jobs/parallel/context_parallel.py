@@ -12,13 +12,13 @@ Design decisions:
   owners: a reduce-scatter on NCCL, an ``all_to_all_single`` plus sum on gloo (which has no
   reduce-scatter). Not ``torch.distributed.nn.functional.all_gather``: deprecated, and its gloo
   backward scatters from *group* ranks as if they were global ranks, which fails on every CP
-  group but the first (CP2 x TP2 hit it). Rejected for now: a point-to-point ring (Megatron's
-  ``p2p`` CP) with its own ring backward. Memory trade-off: each rank holds the whole
-  sequence's K/V of one layer during that layer's attention (and, for backward, as saved
-  activations): ``B * S * Hkv * D`` per tensor instead of the ring's ``2 * B * S/cp * Hkv * D``
-  in flight; with grouped-query heads K/V are a small part of a layer's activations, and the
-  gather is one collective instead of ``cp - 1`` dependent steps. The per-chunk-pair math below
-  is what a ring would run step by step.
+  group but the first (CP2 x TP2 hit it). The alternative is the point-to-point ring of
+  ``context_parallel_ring`` (Megatron's ``p2p`` CP, ``comm.cp_exchange: ring``). Memory
+  trade-off: here each rank holds the whole sequence's K/V of one layer during that layer's
+  attention (and, for backward, as saved activations): ``B * S * Hkv * D`` per tensor instead
+  of the ring's ``2 * B * S/cp * Hkv * D`` in flight; with grouped-query heads K/V are a small
+  part of a layer's activations, and the gather is one collective instead of ``cp`` dependent
+  hops. The ring runs the same per-chunk-pair math step by step.
 - Online-softmax merge: each query chunk attends to the chunks before it (no mask) and to its
   own chunk (causal mask) as separate blocks, each giving ``(out, lse)``; the blocks merge by
   log-sum-exp (:func:`merge_partials`), as flash/ring attention do. Chunks after the query
@@ -104,7 +104,8 @@ def model_inputs(tokens: torch.Tensor, *, cp_rank: int = 0, cp: int = 1) -> tupl
     return share.inputs, share.targets
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                    causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's attention in fp32 (or wider): q ``[B, H, Sq, D]``, k ``[B, H, Sk, D]``, v ``[B, H, Sk, Dv]``.
 
     Returns ``(out [B, H, Sq, Dv], lse [B, H, Sq])``. ``causal`` masks key ``j > i`` for query
@@ -200,6 +201,10 @@ class ContextParallelAttention:
         self.group, self.cp_rank, self.cp, self.control = group, cp_rank, cp, control
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(q.device.type, enabled=False):  # the block math is fp32 by design
+            return self._attend(q, k, v)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_all = _GatherOverGroup.apply(k, self.group).unbind(0)
         v_all = _GatherOverGroup.apply(v, self.group).unbind(0)
         return attend_chunks(q, _global_chunks(k_all, cp=self.cp, control=self.control),
@@ -207,16 +212,16 @@ class ContextParallelAttention:
                              cp_rank=self.cp_rank, cp=self.cp, control=self.control)
 
 
-def apply_context_parallel(model: nn.Module, *, group: dist.ProcessGroup, cp_rank: int, cp: int,
-                           control: CPControl = "none") -> int:
+def apply_context_parallel(model: nn.Module, *, attend: Any, cp_rank: int, cp: int) -> int:
     """Make every attention module of ``model`` attend across the CP group; returns how many.
+
+    ``attend``: the CP core, K/V all-gathered (:class:`ContextParallelAttention`) or passed
+    around a ring (:class:`~rayfleet.jobs.parallel.context_parallel_ring.RingAttention`).
 
     The model must then be fed :func:`split_for_context_parallel` shares. A full-sequence forward
     (no KV cache) gets its rotary ``positions`` replaced by the rank's global ones; a paged
     (serving) forward is left alone.
     """
-    attend = ContextParallelAttention(group=group, cp_rank=cp_rank, cp=cp, control=control)
-
     def global_positions(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if kwargs.get("kv") is not None:
             return None

@@ -5,11 +5,12 @@ gathered K/V) against causal attention over the whole sequence, forward and back
 cp = 2 and 3, grouped-query heads and MLA-shaped heads (value width != q/k width); the two
 broken variants (gathered K/V in rank order, no causal mask inside a chunk) must miss.
 
-The two-rank test (this file is also the ranks' script) builds each model family the trainer
-runs — rayfleet's MoE, Llama, Qwen3-MoE (both through the HF config mapping) and DeepSeek-V3's
-MLA — once whole and once with :func:`apply_context_parallel`, feeds the CP model each rank's
-chunks, and compares the loss (global token mean) and every parameter gradient (summed over
-the CP ranks) with the whole-sequence model on the same rank.
+The three-rank test (this file is also the ranks' script; cp = 3, so the ring's next and
+previous ranks differ) builds each model family the trainer runs — rayfleet's MoE, Llama,
+Qwen3-MoE (both through the HF config mapping) and DeepSeek-V3's MLA — once whole and once with
+:func:`apply_context_parallel` for each K/V exchange (all-gather, ring), feeds the CP model each
+rank's chunks, and compares the loss (global token mean) and every parameter gradient (summed
+over the CP ranks) with the whole-sequence model on the same rank.
 """
 
 from __future__ import annotations
@@ -57,14 +58,15 @@ def _rank_main(out_dir: str) -> None:
     import torch.nn.functional as F
 
     from rayfleet.jobs.local_processes import leave_after_barrier
-    from rayfleet.jobs.parallel.context_parallel import apply_context_parallel, model_inputs
+    from rayfleet.jobs.parallel.context_parallel import ContextParallelAttention, apply_context_parallel, model_inputs
+    from rayfleet.jobs.parallel.context_parallel_ring import RingAttention
     from rayfleet.models import build_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, cp = dist.get_rank(), dist.get_world_size()
     report = {}
-    for name, config in _family_configs().items():
+    for name, config, exchange in [(n, c, e) for n, c in _family_configs().items() for e in ("all_gather", "ring")]:
         tokens = torch.randint(0, config.vocab_size, (2, SEQ_LEN + 1), generator=torch.Generator().manual_seed(7))
         whole_tokens = tokens[:, 1:].numel()
         whole = build_model(config, seed=3)
@@ -72,7 +74,9 @@ def _rank_main(out_dir: str) -> None:
         ref_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="sum")
         (ref_loss / whole_tokens).backward()
         split = build_model(config, seed=3)
-        assert apply_context_parallel(split, group=dist.group.WORLD, cp_rank=rank, cp=cp) == config.num_layers
+        core = RingAttention if exchange == "ring" else ContextParallelAttention
+        attend = core(group=dist.group.WORLD, cp_rank=rank, cp=cp)
+        assert apply_context_parallel(split, attend=attend, cp_rank=rank, cp=cp) == config.num_layers
         inputs, targets = model_inputs(tokens, cp_rank=rank, cp=cp)
         logits = split(inputs)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
@@ -85,8 +89,8 @@ def _rank_main(out_dir: str) -> None:
             dist.all_reduce(grad)  # CP ranks act as data-parallel ranks for parameter gradients
             ref = grads[pname].grad if grads[pname].grad is not None else torch.zeros_like(grad)
             worst = max(worst, float((grad - ref).abs().max() / ref.abs().max().clamp(min=1e-12)))
-        report[name] = {"loss": float(total), "ref_loss": float(ref_loss), "worst_grad_rel": worst,
-                        "local_tokens": targets.numel(), "whole_tokens": whole_tokens}
+        report[f"{name}/{exchange}"] = {"loss": float(total), "ref_loss": float(ref_loss), "worst_grad_rel": worst,
+                                        "local_tokens": targets.numel(), "whole_tokens": whole_tokens, "cp": cp}
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(report))
     leave_after_barrier()
 
@@ -96,15 +100,16 @@ def family_reports(tmp_path_factory) -> list[dict]:
     from rayfleet.jobs.local_processes import run_script_ranks
 
     out = tmp_path_factory.mktemp("cp_families")
-    run_script_ranks(str(HERE), [str(out)], 2)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    run_script_ranks(str(HERE), [str(out)], 3)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1, 2)]
 
 
+@pytest.mark.parametrize("exchange", ["all_gather", "ring"])
 @pytest.mark.parametrize("family", ["rayfleet-moe", "llama", "qwen3-moe", "deepseek-v3-mla"])
-def test_cp2_matches_the_whole_sequence_for_each_model_family(family_reports, family) -> None:
+def test_cp3_matches_the_whole_sequence_for_each_model_family(family_reports, family, exchange) -> None:
     for report in family_reports:
-        got = report[family]
-        assert got["local_tokens"] * 2 == got["whole_tokens"]  # each rank trained on half the tokens
+        got = report[f"{family}/{exchange}"]
+        assert got["cp"] == 3 and got["local_tokens"] * 3 == got["whole_tokens"]  # a third of the tokens each
         assert got["loss"] == pytest.approx(got["ref_loss"], rel=1e-5)
         assert got["worst_grad_rel"] < 1e-4, got
 
@@ -161,7 +166,8 @@ def test_broken_variants_miss_causal_attention(control) -> None:
 def test_merge_of_partials_is_the_softmax_over_their_union() -> None:
     q, k, v = _qkv(heads=2, kv_heads=2, dv=8)
     whole, _ = block_attention(q, k, v, causal=False)
-    parts = [block_attention(q, k[:, :, s], v[:, :, s], causal=False) for s in (slice(0, 5), slice(5, 17), slice(17, None))]
+    blocks = (slice(0, 5), slice(5, 17), slice(17, None))
+    parts = [block_attention(q, k[:, :, s], v[:, :, s], causal=False) for s in blocks]
     torch.testing.assert_close(merge_partials(parts), whole, rtol=1e-12, atol=1e-12)
 
 

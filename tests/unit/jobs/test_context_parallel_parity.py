@@ -71,6 +71,19 @@ def test_cp2_and_cp2_ep2_match_and_broken_cp_variants_do_not(spec, references) -
             _assert_matches(broken, references[ROUTER])
 
 
+def test_ring_exchange_cp2_and_cp2_ep2_match_and_broken_ring_does_not(spec, references) -> None:
+    """``comm.cp_exchange: ring``: K/V and dK/dV hop between the CP ranks point to point."""
+    ring = TrainJobSpec.model_validate({**spec.model_dump(), "comm": {"a2a_overlap": False, "cp_exchange": "ring"}})
+    results = run_local_many(ring, [
+        (ParallelPlan(cp=2, micro_batch_size=2), {"grad_probe": ROUTER}),
+        (ParallelPlan(cp=2, ep=2, micro_batch_size=2), {"grad_probe": EXPERT}),
+        (ParallelPlan(cp=2, micro_batch_size=2), {"grad_probe": ROUTER, "cp_control": "unmasked_diagonal"}),
+    ])
+    _assert_matches(results[0], references[ROUTER])
+    _assert_matches(results[1], references[EXPERT])
+    assert _loss_gap(results[2], references[ROUTER]) > 100 * LOSS_RTOL
+
+
 def test_four_ranks_cp2_with_tp2_dp2_ep2_and_pp2_match(spec, references) -> None:
     """CP2 x TP2 (DTensor heads split inside each CP rank; its CP groups {0, 2} and {1, 3} are
     where torch.distributed.nn.functional.all_gather's gloo backward failed); CP2 x DP2 x EP2
