@@ -150,7 +150,10 @@ def layer_activation_bytes(model: ModelSpec, plan: ParallelPlan, layer: int, par
     """Bytes one device saves for backward for one layer and one micro-batch.
 
     ``plan.recompute == "selective"`` recomputes norms, SwiGLU activations and (MLA) the q/k/v
-    up-projections, so their outputs are not saved; "full" is handled by the caller.
+    up-projections, so their outputs are not saved (DeepSeek-V3 section 3.2.3 / 3.3.3; Megatron's
+    ``recompute_modules=["layernorm", "mla_up_proj", "moe_act"]``); Megatron's ``core_attn``
+    saves nothing more under flash attention, so it prices as "none"; "full" is handled by the
+    caller. Worked example: ``tests/unit/placement/test_recompute_memory.py``.
     Three kinds of tensors: those kept in BF16 (residual streams, attention's q/k/v and output,
     which flash attention saves itself); inputs used only by a Linear operator, which FP8
     training saves FP8-cast (Transformer Engine keeps the quantized input for the weight

@@ -57,7 +57,8 @@ class ParallelPlan:
         tp, cp, dp, pp: attention-grid degrees (tensor, context, data, pipeline parallel).
         ep, etp: expert parallel and expert tensor parallel degrees (MoE layers).
         micro_batch_size: sequences per micro-batch per DP replica.
-        recompute: activation recomputation: "none", "selective" (attention core), "full".
+        recompute: activation recomputation: "none", "selective" (RMSNorm outputs, MLA q/k/v
+            up-projections and the SwiGLU output: DeepSeek-V3's set), "full".
         stage_starts: first layer of each pipeline stage (length ``pp``, starts with 0);
             ``None`` = even split.
         zero_stage: optimizer sharding over DP: 0 none, 1 optimizer states, 2 + gradients,
