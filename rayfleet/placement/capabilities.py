@@ -110,8 +110,9 @@ CAPABILITIES: tuple[Capability, ...] = (
                MappingProxyType({"pp": 2, "dualpipe": True}), lambda s: replace(s, dualpipe=False)),
     Capability("cp", "cp>1", "plan.cp", True,
                "load-balanced context parallelism: CP rank i holds sequence chunks i and 2*cp-1-i, attention "
-               "all-gathers K/V over the CP group and merges per-chunk partial softmaxes by log-sum-exp, GQA and "
-               "MLA alike; gradients summed over CP (jobs/parallel/context_parallel.py)",
+               "all-gathers K/V over the CP group (or passes them around a ring: comm.cp_exchange) and merges "
+               "per-chunk partial softmaxes by log-sum-exp, GQA and MLA alike; gradients summed over CP "
+               "(jobs/parallel/context_parallel.py, context_parallel_ring.py)",
                "set cp: 1 (split further with tp, ep or pp)", lambda p, _: p.cp > 1, _attr("cp"),
                MappingProxyType({"cp": 2}), lambda s: replace(s, context_parallel=(1,))),
     Capability("ep", "ep>1", "plan.ep", True,
