@@ -23,6 +23,11 @@ Design decisions:
   input- and weight-gradient passes (its zero-bubble part).
 - The schedule and its stages are built on the first step for a given micro-batch count and
   reused, with each stage's input/output metadata given (no shape-inference forward).
+- Autocast covers each stage's forward only, as in the loop's unpipelined path (forward under
+  autocast; loss and backward outside it): the loop calls the runner inside autocast, and the
+  runner turns it off around the schedule and back on inside each stage's forward. With the whole
+  schedule under CPU autocast (1F1B before), bf16 gradients came out 0.1-0.3% off the
+  single-process run's (router and attention weights), because backward ran under autocast.
 - Expert load, loss and metrics stay per stage: the loop counts the loss on the rank holding the
   last virtual stage (``ParallelPlan.loss_pp_rank``) and its metric all-gather spans every rank,
   so every rank reports the same global loss.
@@ -55,12 +60,19 @@ class PipelineStageModule(nn.Module):
         if last:
             self.norm = model.norm
             self.output = model.output
+        self.autocast_dtype: torch.dtype | None = None  # set by PipelineRunner for each step
 
     def blocks(self) -> list[nn.Module]:
         return list(self.layers.values())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """First stage: tokens ``[B, S]``; others: hidden states ``[B, S, dim]`` from the previous stage."""
+        if self.autocast_dtype is None:
+            return self._forward(x)
+        with torch.autocast(x.device.type, dtype=self.autocast_dtype):
+            return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.first else x
         positions = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)
         for layer in self.layers.values():
@@ -119,10 +131,11 @@ class PipelineRunner:
         self.config = model.config
         self.device, self.group = device, group
         self.holds_first, self.holds_last = 0 in self.stage_indices, num_stages - 1 in self.stage_indices
-        self._schedules: dict[int, Any] = {}
+        self._schedules: dict[tuple[int, torch.dtype | None], Any] = {}
         self._loss_fn: Callable | None = None
 
-    def _example_args(self, index: int, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _example_args(self, index: int, tokens: torch.Tensor, autocast_dtype: torch.dtype | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """Meta tensors of one micro-batch's input and output of virtual stage ``index``.
 
         Given up front, they make the schedule's metadata STATIC: no shape-inference forward (it
@@ -136,31 +149,31 @@ class PipelineRunner:
             else torch.empty_like(hidden).requires_grad_(True)
         if index < self.num_stages - 1:
             return inp, hidden
-        dtype = torch.get_autocast_dtype(self.device.type) if torch.is_autocast_enabled(self.device.type) \
-            else torch.float32
+        dtype = autocast_dtype or torch.float32
         return inp, torch.empty(mb, seq, self.config.vocab_size, dtype=dtype, device="meta")
 
-    def _stage(self, module: nn.Module, index: int, tokens: torch.Tensor) -> PipelineStage:
-        inp, out = self._example_args(index, tokens)
+    def _stage(self, module: nn.Module, index: int, tokens: torch.Tensor, autocast_dtype: torch.dtype | None
+               ) -> PipelineStage:
+        inp, out = self._example_args(index, tokens, autocast_dtype)
         last = index == self.num_stages - 1
         return PipelineStage(module, index, self.num_stages, self.device, group=self.group,
                              input_args=(inp,), output_args=(out,),
                              input_grads=(None,) if index == 0 else (inp,),
                              output_grads=(None,) if last else (out,))
 
-    def _schedule(self, n: int, tokens: torch.Tensor) -> Any:
-        if n not in self._schedules:
+    def _schedule(self, n: int, tokens: torch.Tensor, autocast_dtype: torch.dtype | None) -> Any:
+        if (n, autocast_dtype) not in self._schedules:
             chunks = len(self.stage_indices)
             check_microbatches(n, pp=self.num_stages // chunks, vpp=1 if self.dualpipe else chunks,
                                dualpipe=self.dualpipe)
-            stages = [self._stage(m, i, tokens) for m, i in zip(self.modules, self.stage_indices)]
+            stages = [self._stage(m, i, tokens, autocast_dtype) for m, i in zip(self.modules, self.stage_indices)]
             if len(stages) == 1:
-                self._schedules[n] = Schedule1F1B(stages[0], n_microbatches=n, loss_fn=self._call_loss,
-                                                  scale_grads=False)
+                schedule = Schedule1F1B(stages[0], n_microbatches=n, loss_fn=self._call_loss, scale_grads=False)
             else:
                 kind = ScheduleDualPipeV if self.dualpipe else ScheduleInterleaved1F1B
-                self._schedules[n] = kind(stages, n_microbatches=n, loss_fn=self._call_loss, scale_grads=False)
-        return self._schedules[n]
+                schedule = kind(stages, n_microbatches=n, loss_fn=self._call_loss, scale_grads=False)
+            self._schedules[(n, autocast_dtype)] = schedule
+        return self._schedules[(n, autocast_dtype)]
 
     def _call_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         assert self._loss_fn is not None
@@ -169,7 +182,12 @@ class PipelineRunner:
     def forward_backward(self, *, inputs: list[torch.Tensor], targets: list[torch.Tensor],
                          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         self._loss_fn = loss_fn
-        schedule = self._schedule(len(inputs), inputs[0])
+        device = self.device.type
+        autocast_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        for module in self.modules:
+            module.autocast_dtype = autocast_dtype
+        schedule = self._schedule(len(inputs), inputs[0], autocast_dtype)
         # the schedule splits the whole batch back into len(inputs) micro-batches
         args = (torch.cat(inputs),) if self.holds_first else ()
-        schedule.step(*args, target=torch.cat(targets) if self.holds_last else None)
+        with torch.autocast(device, enabled=False):  # back on inside each stage's forward only
+            schedule.step(*args, target=torch.cat(targets) if self.holds_last else None)
