@@ -15,6 +15,7 @@ import torch
 
 from rayfleet.jobs.local_processes import run_local, run_local_many
 from rayfleet.jobs.spec import TrainJobSpec
+from rayfleet.jobs.train_state import TrainHooks
 from rayfleet.placement.plan import ParallelPlan
 
 EXPERT = "layers.1.feed_forward.experts.w2"
@@ -82,6 +83,32 @@ def test_ring_exchange_cp2_and_cp2_ep2_match_and_broken_ring_does_not(spec, refe
     _assert_matches(results[0], references[ROUTER])
     _assert_matches(results[1], references[EXPERT])
     assert _loss_gap(results[2], references[ROUTER]) > 100 * LOSS_RTOL
+
+
+class _SaveState(TrainHooks):
+    """Every rank takes the state after step ``at`` (a collective); rank 0 writes it to ``path``."""
+
+    def __init__(self, path: str, at: int) -> None:
+        self.path, self.at = path, at
+
+    def after_step(self, step, *, metrics, sample_ids, state_fn, load_fn) -> None:
+        if step == self.at:
+            state = state_fn()
+            if metrics["rank"] == 0:
+                torch.save(state, self.path)
+
+
+def test_a_cp2_state_resumes_in_one_process_exactly(spec, references, tmp_path) -> None:
+    """CP ranks replicate parameters and share the data position: a CP2 run's state after step 1
+    continues at one rank (no CP) with the reference's remaining losses."""
+    plain = spec.model_copy(update={"eval": None})
+    path = str(tmp_path / "cp2-state.pt")
+    run_local_many(plain, [(ParallelPlan(cp=2, micro_batch_size=2), {})], hooks=_SaveState(path, at=1))
+    state = torch.load(path, weights_only=False)
+    assert state.step == 2
+    resumed = run_local(plain, ParallelPlan(dp=1, micro_batch_size=2), resume=state)
+    ref = torch.tensor(references[ROUTER].losses[2:], dtype=torch.float64)
+    torch.testing.assert_close(torch.tensor(resumed.losses, dtype=torch.float64), ref, rtol=LOSS_RTOL, atol=0)
 
 
 def test_four_ranks_cp2_with_tp2_dp2_ep2_and_pp2_match(spec, references) -> None:
