@@ -108,6 +108,15 @@ CAPABILITIES: tuple[Capability, ...] = (
                "2*pp-1-r (jobs/parallel/pipeline.py, placement/pipeline_chunks.py)",
                "set dualpipe: false (plain 1F1B)", lambda p, _: p.dualpipe, _attr("dualpipe"),
                MappingProxyType({"pp": 2, "dualpipe": True}), lambda s: replace(s, dualpipe=False)),
+    # A combination: DualPipeV runs, ZeRO-3 runs, not both (a search space cannot drop the pair,
+    # so a search offering DualPipeV with a ZeRO-3 rung drops DualPipeV).
+    Capability("pp.dualpipev+zero.3", "DualPipeV+ZeRO-3", "plan.zero_stage", False,
+               "DualPipeV with ZeRO-3 (FSDP2 resharding after forward) is not implemented: its separate "
+               "weight-gradient pass runs on resharded parameters and the losses leave the single-process run's "
+               "(measured at PP2 x DP2; ZeRO-1/2 match it)",
+               "set zero_stage: 2 (or dualpipe: false)", lambda p, _: p.dualpipe and p.zero_stage == 3 and p.dp > 1,
+               _attr("zero_stage"), MappingProxyType({"pp": 2, "dp": 2, "dualpipe": True, "zero_stage": 3}),
+               lambda s: replace(s, dualpipe=False) if s.dualpipe and 3 in s.zero_ladder else s),
     Capability("cp", "cp>1", "plan.cp", True,
                "load-balanced context parallelism: CP rank i holds sequence chunks i and 2*cp-1-i, attention "
                "all-gathers K/V over the CP group (or passes them around a ring: comm.cp_exchange) and merges "

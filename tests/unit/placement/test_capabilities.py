@@ -129,7 +129,8 @@ def test_the_jobs_search_space_is_the_tables() -> None:
     # interleaved and DualPipeV pipelines run (issue 28 item 1): virtual stages stay searched and
     # DualPipeV is searched when asked (--dualpipe), as in the planner's own space
     assert space.virtual_stages == SearchSpace().virtual_stages
-    assert runnable_space(SearchSpace(dualpipe=True)).dualpipe
+    assert runnable_space(SearchSpace(dualpipe=True, zero_stages=(1, 2))).dualpipe
+    assert not runnable_space(SearchSpace(dualpipe=True)).dualpipe  # DualPipeV with ZeRO-3 does not run
     assert space.optimizer_dtypes == ("fp32",) and space.activation_dtypes == ("bf16",)
     assert space.zero_ladder == (1, 2, 3) and space.max_pp == SearchSpace().max_pp
 
