@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import Goal, Table, record_run  # noqa: E402  (benchmarks/common.py, beside this script)
 from rayfleet.placement import JobGoal, SearchSpace, fleet_capacity, fleet_capacity_of, parse_fleet, preset  # noqa: E402
-from rayfleet.placement.calibration import (CORE_FITTED_FIELDS, FITTED_FIELDS, PRE_CALIBRATION,  # noqa: E402
+from rayfleet.placement.calibration import (CORE_FITTED_FIELDS, FITTED_FIELDS, PHYSICAL_PRIORS,  # noqa: E402
+                                            PRE_CALIBRATION,
                                             cold_leave_one_out, explain_gap, fit_efficiency, load_published_runs,
                                             predict_run, rank_published_plan)
 from rayfleet.placement.cost_params import CostParams  # noqa: E402
@@ -108,7 +109,8 @@ def calibration(refit: bool) -> list[dict]:
     runs = load_published_runs()
     before = PRE_CALIBRATION  # the constants before calibration (issue 20): the baseline column
     # cold leave-one-out: refitted from the pre-calibration constants, the left-out model unseen
-    loo_all = {x.run_id: x for x in cold_leave_one_out(runs)}
+    # all seven constants, regularised toward the measured GEMM / attention efficiencies
+    loo_all = {x.run_id: x for x in cold_leave_one_out(runs, priors=PHYSICAL_PRIORS)}
     loo_core = {x.run_id: x for x in cold_leave_one_out(runs, fields=CORE_FITTED_FIELDS)}
     rows = []
     for run in runs:
@@ -173,7 +175,7 @@ def deepseek_own_plan() -> dict:
 
 
 CALIBRATION_COLUMNS = ["run", "set", "routing", "GPUs", "published plan", "measured", "predicted", "error",
-                       "before fit", "cold LOO (7)", f"cold LOO ({len(CORE_FITTED_FIELDS)})", "rank", "gap to top",
+                       "before fit", "cold LOO (7, priors)", f"cold LOO ({len(CORE_FITTED_FIELDS)})", "rank", "gap to top",
                        "planner's top"]
 
 
@@ -185,7 +187,9 @@ def calibration_table(rows: list[dict]) -> Table:
               f"{r['cold_loo_core_error']:+.1%}", str(r["rank"] or "-"), f"{r['gap_to_top']:+.1%}", r["top_plan"]]
              for r in rows]
     return Table(CALIBRATION_COLUMNS, cells, note="cold LOO: refitted from the pre-calibration constants on the "
-                 "fit rows of the other models, all 7 constants or only " + ", ".join(CORE_FITTED_FIELDS))
+                 "fit rows of the other models: all 7 constants regularised toward measured efficiencies ("
+                 + ", ".join(f"{k} {v}" for k, v in PHYSICAL_PRIORS.items()) + "), or only "
+                 + ", ".join(CORE_FITTED_FIELDS) + " (unregularised)")
 
 
 def calibration_goals(rows: list[dict]) -> list[Goal]:
@@ -211,7 +215,7 @@ def print_calibration(rows: list[dict]) -> None:
     print(f"tokens/s per GPU within +-15%: {sum(abs(r['error']) <= 0.15 for r in rows)}/{len(rows)} (worst "
           f"{worst:.1%}); published plan in the top 3 or within 5% of the top: {ranked}/{len(rows)}")
     print(f"cold leave-one-out (refit from the pre-calibration constants, left-out model unseen): worst "
-          f"{max(abs(r['cold_loo_error']) for r in rows):.1%} with 7 constants, "
+          f"{max(abs(r['cold_loo_error']) for r in rows):.2%} with 7 constants regularised toward measured efficiencies, "
           f"{max(abs(r['cold_loo_core_error']) for r in rows):.1%} with {len(CORE_FITTED_FIELDS)}; MoE rows "
           f"({len(moe)}, {len({r['source'].split(',')[0] for r in moe})} sources): worst "
           f"{max(abs(r['cold_loo_error']) for r in moe):.1%}")

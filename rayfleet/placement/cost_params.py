@@ -32,6 +32,12 @@ class CostParams:
 
     Attributes:
         gemm_efficiency: fraction of the catalogue's dense peak that large GEMMs reach.
+        bf16_gemm_efficiency: the same for a model trained in BF16. A measured, not fitted,
+            constant: large BF16 GEMMs on H100 SXM reach ~710-720 of 989 TFLOP/s (cuBLAS; see
+            docs/planner-calibration.md for the sources). ``gemm_efficiency`` is fitted on FP8
+            training runs and carries what FP8 adds per GEMM (the current-scaling amax and cast
+            kernels, FP8 reaching a smaller share of its doubled peak), so it cannot be reused
+            for BF16 runs: one constant for both made every BF16 row ~30% too slow.
         gemm_rows_at_half_efficiency: a GEMM with this many rows (tokens) runs at half of
             ``gemm_efficiency`` (efficiency x rows / (rows + this)); it is what makes many small
             local experts (small EP) slower than a few well-fed ones.
@@ -80,6 +86,7 @@ class CostParams:
     """
 
     gemm_efficiency: float = 0.55
+    bf16_gemm_efficiency: float = 0.72
     gemm_rows_at_half_efficiency: float = 128.0
     gemm_width_at_half_efficiency: float = 1536.0
     moe_permute_bytes: float = 80.0
@@ -110,6 +117,10 @@ class CostParams:
     optimizer_bytes_touched: int = 36
     usable_memory_fraction: float = 0.9
 
+
+    def gemm_efficiency_for(self, precision: str) -> float:
+        """Large-GEMM efficiency (of the dense peak in ``precision``) of a model trained in ``precision``."""
+        return self.bf16_gemm_efficiency if precision == "bf16" else self.gemm_efficiency
 
     def weight_bytes(self, precision: str) -> int:
         """Device bytes per stored weight for a model trained in ``precision``."""

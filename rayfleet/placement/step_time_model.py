@@ -131,13 +131,18 @@ def wgrad_accumulation_s(model: ModelSpec, plan: ParallelPlan, layer: int, accel
     return params.wgrad_accumulation_bytes * counts.total / (accel.hbm_bandwidth_gbps * 1e9)
 
 
+def _gemm_precision(model: ModelSpec, accel: AcceleratorSpec) -> str:
+    """The precision the GEMMs really run in: FP8 training falls back to BF16 without FP8 units."""
+    return "fp8" if model.precision == "fp8" and accel.peak_fp8_tflops is not None else "bf16"
+
+
 def layer_time(model: ModelSpec, plan: ParallelPlan, layer: int, accel: AcceleratorSpec,
                params: CostParams = CostParams()) -> LayerTime:
     """Forward+backward time of ``layer`` for one micro-batch on one device."""
     tp = plan.tp_of_layer(layer)
     tokens = plan.micro_batch_size * model.seq_len / plan.cp  # tokens of the replica's CP shard
     h = model.hidden_size
-    gemm_peak = accel.peak_tflops(model.precision) * 1e12 * params.gemm_efficiency
+    gemm_peak = accel.peak_tflops(model.precision) * 1e12 * params.gemm_efficiency_for(_gemm_precision(model, accel))
     attn_peak = accel.peak_bf16_tflops * 1e12 * params.attention_efficiency
     core = model.attention_core_flops_per_token()
     gemm = model.layer_forward_flops_per_token(layer) - core
@@ -241,7 +246,7 @@ def edge_times(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorSpec,
                params: CostParams = CostParams()) -> tuple[float, float]:
     """(embedding, output head + loss) time per micro-batch per device, forward+backward."""
     tokens = plan.micro_batch_size * model.seq_len / plan.cp
-    peak = accel.peak_bf16_tflops * 1e12 * params.gemm_efficiency
+    peak = accel.peak_bf16_tflops * 1e12 * params.gemm_efficiency_for(_gemm_precision(model, accel))
     head = 3 * tokens * model.head_forward_flops_per_token() / plan.tp / peak
     embed = tokens * model.hidden_size * params.activation_bytes * 2 / plan.tp / (accel.hbm_bandwidth_gbps * 1e9)
     return embed, head

@@ -8,7 +8,8 @@ Design decisions:
   as their authors tuned for. A published plan that does not fit the memory model is an error
   of the model, reported as such rather than skipped.
 - Leave-one-out is cold: refitted from the pre-calibration constants without the left-out
-  model (:func:`cold_leave_one_out`); MoE rows say how their router placed tokens.
+  model (:func:`cold_leave_one_out`), regularised toward measured GEMM and attention
+  efficiencies (:data:`PHYSICAL_PRIORS`); MoE rows say how their router placed tokens.
 - :func:`fit_efficiency` fits only the efficiency constants (GEMM and attention efficiency, the
   small-GEMM knee, the contention of the EP all-to-all overlap) on the runs marked ``fit`` by coordinate search
   minimising the worst relative error; the held-out runs check the result. ``CostParams()``'s
@@ -20,12 +21,13 @@ The table is read in ``runs``, priced and ranked in ``predict``, fitted in ``fit
 only re-exports them.
 """
 
-from rayfleet.placement.calibration.fit import (CORE_FITTED_FIELDS, FITTED_FIELDS, PRE_CALIBRATION, LeaveOneOut,
-                                               cold_leave_one_out, fit_efficiency)
+from rayfleet.placement.calibration.fit import (CORE_FITTED_FIELDS, FITTED_FIELDS, PHYSICAL_PRIORS, PRE_CALIBRATION,
+                                               PRIOR_WEIGHT, LeaveOneOut, cold_leave_one_out, fit_efficiency)
 from rayfleet.placement.calibration.predict import (RECIPE_SPACE, STEP_TERMS, GapBreakdown, PlanRanking,
                                                     RunPrediction, explain_gap, predict_run, rank_published_plan)
 from rayfleet.placement.calibration.runs import PUBLISHED_RUNS_PATH, PublishedRun, load_published_runs
 
 __all__ = ["PublishedRun", "RunPrediction", "PlanRanking", "GapBreakdown", "load_published_runs", "predict_run",
            "rank_published_plan", "explain_gap", "fit_efficiency", "PUBLISHED_RUNS_PATH", "FITTED_FIELDS",
-           "RECIPE_SPACE", "STEP_TERMS", "CORE_FITTED_FIELDS", "PRE_CALIBRATION", "LeaveOneOut", "cold_leave_one_out"]
+           "RECIPE_SPACE", "STEP_TERMS", "CORE_FITTED_FIELDS", "PRE_CALIBRATION", "LeaveOneOut", "cold_leave_one_out",
+           "PHYSICAL_PRIORS", "PRIOR_WEIGHT"]

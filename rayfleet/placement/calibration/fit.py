@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from rayfleet.errors import SpecError
 from rayfleet.placement.calibration.predict import predict_run
 from rayfleet.placement.calibration.runs import PublishedRun
 from rayfleet.placement.cost_params import CostParams
 
-__all__ = ["FITTED_FIELDS", "CORE_FITTED_FIELDS", "PRE_CALIBRATION", "LeaveOneOut", "fit_efficiency",
-           "cold_leave_one_out"]
+__all__ = ["FITTED_FIELDS", "CORE_FITTED_FIELDS", "PRE_CALIBRATION", "PHYSICAL_PRIORS", "PRIOR_WEIGHT", "LeaveOneOut",
+           "fit_efficiency", "cold_leave_one_out"]
 
 # The constants the fit may move, with the grid it searches (everything else is physics or bytes).
 FITTED_FIELDS: dict[str, tuple[float, ...]] = {
@@ -53,28 +53,47 @@ PRE_CALIBRATION = CostParams(gemm_efficiency=0.5, gemm_rows_at_half_efficiency=1
 CORE_FITTED_FIELDS: tuple[str, ...] = ("gemm_efficiency", "ep_overlap_contention")
 
 
-def _score(runs: Sequence[PublishedRun], params: CostParams) -> tuple[float, float]:
+# Physical measurements the fitted constants are pulled toward (a regularised fit): a constant
+# may leave its measured value only where the rows pay for it. Sources (public microbenchmarks
+# on H100 SXM, figures as recalled from them, see docs/planner-calibration.md):
+# - gemm_efficiency 0.60: large FP8 GEMMs reach ~1,200-1,300 of 1,979 TFLOP/s (cuBLASLt /
+#   Transformer Engine; SemiAnalysis' H100/H200/MI300X training benchmark, GEMM section), less
+#   the current-scaling amax and cast kernels an FP8 training GEMM adds;
+# - attention_efficiency 0.45: FlashAttention-3 (arXiv 2407.08608) reaches up to 740 TFLOP/s
+#   BF16 forward (75%) on H100; causal head-dim-128 forward ~60% and backward ~45-50%, i.e.
+#   ~0.45-0.5 of peak over forward + backward (backward is 2.5x the forward FLOPs).
+PHYSICAL_PRIORS: dict[str, float] = {"gemm_efficiency": 0.60, "attention_efficiency": 0.45}
+# Weight of the squared log-distance to the priors against the worst |log error|: a constant
+# 20% off its prior costs as much as 3.3% more worst error.
+PRIOR_WEIGHT = 1.0
+
+
+def _score(runs: Sequence[PublishedRun], params: CostParams,
+           priors: Mapping[str, float] | None = None) -> tuple[float, float]:
     errors = [math.log(predict_run(r, params).tokens_per_s_per_gpu / r.tokens_per_s_per_gpu) for r in runs]
-    return max(abs(e) for e in errors), sum(e * e for e in errors)
+    penalty = PRIOR_WEIGHT * sum(math.log(getattr(params, k) / v) ** 2 for k, v in (priors or {}).items())
+    return max(abs(e) for e in errors) + penalty, sum(e * e for e in errors)
 
 
 def fit_efficiency(runs: Sequence[PublishedRun], start: CostParams = CostParams(), *, rounds: int = 3,
-                   fields: Sequence[str] | None = None) -> CostParams:
+                   fields: Sequence[str] | None = None, priors: Mapping[str, float] | None = None) -> CostParams:
     """Coordinate search over :data:`FITTED_FIELDS` (or the named ``fields``) minimising the
-    worst |log(predicted / measured)| (then the sum of squares) over ``runs``."""
+    worst |log(predicted / measured)| (then the sum of squares) over ``runs``; with ``priors``
+    (e.g. :data:`PHYSICAL_PRIORS`) plus :data:`PRIOR_WEIGHT` x the squared log-distance of
+    those constants to their measured values."""
     if not runs:
         raise SpecError("runs", 0, "nothing to fit", "mark some published runs `fit: true`")
     unknown = sorted(set(fields or ()) - set(FITTED_FIELDS))
     if unknown:
         raise SpecError("fields", unknown, "not fitted constants", f"use some of {sorted(FITTED_FIELDS)}")
     grids = {k: v for k, v in FITTED_FIELDS.items() if fields is None or k in fields}
-    best, score = start, _score(runs, start)
+    best, score = start, _score(runs, start, priors)
     for _ in range(rounds):
         improved = False
         for name, grid in grids.items():
             for value in grid:
                 trial = replace(best, **{name: value})
-                s = _score(runs, trial)
+                s = _score(runs, trial, priors)
                 if s < score:
                     best, score, improved = trial, s, True
         if not improved:
@@ -93,16 +112,18 @@ class LeaveOneOut:
 
 
 def cold_leave_one_out(runs: Sequence[PublishedRun], *, fields: Sequence[str] | None = None,
-                       start: CostParams = PRE_CALIBRATION, rounds: int = 3) -> tuple[LeaveOneOut, ...]:
+                       start: CostParams = PRE_CALIBRATION, rounds: int = 3,
+                       priors: Mapping[str, float] | None = None) -> tuple[LeaveOneOut, ...]:
     """Every run of ``runs`` predicted by :func:`fit_efficiency` from ``start`` on the ``fit``
     runs of *other* models (a row of the same model in another container is the same evidence).
-    Fits that see the same runs are shared, so held-out rows of one model cost one fit."""
+    Fits that see the same runs are shared, so held-out rows of one model cost one fit. With
+    ``priors`` the fit is regularised toward them (the start is still ``start``)."""
     fits: dict[tuple[str, ...], CostParams] = {}
     out = []
     for run in runs:
         others = [r for r in runs if r.fit and r.model.name != run.model.name]
         key = tuple(r.id for r in others)
         if key not in fits:
-            fits[key] = fit_efficiency(others, start, rounds=rounds, fields=fields)
+            fits[key] = fit_efficiency(others, start, rounds=rounds, fields=fields, priors=priors)
         out.append(LeaveOneOut(run.id, predict_run(run, fits[key]).error, key))
     return tuple(out)

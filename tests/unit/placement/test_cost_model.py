@@ -133,7 +133,11 @@ def test_every_constant_is_a_named_parameter() -> None:
     dense = preset("llama3-8b", num_layers=8, global_batch_sequences=64)
     plan = ParallelPlan(tp=2, dp=8)
     base = evaluate_plan(dense, plan, H100).step_time_s
-    assert evaluate_plan(dense, plan, H100, params=CostParams(gemm_efficiency=0.25)).step_time_s > base
+    assert evaluate_plan(dense, plan, H100, params=CostParams(bf16_gemm_efficiency=0.25)).step_time_s > base
+    fp8 = replace(dense, precision="fp8")  # FP8 GEMMs use the fitted constant, BF16 ones the measured
+    fp8_base = evaluate_plan(fp8, plan, H100).step_time_s
+    assert evaluate_plan(fp8, plan, H100, params=CostParams(gemm_efficiency=0.25)).step_time_s > fp8_base
+    assert evaluate_plan(dense, plan, H100, params=CostParams(gemm_efficiency=0.25)).step_time_s == base
 
 
 def test_heterogeneous_tp_lowers_comm_of_the_layers_it_narrows() -> None:
