@@ -98,8 +98,9 @@ def test_virtual_stage_runs_match_and_checkpoints_move_between_pp2_vp2_and_dp2(t
 
 
 def test_virtual_stages_with_fsdp_and_expert_parallel_inside_each_stage(token_dataset, tmp_path) -> None:
-    """Four ranks: PP2 x VP2 x DP2 (each chunk its own FSDP2 root) and PP2 DualPipeV x DP2 x EP2; the
-    last run's export (rank 0 gathers every chunk of every stage) is the whole, plain model."""
+    """Four ranks: PP2 x VP2 x DP2 (each chunk its own FSDP2 root), PP2 x VP2 x TP2, PP2 DualPipeV x TP2
+    x EP2 (EP folded onto TP) and PP2 DualPipeV x DP2 x EP2 equal the single-process losses; the last
+    run's export (rank 0 gathers every chunk of every stage) is the whole, plain model."""
     from rayfleet.models import build_model
     from rayfleet.storage.model_registry import load_servable
 
@@ -111,6 +112,8 @@ def test_virtual_stages_with_fsdp_and_expert_parallel_inside_each_stage(token_da
                              dtype=torch.float64)
     spec = TrainJobSpec.model_validate({**job, "output": {"uri": str(tmp_path / "model")}})
     results = run_local_many(spec, [(ParallelPlan(pp=2, vpp=2, dp=2, micro_batch_size=2), {}),
+                                    (ParallelPlan(pp=2, vpp=2, tp=2, micro_batch_size=2), {}),  # DTensor TP chunks
+                                    (ParallelPlan(pp=2, dualpipe=True, tp=2, ep=2, micro_batch_size=2), {}),
                                     (ParallelPlan(pp=2, dualpipe=True, dp=2, ep=2, micro_batch_size=2), {})])
     for result in results:
         for summary in result.summaries:
