@@ -21,7 +21,7 @@ import json
 import time
 from pathlib import Path
 
-from common import Table, cpu_name, record_run  # benchmarks/common.py (this script's directory is on sys.path)
+from common import Table, cpu_name, init_local_ray, record_run  # benchmarks/common.py (this script's directory is on sys.path)
 from ray import serve
 
 from rayfleet.serving.routing.router import RouteHint
@@ -87,7 +87,7 @@ def main() -> None:
     from rayfleet.serving.deploy.deployments import bind_pool
     from rayfleet.serving.spec import ServeSpec
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=2)  # retried: on a busy host a raylet can miss Ray's fixed 30 s start window
     try:
         spec = ServeSpec.parse({"name": "hop-bench", "model": {"preset": "tiny", "seed": 0},
                                 "colocated": {"replicas": 2, "accelerators_per_replica": 0},

@@ -93,7 +93,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _vllm_replay import hit_bound, pressure_kv_blocks, replay_decisions, replay_pressure  # noqa: E402
-from common import Goal, Table, record_run, trace_file  # noqa: E402
+from common import Goal, Table, init_local_ray, record_run, trace_file  # noqa: E402
 from serving import LOAD_TRACE, _table, multiturn_workload, pct, tenant_workload, trace_workload  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
         sizing = pressure_kv_blocks(work["items"], [token_ids[id(w)] for w in work["items"]],
                                     block_size=ENGINE["block_size"], max_model_len=ENGINE["max_model_len"])
         print(f"pressure regime: {json.dumps(sizing)}", flush=True)
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=4)  # retried: on a busy host a raylet can miss Ray's fixed 30 s start window
     rows = []
     apps = _apps(model_dir, _free_port(), kv_blocks=sizing and sizing["kv_blocks"],
                  with_builtin=args.regime == "default" or args.with_builtin)
