@@ -26,7 +26,7 @@ from rayfleet.placement.plan import ParallelPlan
 HERE = Path(__file__).resolve()
 VARIANTS = ("interleaved", "dualpipev", "interleaved-fp8", "dualpipev-fp8", "llama-interleaved", "llama-dualpipev",
             "qwen3moe-interleaved", "qwen3moe-dualpipev", "1f1b-bf16", "interleaved-bf16", "dualpipev-bf16",
-            "interleaved-misordered")
+            "uneven-interleaved", "interleaved-misordered")
 MICRO, MBS, SEQ = 4, 2, 16
 
 
@@ -93,6 +93,7 @@ def _rank_main(out_dir: str) -> None:
     hf = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=64,
               rms_norm_eps=1e-6, rope_theta=10000.0, num_key_value_heads=2, intermediate_size=64)
     configs = {"tiny": dataclasses.replace(preset("tiny"), num_layers=4),
+               "uneven": dataclasses.replace(preset("tiny"), num_layers=5),  # stage starts (0, 3): 3 + 2 layers
                "llama": from_hf_config({**hf, "architectures": ["LlamaForCausalLM"]}).config,
                "qwen3moe": from_hf_config({**hf, "architectures": ["Qwen3MoeForCausalLM"], "head_dim": 8,
                                            "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
@@ -122,7 +123,8 @@ def _rank_main(out_dir: str) -> None:
         ref_grads = {n: p.grad for n, p in reference.named_parameters()}
 
         schedule = {"dualpipe": True} if "dualpipe" in variant else {} if "1f1b" in variant else {"vpp": 2}
-        plan = ParallelPlan(pp=2, micro_batch_size=MBS, **schedule)
+        plan = ParallelPlan(pp=2, micro_batch_size=MBS, stage_starts=(0, 3) if variant.startswith("uneven") else None,
+                            **schedule)
         ctx = build_parallel_context(plan, device=torch.device("cpu"))
         if variant.endswith("misordered"):  # BROKEN ON PURPOSE: each rank's chunks in reverse order
             stages = plan.virtual_stages(config.num_layers)

@@ -1,8 +1,8 @@
 """Interleaved 1F1B and DualPipeV through the real train loop (two gloo processes, no Ray), and
 flash checkpoints across the new layouts.
 
-One set of rank processes runs, one after another: PP2 x VP2 and PP2 DualPipeV for 4 steps (the
-losses must equal the single-process run's); PP2 x VP2 stopped after 2 steps (its stop flushes a
+One set of rank processes runs, one after another: PP2 x VP2, PP2 DualPipeV and DualPipeV with full
+recompute for 4 steps (the losses must equal the single-process run's); PP2 x VP2 stopped after 2 steps (its stop flushes a
 checkpoint to storage), resumed at DP2 (FSDP2) from that checkpoint; and the reverse, DP2
 stopped and resumed as PP2 x VP2. The checkpoint maps parameters by fully qualified name, so the
 resumed steps must reproduce the uninterrupted reference's losses.
@@ -74,10 +74,10 @@ def test_virtual_stage_runs_match_and_checkpoints_move_between_pp2_vp2_and_dp2(t
     vpp, dualpipe = ParallelPlan(pp=2, vpp=2, micro_batch_size=2), ParallelPlan(pp=2, dualpipe=True, micro_batch_size=2)
     dp2 = ParallelPlan(dp=2, micro_batch_size=2, zero_stage=3)
     from_vpp, from_dp = str(tmp_path / "from-vpp"), str(tmp_path / "from-dp")
-    hooks = _PerRun([None, None, _checkpoint(from_vpp, "a"), _checkpoint(from_vpp, "b"),
+    hooks = _PerRun([None, None, None, _checkpoint(from_vpp, "a"), _checkpoint(from_vpp, "b"),
                      _checkpoint(from_dp, "c"), _checkpoint(from_dp, "d")])
     results = run_local_many(spec, [
-        (vpp, {}), (dualpipe, {}),
+        (vpp, {}), (dualpipe, {}), (dualpipe.but(recompute="full"), {}),  # recompute in the split backward
         (vpp, {"should_stop": _StopAfter(2)}), (dp2, {}),  # PP2 x VP2 -> DP2
         (dp2, {"should_stop": _StopAfter(2)}), (vpp, {}),  # DP2 -> PP2 x VP2
     ], hooks=hooks)
@@ -85,10 +85,10 @@ def test_virtual_stage_runs_match_and_checkpoints_move_between_pp2_vp2_and_dp2(t
     def losses(result) -> list[torch.Tensor]:  # every rank reports the global loss
         return [torch.tensor(s.losses, dtype=torch.float64) for s in result.summaries]
 
-    for run in results[:2]:
+    for run in results[:3]:
         for got in losses(run):
             torch.testing.assert_close(got, reference, rtol=LOSS_RTOL, atol=0)
-    for stopped, resumed in ((results[2], results[3]), (results[4], results[5])):
+    for stopped, resumed in ((results[3], results[4]), (results[5], results[6])):
         assert all(s.stopped and len(s.losses) == 2 for s in stopped.summaries)
         for got in losses(stopped):
             torch.testing.assert_close(got, reference[:2], rtol=LOSS_RTOL, atol=0)
