@@ -15,9 +15,10 @@ model at 64 tokens, 8 sequences a step, on 4 H100s.
 2. The same request on an accelerator too small for it raises ``SpecError("plan", "<plan>",
    "needs X GiB per device ... but a T has Y GiB usable", "use more accelerators (... at least N
    T ...)")``: the field, the value and the fix.
-3. No explicit plan: the search over what the trainer runs (:data:`TRAINABLE_SPACE`, the
-   capability table's :func:`runnable_space`: TP, EP, DP with ZeRO-1/2/3, 1F1B pipelines; no
-   CP, ETP, virtual stages or DualPipeV today) ranks the shapes; the fastest that honours
+3. No explicit plan: the search over what the trainer runs and searched jobs have run on a
+   fleet (:data:`TRAINABLE_SPACE`, the capability table's :func:`runnable_space` narrowed to
+   TP, EP, DP with ZeRO-3, 1F1B pipelines; CP, virtual stages and DualPipeV run as explicit
+   plans; ETP not at all) ranks the shapes; the fastest that honours
    ``grad_accum`` wins. Pipeline parallelism is tried
    only when no pipeline-free plan fits: PP adds bubbles, and at small scale the cost model's
    latency terms favour it for reasons that do not hold on real hardware.
@@ -53,7 +54,12 @@ __all__ = ["RequestedPlan", "PlanRequest", "ResolvedPlan", "resolve_plan", "homo
 # ZeRO-3 as before the table: every live test and recovery path (shared-memory restore, DCP
 # reshard on an elastic resize) has run searched jobs at ZeRO-3; the table's ZeRO-1/2 rows run
 # in the parity tests but not yet behind a searched job on a fleet, so `plan: auto` keeps 3.
-TRAINABLE_SPACE = runnable_space(SearchSpace(max_pp=1, zero_stage=3))
+# The same holds for context parallelism and virtual pipeline stages (interleaved 1F1B,
+# DualPipeV): they run in gloo parity tests and as explicit plans, but no searched job has run
+# them through Ray Train yet, so the job's own search leaves them out (rayfleet plan --runnable
+# still ranks them).
+TRAINABLE_SPACE = runnable_space(SearchSpace(max_pp=1, zero_stage=3, context_parallel=(1,), virtual_stages=(1,),
+                                             dualpipe=False))
 
 
 @dataclass(frozen=True)

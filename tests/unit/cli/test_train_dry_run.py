@@ -30,7 +30,8 @@ def test_dry_run_prints_the_plan_without_importing_ray() -> None:
 
 
 def test_dry_run_refuses_a_plan_the_trainer_cannot_run_with_the_tables_reason() -> None:
-    out = _dry_run("examples/jobs/tiny-bf16-dp.yaml", "--set", "plan.vpp=2", "--set", "plan.pp=2",
-                   "--set", "plan.dp=1", "--set", "plan.ep=1")
+    # expert-TP is the split the trainer still refuses (interleaved and DualPipeV pipelines and CP run)
+    out = _dry_run("examples/jobs/tiny-bf16-dp.yaml", "--set", "plan.etp=2", "--set", "plan.tp=2",
+                   "--set", "plan.dp=1", "--set", "plan.ep=2")
     assert "NO_RAY 2" in out.stdout
-    assert "plan.vpp=2" in out.stderr and "interleaved 1F1B" in out.stderr and "Fix: set vpp: 1" in out.stderr
+    assert "plan.etp=2" in out.stderr and "expert tensor parallelism" in out.stderr and "Fix: set etp: 1" in out.stderr

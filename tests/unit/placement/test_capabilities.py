@@ -121,8 +121,11 @@ def test_llama3_8b_cp_plans_on_1024_h100_are_runnable() -> None:
 
 
 def test_the_jobs_search_space_is_the_tables() -> None:
-    # the job's own search is the table's space, narrowed to ZeRO-3 (resolve.py says why)
-    assert TRAINABLE_SPACE == runnable_space(SearchSpace(max_pp=1, zero_stage=3))
+    # the job's own search is the table's space, narrowed to what searched jobs have run on a
+    # fleet: ZeRO-3, no CP, no virtual stages or DualPipeV (resolve.py says why)
+    assert TRAINABLE_SPACE == runnable_space(SearchSpace(max_pp=1, zero_stage=3, context_parallel=(1,),
+                                                         virtual_stages=(1,), dualpipe=False))
+    assert TRAINABLE_SPACE.context_parallel == (1,) and TRAINABLE_SPACE.virtual_stages == (1,)
     assert set(TRAINABLE_SPACE.zero_ladder) <= set(runnable_space().zero_ladder)
     space = runnable_space()
     assert space.context_parallel == SearchSpace().context_parallel and space.expert_tp_options == "1"
