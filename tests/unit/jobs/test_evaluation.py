@@ -143,3 +143,19 @@ def test_fp8_delayed_scaling_history_is_not_moved_by_evaluation(job_dict, val_da
     without = run_local(TrainJobSpec.model_validate({**spec.to_dict(), "eval": None}), plan)
     assert len([r for r in with_eval.metrics[0] if "val_loss" in r]) == 4
     assert with_eval.losses == without.losses
+
+
+def test_val_loss_survives_parquet_and_is_drawn_from_it(eval_runs, tmp_path):
+    from rayfleet.jobs.train_metrics import MetricsWriter, read_metrics, write_run_plot
+
+    _, with_eval, _, _, _ = eval_runs
+    writer = MetricsWriter(str(tmp_path / "run" / "metrics"), flush_every=2)
+    for row in with_eval.metrics[0]:
+        writer.write(row)
+    writer.close()
+    table = read_metrics(str(tmp_path / "run" / "metrics"))
+    vals = [v for v in table.column("val_loss").to_pylist() if v is not None]
+    assert vals == [r["val_loss"] for r in with_eval.metrics[0] if "val_loss" in r]
+    assert write_run_plot(str(tmp_path / "run")) == f"{tmp_path}/run/metrics.png"
+    fig = plot_metrics(table)
+    assert [line.get_label() for line in fig.axes[0].get_lines()] == ["train", "validation"]
