@@ -23,7 +23,7 @@ Rows (every run sees the same tokens: steps x 12 x 64):
 
     python benchmarks/quality.py                     # every row at full size (~45 min on 2 idle cores)
     python benchmarks/quality.py --rows a            # the dense reference row only (~5 min)
-    python benchmarks/quality.py --quick             # 40 steps per run: the pipeline, not the targets
+    python benchmarks/quality.py --quick             # 24 steps per run: the pipeline, not the targets
 
 Writes ``--json`` (default results/quality.json) with every run's loss curve, draws them into
 ``--png`` (default results/quality.png), records the run in the ledger and prints the table last.
@@ -157,17 +157,17 @@ def same_losses(segments) -> bool | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="abcd", help="which rows to run (default abcd)")
-    parser.add_argument("--steps", type=int, default=None, help=f"steps per run (default {FULL_STEPS}; quick 40)")
+    parser.add_argument("--steps", type=int, default=None, help=f"steps per run (default {FULL_STEPS}; quick 24)")
     parser.add_argument("--fp8-recipe", default="tensorwise", help="row (c)'s FP8 recipe (default tensorwise)")
-    parser.add_argument("--quick", action="store_true", help="40 steps per run, every row (what the tests run)")
+    parser.add_argument("--quick", action="store_true", help="24 steps per run, every row (what the tests run)")
     parser.add_argument("--json", type=Path, default=None, help="results (default results/quality.json)")
     parser.add_argument("--png", type=Path, default=None, help="loss curves (default beside the JSON)")
     args = parser.parse_args()
     rows = "".join(sorted(set(args.rows.lower())))
     if not rows or set(rows) - set("abcd"):
         parser.error(f"--rows {args.rows!r}: use letters of abcd")
-    steps = args.steps or (40 if args.quick else FULL_STEPS)
-    eval_every, eval_batches = (20, 4) if args.quick else (250, 20)  # nanoGPT: eval_interval 250, eval_iters 20
+    steps = args.steps or (24 if args.quick else FULL_STEPS)  # quick: six jobs in the suite's time
+    eval_every, eval_batches = (12, 2) if args.quick else (250, 20)  # nanoGPT: eval_interval 250, eval_iters 20
     json_path = args.json or RESULTS / "quality.json"
     png_path = args.png or json_path.with_suffix(".png")
     work = tempfile.mkdtemp(prefix="rayfleet-quality-")
