@@ -139,7 +139,9 @@ def test_a_pool_is_one_autoscaled_deployment_routed_by_the_prefix_load_router():
     router = options["request_router_config"]
     assert router.request_router_class in (PrefixLoadRequestRouter,
                                            f"{PrefixLoadRequestRouter.__module__}.PrefixLoadRequestRouter")
-    assert router.request_router_kwargs == {"role": "prefill", "load_weight": 0.25, "mode": "prefix_aware"}
+    # the router's cost (issue 30: predicted TTFT by default) gets the engine's block and step token sizes
+    assert router.request_router_kwargs == {"role": "prefill", "load_weight": 0.25, "mode": "prefix_aware",
+                                            "cost": "predicted_ttft", "tokens_per_block": 16, "step_token_budget": 256}
 
 
 def test_generated_serve_config_validates_and_its_builder_builds(capsys):
