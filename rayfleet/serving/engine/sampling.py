@@ -141,6 +141,8 @@ def _filter_logits(logits: torch.Tensor, *, top_k: int, top_p: float) -> torch.T
         # Drop a token when the tokens strictly above it already reach top_p; the top token
         # always survives, so the nucleus is never empty.
         drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        # ... also when top_p underflows the logits' dtype (1e-308 is 0.0 in float32: 0 >= 0)
+        drop_sorted[0] = False
         logits[order[drop_sorted]] = float("-inf")
     return logits
 

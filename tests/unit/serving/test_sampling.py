@@ -26,6 +26,17 @@ def test_top_p_and_top_k_filters():
     assert kept(top_k=3, top_p=1.0) == [True, True, True, False]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_top_p_that_underflows_the_dtype_still_keeps_the_top_token(dtype):
+    """top_p=1e-308 is 0.0 in float32 (the fuzz test found it: every token dropped, NaN
+    probabilities, a 500); the nucleus keeps the top token and sampling draws it."""
+    logits = torch.log(torch.tensor([0.05, 0.5, 0.3, 0.15])).to(dtype)
+    kept = (_filter_logits(logits, top_k=0, top_p=1e-308) > float("-inf")).tolist()
+    assert kept == [False, True, False, False]
+    params = [SamplingParams(temperature=1.0, top_p=1e-308)]
+    assert sample_tokens(logits[None], params, [torch.Generator().manual_seed(0)]) == [1]
+
+
 def test_same_seed_same_tokens():
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=1.0)]
