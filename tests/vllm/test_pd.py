@@ -50,7 +50,10 @@ def test_decode_receives_the_prompts_kv_over_nixl(pd_app, vllm_fleet):
     def moved() -> dict[str, float] | None:
         now = _decode_counters(vllm_fleet.dashboard_url)
         delta = {k: now[k] - before[k] for k in now}
-        return delta if delta["external_hits"] >= full_blocks_tokens - BLOCK and delta["nixl_bytes"] > 0 else None
+        # every counter read below, the prefill replica's too: Ray exports each replica's metrics on
+        # its own clock (seen: the decode's had moved and the prefill's prompt_tokens not yet)
+        return delta if (delta["external_hits"] >= full_blocks_tokens - BLOCK and delta["nixl_bytes"] > 0
+                         and delta["prefill_prompt_tokens"] >= reply.usage.prompt_tokens) else None
 
     delta = wait_until(moved, timeout_s=60, interval_s=2, what="the decode replica's NIXL counters")
     # KV of one token of the tiny model in fp32: (K, V) x 2 layers x 2 KV heads x head_dim 32 x 4 bytes.
