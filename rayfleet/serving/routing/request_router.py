@@ -25,7 +25,9 @@ Design decisions:
   host the first probe of the best replica can miss it, and Serve would then send the call to
   the second tier: the prefix's replica lost a request it should have had (seen live: one of a
   tenant's four requests on the other replica). Repeating the tier gives the probe 0.1 + 0.2 +
-  0.4 s; a replica that answers "full" costs only fast probes before the call spills over.
+  0.4 + 0.8 + 1.0 s (Serve caps one probe at 1 s); three tries (0.7 s) still lost a tenant's
+  request in CI on a loaded machine. A replica that answers "full" costs only fast probes before
+  the call spills over; only one that does not answer at all delays the call, by 2.5 s.
 - Never raises and never returns nothing: an exception inside ``choose_replicas`` leaves the
   request waiting forever in Serve's routing loop, and so does an empty ranking; both fall back
   to all candidates (Serve's least-queue choice). A pinned replica that left the pool gets the
@@ -59,7 +61,7 @@ class PrefixLoadRequestRouter(RequestRouter):
     """Serve request router for one pool deployment (see module doc)."""
 
     def initialize_state(self, *, role: str = "prefill", load_weight: float = 0.5, mode: str = "prefix_aware",
-                         hint_kwarg: str = "route", best_attempts: int = 3, spread_weight: float | None = None,
+                         hint_kwarg: str = "route", best_attempts: int = 5, spread_weight: float | None = None,
                          cost: str = "predicted_ttft", tokens_per_block: int = 16, step_token_budget: int = 2048,
                          **_: Any) -> None:
         # ``cost``: ``ttft_cost.PREFILL_POLICIES``; ``load_weight``/``spread_weight`` are the
