@@ -41,11 +41,12 @@ vllm: $(VLLM_STAMP)
 demo: setup
 	$(PY) -m rayfleet.demo
 
-# Unit tests (no Ray) and cluster tests (one shared local fleet) in one session; the
-# `ray up cluster.yaml` integration test owns its own cluster, so it runs alone afterwards.
-# tests/vllm starts its own small fleet, so it runs after the cluster tier has released its own.
-# scripts/test_tiers.py runs the three sessions below in order and prints each tier's time (and
-# the install's) at the end: unit + cluster + gpu, then vllm, then integration.
+# Unit tests (no Ray; with vLLM's offline-engine tests) run in a pytest session of their own
+# *beside* the cluster tier (one shared local fleet): the live tiers leave cores idle while they
+# wait on starts. The `ray up cluster.yaml` integration test owns its own cluster, so it runs
+# alone afterwards; tests/vllm starts its own small fleet, after the cluster tier released its own.
+# scripts/test_tiers.py runs the sessions (unit beside cluster + gpu, then vllm, then integration)
+# and prints each tier's time (and the install's) at the end.
 test:
 	@start=$$(date +%s); $(MAKE) --no-print-directory setup vllm && \
 		$(PY) scripts/test_tiers.py --install-seconds $$(( $$(date +%s) - start ))

@@ -47,3 +47,45 @@ def test_a_session_that_wrote_no_report_counts_nothing(tmp_path):
     result = tiers.SessionResult(name="vllm", paths=("tests/vllm",), exit_code=2, wall_s=3.0)
     tiers.read_junit(tmp_path / "missing.xml", result, top=5)
     assert (result.passed, result.failed, result.dir_to_seconds) == (0, 0, {})
+
+
+def test_the_unit_session_runs_beside_the_cluster_session_and_the_next_waits_for_both(monkeypatch):
+    tiers = _module()
+    events = []
+
+    class FakeBackground:
+        def __init__(self, name, paths, *, extra):
+            self.name = name
+            events.append(("start", name))
+
+        def finish(self, *, top):
+            events.append(("finish", self.name))
+            return tiers.SessionResult(name=self.name, paths=(), exit_code=0, wall_s=1.0)
+
+    def fake_run(name, paths, *, extra, top):
+        events.append(("run", name))
+        return tiers.SessionResult(name=name, paths=paths, exit_code=0, wall_s=2.0)
+
+    monkeypatch.setattr(tiers, "BackgroundSession", FakeBackground)
+    monkeypatch.setattr(tiers, "run_session", fake_run)
+    results = tiers.run_sessions(list(tiers.SESSIONS), extra=[], top=3)
+    assert [r.name for r in results] == [name for name, _ in tiers.SESSIONS]  # reported in the table's order
+    # unit starts, cluster runs beside it, unit is collected before vllm starts.
+    assert events == [("start", "unit"), ("run", "cluster+gpu"), ("finish", "unit"), ("run", "vllm"),
+                      ("run", "integration")]
+    events.clear()
+    tiers.run_sessions([s for s in tiers.SESSIONS if s[0] == "unit"], extra=[], top=3)
+    assert events == [("run", "unit")]  # alone (--only unit): in the foreground
+    # Only Ray-free sessions may run beside another (two Ray clusters confuse Ray Train).
+    assert set(tiers.BESIDE) == {"unit"}
+    table = tiers.render(results, install_s=None, elapsed_s=90.0)
+    assert "unit beside cluster+gpu" in table and "1.5" in table  # the wall clock, not the sum
+
+
+def test_a_background_session_runs_pytest_and_reports_its_counts(tmp_path, monkeypatch):
+    tiers = _module()
+    (tmp_path / "test_tiny.py").write_text("def test_ok():\n    pass\n\ndef test_bad():\n    assert 0\n")
+    monkeypatch.setattr(tiers, "REPO", tmp_path)
+    background = tiers.BackgroundSession("unit", ("test_tiny.py",), extra=[])
+    result = background.finish(top=2)
+    assert (result.passed, result.failed, result.exit_code) == (1, 1, 1)
