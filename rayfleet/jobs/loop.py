@@ -276,7 +276,7 @@ def train_worker(loop: LoopConfig, plan: ParallelPlan, *, report: Callable[[dict
                  should_stop: Callable[[], bool] | None = None, resume: TrainState | None = None,
                  hooks: TrainHooks | Sequence[TrainHooks] | None = None, device: torch.device | str | None = None,
                  loss_averaging: LossAveraging = "global_tokens", misroute_experts: bool = False,
-                 grad_probe: str | None = None, cp_control: str = "none") -> TrainSummary:
+                 grad_probe: str | None = None, cp_control: str = "none", etp_control: str = "none") -> TrainSummary:
     """Train ``loop`` (the job's loop slice) with ``plan`` on this rank; ``torch.distributed`` must be initialized.
 
     ``report(metrics)`` is called on every rank after every step (keys: ``metrics.METRIC_KEYS``).
@@ -285,8 +285,8 @@ def train_worker(loop: LoopConfig, plan: ParallelPlan, *, report: Callable[[dict
     called in order. ``device`` defaults to the current CUDA device when CUDA is available, else
     CPU. At the end rank 0 writes the full model to ``loop.output_uri`` (all ranks take part in
     gathering it); a stopped run saves no final model (its state is the checkpoint hooks' business).
-    ``misroute_experts`` and ``cp_control`` are the deliberately broken EP dispatch and CP attention
-    (``context_parallel.CPControl``) the parity tests must catch (never set them otherwise).
+    ``misroute_experts``, ``cp_control``, ``etp_control``: the deliberately broken EP dispatch, CP attention
+    (``CPControl``) and ETP reduce (``ETPControl``) the parity tests must catch (never set them otherwise).
     ``grad_probe`` names a parameter whose whole gradient (before clipping) is added to every
     step's metrics as ``grad_probe`` (a tensor; for tests, not for Ray reporting).
     """
@@ -300,7 +300,7 @@ def train_worker(loop: LoopConfig, plan: ParallelPlan, *, report: Callable[[dict
     hooks = HookChain([h for h in hooks if h is not None]) if isinstance(hooks, (list, tuple)) else hooks or TrainHooks()
     ctx = par.build_parallel_context(plan, device=torch.device(device), a2a_overlap=loop.a2a_overlap,
                                      fp8_dispatch=loop.fp8_dispatch, misroute_experts=misroute_experts,
-                                     cp_control=cp_control, cp_exchange=loop.cp_exchange)
+                                     cp_control=cp_control, cp_exchange=loop.cp_exchange, etp_control=etp_control)
     run = _Run(loop, plan, ctx, loss_averaging=loss_averaging, par=par, grad_probe=grad_probe)
     if resume is not None:
         run.load(resume)

@@ -47,7 +47,7 @@ from rayfleet.models.fp8.numerics import dequantize
 from rayfleet.models.fp8.packing import pack_fp8_rows, unpack_fp8_rows
 from rayfleet.models.moe import Dispatched
 
-__all__ = ["ExchangeStats", "ExpertParallelDispatcher", "all_to_all_rows"]
+__all__ = ["ExchangeStats", "ExpertParallelDispatcher", "all_to_all_rows", "exchange_rows"]
 
 _FP8_BLOCK = 128
 
@@ -138,6 +138,14 @@ class _Exchange:
         received = _from_wire(received, fp8=self.fp8, dim=self.x.shape[1], dtype=self.x.dtype)
         return _Exchanged.apply(self.x, received, self.out_splits, self.in_splits, self.group, self.stats,
                                 self.fp8)
+
+
+def exchange_rows(x: torch.Tensor, *, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup,
+                  stats: ExchangeStats | None = None) -> torch.Tensor:
+    """Blocking row all-to-all inside autograd: rows of ``x`` split by ``in_splits`` go to each rank
+    of ``group``; the result (``sum(out_splits)`` rows) sends its gradient back the reverse way."""
+    return _Exchange(x, out_splits=out_splits, in_splits=in_splits, group=group, stats=stats, fp8=False,
+                     overlapped=False).collect()
 
 
 class _EPHandle(NamedTuple):

@@ -127,11 +127,13 @@ CAPABILITIES: tuple[Capability, ...] = (
     Capability("ep", "ep>1", "plan.ep", True,
                "all-to-all expert dispatch, folded into the DP x TP ranks (jobs/parallel/expert_parallel.py)",
                "set ep: 1", lambda p, _: p.ep > 1, _attr("ep"), MappingProxyType({"dp": 2, "ep": 2})),
-    Capability("etp", "etp>1", "plan.etp", False,
-               "expert tensor parallelism is not implemented by the train loop: each expert's GEMMs stay whole "
-               "on one rank (issue 28 item 3)",
+    Capability("etp", "etp>1", "plan.etp", True,
+               "expert tensor parallelism inside the EP group: each rank keeps 1/etp of its experts' hidden units "
+               "(w1/w3 column-, w2 row-parallel); rows are all-gathered over ETP after the EP dispatch and the "
+               "partial outputs reduce-scattered before the combine (jobs/parallel/expert_parallel.py, "
+               "models/expert_tensor_parallel.py)",
                "set etp: 1 and split experts with ep", lambda p, _: p.etp > 1, _attr("etp"),
-               MappingProxyType({"tp": 2, "ep": 2, "etp": 2}), lambda s: replace(s, expert_tp_options="1")),
+               MappingProxyType({"tp": 2, "dp": 2, "ep": 2, "etp": 2}), lambda s: replace(s, expert_tp_options="1")),
     _zero(0, True, _FSDP_NO_RESHARD + " (so ZeRO-0 runs as ZeRO-2 when dp > 1)"),
     _zero(1, True, _FSDP_NO_RESHARD + " (so ZeRO-1 runs as ZeRO-2: its memory is at most the ZeRO-1 estimate)"),
     _zero(2, True, _FSDP_NO_RESHARD),

@@ -17,8 +17,8 @@ model at 64 tokens, 8 sequences a step, on 4 H100s.
    T ...)")``: the field, the value and the fix.
 3. No explicit plan: the search over what the trainer runs and searched jobs have run on a
    fleet (:data:`TRAINABLE_SPACE`, the capability table's :func:`runnable_space` narrowed to
-   TP, EP, DP with ZeRO-3, 1F1B pipelines; CP, virtual stages and DualPipeV run as explicit
-   plans; ETP not at all) ranks the shapes; the fastest that honours
+   TP, EP, DP with ZeRO-3, 1F1B pipelines; CP, ETP, virtual stages and DualPipeV run as explicit
+   plans) ranks the shapes; the fastest that honours
    ``grad_accum`` wins. Pipeline parallelism is tried
    only when no pipeline-free plan fits: PP adds bubbles, and at small scale the cost model's
    latency terms favour it for reasons that do not hold on real hardware.
@@ -57,9 +57,9 @@ __all__ = ["RequestedPlan", "PlanRequest", "ResolvedPlan", "resolve_plan", "homo
 # The same holds for context parallelism and virtual pipeline stages (interleaved 1F1B,
 # DualPipeV): they run in gloo parity tests and as explicit plans, but no searched job has run
 # them through Ray Train yet, so the job's own search leaves them out (rayfleet plan --runnable
-# still ranks them).
+# still ranks them). Expert-tensor parallelism likewise: gloo parity tests and explicit plans only.
 TRAINABLE_SPACE = runnable_space(SearchSpace(max_pp=1, zero_stage=3, context_parallel=(1,), virtual_stages=(1,),
-                                             dualpipe=False))
+                                             dualpipe=False, expert_tp_options="1"))
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,10 @@
 The order (``parallelize_model``), as in torchtitan, and why:
 1. Expert parallelism first: it *removes* parameters (each rank keeps E/ep experts), so the
    wrappers after it only ever see the local experts.
+1b. Expert-tensor parallelism (``plan.etp > 1``) next, for the same reason: each rank keeps
+   1/etp of every local expert's hidden units (``w1``/``w3`` columns, ``w2`` rows), and the MoE
+   layer's dispatcher is wrapped to all-gather rows over ETP before the experts and
+   reduce-scatter their partial outputs after (``models.expert_tensor_parallel``).
 2. Tensor parallelism (DTensor) second: it turns attention/dense weights into TP-sharded
    DTensors, which FSDP2 then shards again over DP (2-D FSDP+TP).
 2b. Context parallelism (``plan.cp > 1``) swaps each attention's core for a load-balanced CP
@@ -37,7 +41,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from rayfleet.jobs.parallel.context import ParallelContext
 from rayfleet.jobs.parallel.context_parallel import ContextParallelAttention, apply_context_parallel
 from rayfleet.jobs.parallel.context_parallel_ring import RingAttention
-from rayfleet.jobs.parallel.expert_parallel import apply_expert_parallel
+from rayfleet.jobs.parallel.expert_parallel import apply_expert_parallel, apply_expert_tensor_parallel
 from rayfleet.jobs.parallel.pipeline import (PipelineChunks, PipelineRunner, PipelineStageModule, split_stages,
                                              stage_roots)
 from rayfleet.jobs.parallel.tensor_parallel import apply_tensor_parallel, split_moe_tokens
@@ -59,7 +63,7 @@ def is_expert_param(name: str) -> bool:
 
 def experts_fsdp_sharded(ctx: ParallelContext) -> bool:
     """Whether the routed experts are FSDP-sharded over EDP (else FSDP ignores them)."""
-    return ctx.ep_size > 1 and ctx.dp_size > 1 and ctx.edp_size > 1
+    return ctx.experts_apart and ctx.dp_size > 1 and ctx.edp_size > 1
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -68,7 +72,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def parallelize_model(model: nn.Module, ctx: ParallelContext) -> nn.Module:
-    """Apply EP, TP, FSDP2 to ``model`` (materialized, FP8-converted or not), in that order."""
+    """Apply EP, ETP, TP, CP, FSDP2 to ``model`` (materialized, FP8-converted or not), in that order."""
     plan = ctx.plan
     # 0. pipeline stage: keep only this stage's modules (before anything allocates shards)
     stages = plan.virtual_stages(model.config.num_layers) if plan.pp > 1 else ()
@@ -79,6 +83,10 @@ def parallelize_model(model: nn.Module, ctx: ParallelContext) -> nn.Module:
         apply_expert_parallel(model, group=ctx.group("ep"), ep_rank=ctx.ep_rank, ep_size=ctx.ep_size,
                               stats=ctx.a2a, fp8=ctx.fp8_dispatch, overlap=ctx.a2a_overlap,
                               misroute=ctx.misroute_experts)
+    # 1b. expert tensor parallel: hidden units of the local experts over the ETP group
+    if ctx.etp_size > 1:
+        apply_expert_tensor_parallel(model, group=ctx.group("etp"), etp_rank=ctx.etp_rank, etp_size=ctx.etp_size,
+                                     control=ctx.etp_control)  # type: ignore[arg-type]
     # 2. tensor parallel
     if ctx.tp_size > 1:
         apply_tensor_parallel(model, tp_mesh=ctx.submesh("tp"))
@@ -98,9 +106,8 @@ def parallelize_model(model: nn.Module, ctx: ParallelContext) -> nn.Module:
     if ctx.dp_size > 1:
         reshard = plan.zero_stage >= 3
         dp_mesh = ctx.submesh("dp")
-        experts_apart = ctx.ep_size > 1
         ignored = {p for n, p in model.named_parameters() if is_expert_param(n)} \
-            if experts_apart and not experts_fsdp_sharded(ctx) else None
+            if ctx.experts_apart and not experts_fsdp_sharded(ctx) else None
         blocks = model.blocks() if isinstance(model, (PipelineStageModule, PipelineChunks)) \
             else list(getattr(model, "layers", []))
         for block in blocks:

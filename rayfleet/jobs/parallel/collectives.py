@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from rayfleet.jobs.parallel.apply import SHARD_PLACEMENTS, experts_fsdp_sharded, is_expert_param, local_tensor
 from rayfleet.jobs.parallel.context import ParallelContext
+from rayfleet.jobs.parallel.expert_parallel import ETP_SHARD_DIM
 from rayfleet.models.moe import MoELayer
 
 __all__ = ["finalize_gradients", "full_grad", "clip_grad_norm_", "sync_expert_load", "full_state_dict",
@@ -30,13 +31,13 @@ __all__ = ["finalize_gradients", "full_grad", "clip_grad_norm_", "sync_expert_lo
 @torch.no_grad()
 def finalize_gradients(model: nn.Module, ctx: ParallelContext) -> None:
     """Reductions after backward that FSDP2 does not do (see the module docstring)."""
-    experts_unwrapped = ctx.ep_size > 1 and not experts_fsdp_sharded(ctx)
+    experts_unwrapped = ctx.experts_apart and not experts_fsdp_sharded(ctx)
     moe_prefixes = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, MoELayer))
     for name, param in model.named_parameters():
         if param.grad is None:
             continue
         grad = local_tensor(param.grad)
-        if is_expert_param(name) and ctx.ep_size > 1:
+        if is_expert_param(name) and ctx.experts_apart:
             if not experts_unwrapped and ctx.edp_size != ctx.dp_size:
                 grad.mul_(ctx.edp_size / ctx.dp_size)  # FSDP averaged over EDP; the loss scale assumes DP
             if experts_unwrapped:
@@ -46,8 +47,8 @@ def finalize_gradients(model: nn.Module, ctx: ParallelContext) -> None:
                     grad.div_(ctx.dp_size)
         elif ctx.moe_token_split and name.startswith(moe_prefixes):
             dist.all_reduce(grad, group=ctx.group("tp"))
-        if ctx.plan.cp > 1 and not (is_expert_param(name) and ctx.ep_size > 1):
-            # Routed experts under EP were summed over EDP above, which spans the CP ranks.
+        if ctx.plan.cp > 1 and not (is_expert_param(name) and ctx.experts_apart):
+            # Routed experts under EP/ETP were summed over EDP above, which spans the CP ranks.
             dist.all_reduce(grad, group=ctx.group("cp"))
 
 
@@ -58,16 +59,32 @@ def full_grad(model: nn.Module, name: str, ctx: ParallelContext) -> torch.Tensor
     if param.grad is None:
         raise ValueError(f"parameter {name!r} has no gradient")
     grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
-    if is_expert_param(name) and ctx.ep_size > 1:
-        parts = [torch.empty_like(grad) for _ in range(ctx.ep_size)]
-        dist.all_gather(parts, grad.contiguous(), group=ctx.group("ep"))
-        grad = torch.cat(parts)
+    if is_expert_param(name):
+        grad = _gather_experts(name, grad, ctx)
     return grad.detach().cpu().clone()
+
+
+def _gather_experts(name: str, value: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """Collective over ETP then EP: the whole ``[E, ...]`` routed-expert tensor from this rank's part
+    (hidden units of ``w1``/``w2``/``w3`` over ETP, experts over EP). Other expert tensors (FP8
+    scaling state) are per expert, not per hidden unit: this ETP rank's copy stands for the group."""
+    if value.dim() == 0:
+        return value
+    dim = ETP_SHARD_DIM.get(name.rpartition(".")[2])
+    if ctx.etp_size > 1 and dim is not None:
+        parts = [torch.empty_like(value) for _ in range(ctx.etp_size)]
+        dist.all_gather(parts, value.contiguous(), group=ctx.group("etp"))
+        value = torch.cat(parts, dim=dim)
+    if ctx.ep_size > 1:
+        parts = [torch.empty_like(value) for _ in range(ctx.ep_size)]
+        dist.all_gather(parts, value.contiguous(), group=ctx.group("ep"))
+        value = torch.cat(parts)
+    return value
 
 
 def _replicas(name: str, param: torch.Tensor, ctx: ParallelContext) -> int:
     """How many ranks of this pipeline stage hold the same local gradient shard as this one."""
-    distinct = ctx.ep_size if is_expert_param(name) and ctx.ep_size > 1 else 1
+    distinct = ctx.ep_size * ctx.etp_size if is_expert_param(name) and ctx.experts_apart else 1
     if isinstance(param, DTensor):
         for dim, placement in enumerate(param.placements):
             if isinstance(placement, SHARD_PLACEMENTS):
@@ -115,10 +132,8 @@ def full_state_dict(model: nn.Module, ctx: ParallelContext) -> dict[str, torch.T
     out: dict[str, torch.Tensor] = {}
     for name, value in state.items():
         value = local_tensor(value)
-        if is_expert_param(name) and ctx.ep_size > 1 and value.dim() >= 1:
-            parts = [torch.empty_like(value) for _ in range(ctx.ep_size)]
-            dist.all_gather(parts, value.contiguous(), group=ctx.group("ep"))
-            value = torch.cat(parts)
+        if is_expert_param(name):
+            value = _gather_experts(name, value, ctx)
         out[name] = value.detach().cpu()
     if ctx.plan.pp > 1:  # every stage's first rank sends its stage to rank 0
         holder = ctx.tp_rank == 0 and ctx.dp_rank == 0

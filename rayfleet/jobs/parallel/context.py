@@ -8,13 +8,18 @@ Design decisions:
   ranks that talk here. Every rank builds both meshes in the same order (``new_group`` is a
   collective over the world).
 - Only the kinds the trainer implements are accepted, as the capability table
-  (``placement/capabilities.py``) lists them (today ``etp`` must be 1; context parallelism,
+  (``placement/capabilities.py``) lists them (context parallelism, expert-tensor parallelism,
   interleaved and DualPipeV pipelines run): a plan asking for more fails here with the field and the fix, not with
   a wrong result later. The job's spec and ``resolve_plan`` read the same table first.
-- ``moe_token_split``: when TP > 1 and EP > 1, the TP peers of a rank hold the same tokens; they
-  each route and dispatch a disjoint 1/tp slice (Megatron's sequence split before dispatch), so
-  no token reaches an expert twice. The MoE layer's replicated parameters (router, shared
-  experts) then hold partial gradients on each TP peer, summed in ``finalize_gradients``.
+- ``moe_token_split``: when TP > 1 and the experts are split (EP > 1 or ETP > 1), the TP peers of
+  a rank hold the same tokens; they each route and dispatch a disjoint 1/tp slice (Megatron's
+  sequence split before dispatch), so no token reaches an expert twice and every rank of a stage
+  holds distinct tokens, which the ETP all-gather relies on. The MoE layer's replicated
+  parameters (router, shared experts) then hold partial gradients on each TP peer, summed in
+  ``finalize_gradients``.
+- ``experts_apart``: EP > 1 or ETP > 1. Either way each rank holds a part of the routed experts
+  that has seen the tokens of its whole EP x ETP group, so the experts leave DP's FSDP and are
+  reduced over EDP instead (``apply``, ``collectives``).
 - Context parallelism (``cp``): the CP ranks of a DP replica hold the same samples, each its
   load-balanced share of every sequence (``context_parallel``). For parameter gradients they
   are extra data-parallel ranks: FSDP2 stays over ``dp`` (``grad_divide_factor`` is still
@@ -109,7 +114,9 @@ class ParallelContext:
     cp_exchange: str = "all_gather"  # or "ring" (context_parallel_ring)
     a2a: A2AStats = field(default_factory=A2AStats)
     pipeline: Any = None  # the PipelineRunner when plan.pp > 1 (set by parallelize_model)
-    expert_ckpt_mesh: DeviceMesh | None = None  # (ep, edp) of this stage, ep-major: experts' global layout
+    expert_ckpt_mesh: DeviceMesh | None = None  # (ep, edp[, etp]) of this stage: experts' global layout
+    etp_rank: int = 0
+    etp_control: str = "none"  # "none", or the BROKEN ON PURPOSE "no_reduce" (expert_tensor_parallel)
 
     @property
     def tp_size(self) -> int:
@@ -128,8 +135,17 @@ class ParallelContext:
         return self.plan.cp
 
     @property
+    def etp_size(self) -> int:
+        return self.plan.etp
+
+    @property
     def edp_size(self) -> int:
         return self.plan.edp
+
+    @property
+    def experts_apart(self) -> bool:
+        """Whether each rank holds only part of the routed experts (EP > 1 or ETP > 1)."""
+        return self.plan.ep > 1 or self.plan.etp > 1
 
     @property
     def grad_divide_factor(self) -> int:
@@ -137,10 +153,10 @@ class ParallelContext:
 
     @property
     def moe_token_split(self) -> bool:
-        return self.plan.tp > 1 and self.plan.ep > 1
+        return self.plan.tp > 1 and self.experts_apart
 
     def group(self, name: str) -> dist.ProcessGroup:
-        """Process group of one mesh dimension: ``tp``, ``dp``, ``pp`` or ``ep``, ``edp``."""
+        """Process group of one mesh dimension: ``tp``, ``dp``, ``pp``, ``cp`` or ``ep``, ``edp``, ``etp``."""
         if name in ("tp", "dp", "pp", "cp"):
             return self.mesh.get_group(name)
         return self.expert_mesh.get_group(name)
@@ -161,7 +177,8 @@ def _check_supported(plan: ParallelPlan, world_size: int) -> None:
 
 def build_parallel_context(plan: ParallelPlan, *, device: torch.device, a2a_overlap: bool = False,
                            fp8_dispatch: bool = False, misroute_experts: bool = False,
-                           cp_control: str = "none", cp_exchange: str = "all_gather") -> ParallelContext:
+                           cp_control: str = "none", cp_exchange: str = "all_gather",
+                           etp_control: str = "none") -> ParallelContext:
     """Collective over the default group: build both meshes and this rank's context."""
     world_size, rank = dist.get_world_size(), dist.get_rank()
     _check_supported(plan, world_size)
@@ -173,10 +190,13 @@ def build_parallel_context(plan: ParallelPlan, *, device: torch.device, a2a_over
     expert_mesh = DeviceMesh(device.type, ranks.reshape(plan.pp, plan.edp, plan.ep, plan.etp),
                              mesh_dim_names=("pp", "edp", "ep", "etp"))
     # The checkpoint layout of routed experts: rows [E, ...] split over EP first, then over EDP
-    # (FSDP), i.e. a (ep, edp) mesh. DCP needs it to save every rank's experts under one global
-    # tensor and to reshard them when the next run has another EP/EDP.
+    # (FSDP), hidden units over ETP, i.e. a (ep, edp, etp) mesh. DCP needs it to save every rank's
+    # experts under one global tensor and to reshard them when the next run has another EP/EDP/ETP.
     ckpt_mesh = None
-    if plan.ep > 1:
+    if plan.etp > 1:
+        grid = ranks.reshape(plan.pp, plan.edp, plan.ep, plan.etp).permute(0, 2, 1, 3).contiguous()
+        ckpt_mesh = DeviceMesh(device.type, grid, mesh_dim_names=("pp", "ep", "edp", "etp"))["ep", "edp", "etp"]
+    elif plan.ep > 1:  # the (ep, edp) mesh that EP-only checkpoints have always used
         grid = ranks.reshape(plan.pp, plan.edp, plan.ep, plan.etp)[..., 0].permute(0, 2, 1).contiguous()
         ckpt_mesh = DeviceMesh(device.type, grid, mesh_dim_names=("pp", "ep", "edp"))["ep", "edp"]
     stage = plan.tp * plan.cp * plan.dp
@@ -191,4 +211,4 @@ def build_parallel_context(plan: ParallelPlan, *, device: torch.device, a2a_over
                            expert_mesh=expert_mesh, stage_group=stage_group, a2a_overlap=a2a_overlap,
                            fp8_dispatch=fp8_dispatch, misroute_experts=misroute_experts,
                            expert_ckpt_mesh=ckpt_mesh, cp_rank=c.cp, cp_control=cp_control,
-                           cp_exchange=cp_exchange)
+                           cp_exchange=cp_exchange, etp_rank=c.etp, etp_control=etp_control)

@@ -163,13 +163,21 @@ def test_model_spec_matches_model_parameter_count(job_dict) -> None:
     assert planner.global_batch_sequences == 8 and planner.seq_len == 32
 
 
-@pytest.mark.parametrize("field, value", [("etp", 2)])
-def test_splits_the_trainer_does_not_run_are_refused_at_the_spec(job_dict, field, value) -> None:
+def test_splits_the_trainer_does_not_run_are_refused_at_the_spec(job_dict) -> None:
     spec = copy.deepcopy(job_dict)
-    spec["plan"] = {"dp": 1, field: value}
+    spec["plan"] = {"pp": 2, "dp": 2, "dualpipe": True, "zero_stage": 3}  # DualPipeV with ZeRO-3
+    spec["resources"] = {"num_workers": 4}
     with pytest.raises(SpecError) as err:
         TrainJobSpec.model_validate(spec)
-    assert err.value.field == f"plan.{field}" and f"{field}: 1" in str(err.value)
+    assert err.value.field == "plan.zero_stage" and "zero_stage: 2" in str(err.value)
+
+
+def test_expert_tensor_parallel_plans_are_accepted_at_the_spec(job_dict) -> None:
+    """etp was refused here until the trainer ran it (issue 28 item 3)."""
+    spec = TrainJobSpec.model_validate({**job_dict, "plan": {"dp": 4, "ep": 2, "etp": 2},
+                                        "resources": {"num_workers": 4}})
+    plan = plan_of(spec, world_size=4)
+    assert (plan.dp, plan.ep, plan.etp, plan.edp) == (4, 2, 2, 1)
 
 
 @pytest.mark.parametrize("workers", [8, 16, 64])

@@ -103,14 +103,14 @@ def test_the_runnable_search_never_ranks_a_refused_kind(model, fleet, precision)
     assert all(not refusals(r.plan, precision=precision) for r in narrow.ranked)
 
 
-def test_the_planners_default_search_ranks_what_the_trainer_refuses() -> None:
-    """The broken variant the runnable space guards against: Mixtral-8x7B on 1,024 H100 ranks
-    expert-TP plans, which the runs column marks. (llama3-8b's CP and interleaved plans there
-    were the example until the trainer ran them: issue 28 items 1 and 2.)"""
+def test_mixtral_expert_tp_plans_on_1024_h100_are_runnable() -> None:
+    """Mixtral-8x7B on 1,024 H100 ranks expert-TP plans (ETP2 inside EP8), which the trainer runs
+    (issue 28 item 3; tests/unit/jobs/test_expert_tensor_parallel_parity.py). They were the
+    example of a refused kind until then."""
     result = search_plans(preset("mixtral-8x7b"), fleet_capacity_of("H100:1024"), top_k=5,
                           goal=JobGoal.exactly(1024))
-    labels = [runs_label(r.plan, precision="bf16") for r in result.ranked]
-    assert any(label.startswith("no:") and "etp>1" in label for label in labels)
+    assert any(r.plan.etp > 1 for r in result.ranked)
+    assert all(runs_label(r.plan, precision="bf16") == "yes" for r in result.ranked)
 
 
 def test_llama3_8b_cp_plans_on_1024_h100_are_runnable() -> None:
@@ -124,11 +124,13 @@ def test_the_jobs_search_space_is_the_tables() -> None:
     # the job's own search is the table's space, narrowed to what searched jobs have run on a
     # fleet: ZeRO-3, no CP, no virtual stages or DualPipeV (resolve.py says why)
     assert TRAINABLE_SPACE == runnable_space(SearchSpace(max_pp=1, zero_stage=3, context_parallel=(1,),
-                                                         virtual_stages=(1,), dualpipe=False))
+                                                         virtual_stages=(1,), dualpipe=False, expert_tp_options="1"))
     assert TRAINABLE_SPACE.context_parallel == (1,) and TRAINABLE_SPACE.virtual_stages == (1,)
+    assert TRAINABLE_SPACE.expert_tp_options == "1"  # ETP runs as explicit plans, not yet searched for jobs
     assert set(TRAINABLE_SPACE.zero_ladder) <= set(runnable_space().zero_ladder)
     space = runnable_space()
-    assert space.context_parallel == SearchSpace().context_parallel and space.expert_tp_options == "1"
+    assert space.context_parallel == SearchSpace().context_parallel
+    assert space.expert_tp_options == SearchSpace().expert_tp_options  # ETP runs (issue 28 item 3)
     # interleaved and DualPipeV pipelines run (issue 28 item 1): virtual stages stay searched and
     # DualPipeV is searched when asked (--dualpipe), as in the planner's own space
     assert space.virtual_stages == SearchSpace().virtual_stages
@@ -139,12 +141,18 @@ def test_the_jobs_search_space_is_the_tables() -> None:
 
 
 def test_flipping_a_row_flips_both_sides(monkeypatch) -> None:
-    """If the table says ETP runs, the spec accepts etp: 2 and the runnable space searches ETP."""
+    """If the table said ETP did not run (as before issue 28 item 3), the spec would refuse etp: 2,
+    the runnable space would drop ETP and the plan table would mark Mixtral's ETP plans."""
     cap = capabilities.capability("etp")
-    with pytest.raises(SpecError):
-        TrainJobSpec.model_validate(_job(cap))
-    flipped = tuple(dataclasses.replace(c, runs=True) if c.kind == "etp" else c for c in CAPABILITIES)
+    TrainJobSpec.model_validate(_job(cap))  # runs today
+    require_runnable(ParallelPlan(tp=2, dp=2, ep=2, etp=2))
+    flipped = tuple(dataclasses.replace(c, runs=False) if c.kind == "etp" else c for c in CAPABILITIES)
     monkeypatch.setattr(capabilities, "CAPABILITIES", flipped)
-    TrainJobSpec.model_validate(_job(cap))  # accepted now
-    assert runnable_space().expert_tp_options == SearchSpace().expert_tp_options
-    require_runnable(ParallelPlan(tp=2, ep=2, etp=2))
+    with pytest.raises(SpecError) as err:
+        TrainJobSpec.model_validate(_job(cap))
+    assert err.value.field == "plan.etp"
+    assert runnable_space().expert_tp_options == "1"
+    result = search_plans(preset("mixtral-8x7b"), fleet_capacity_of("H100:1024"), top_k=5,
+                          goal=JobGoal.exactly(1024))
+    labels = [runs_label(r.plan, precision="bf16") for r in result.ranked]
+    assert any(label.startswith("no:") and "etp>1" in label for label in labels)
