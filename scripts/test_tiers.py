@@ -8,18 +8,19 @@ first test that needs it). The slowest tests are listed too.
 
 Sessions (why they are separate: see the Makefile):
 
-1. ``tests/unit`` and ``tests/vllm/test_offline.py`` (no Ray), *beside* session 2: two pytest
-   processes at once. The live tiers spend much of their wall time waiting (process and engine starts, Ray's timeouts, polls):
-   a quick benchmark run used 41% of this machine's 2 cores on average (user + sys over wall).
-   The unit tier's CPU work fills that idle time instead of adding ~6 min after it. Its output
-   is kept in a file and printed when it ends (the two would interleave on one terminal);
-2. ``tests/cluster tests/gpu`` (the cluster tier's fleet is session-scoped);
-3. the rest of ``tests/vllm`` (its own small fleet, after the first one is gone);
-4. ``tests/integration`` (each test owns a Ray cluster and runs alone).
-
-Sessions 3 and 4 wait for 1 and 2. Only a Ray-free session may run beside another: two Ray
-clusters on one host confuse Ray Train's discovery ("Found multiple active Ray instances"), and
-``tests/unit/conftest.py`` fails any unit test that leaves Ray running.
+1. ``tests/cluster tests/gpu`` (the cluster tier's fleet is session-scoped), with two sessions
+   *beside* it, three pytest processes at once:
+   - ``tests/unit`` and ``tests/vllm/test_offline.py`` (no Ray);
+   - the rest of ``tests/vllm`` (a small fleet of its own).
+   The live tiers spend much of their wall time waiting (process and engine starts, Ray's
+   timeouts, polls): a quick benchmark run used 41% of this machine's 2 cores on average (user +
+   sys over wall), so the others' work fills that idle time instead of adding ~6 (unit) and ~12
+   (vLLM) minutes after it. Two fleets on one host are safe because each names itself to its
+   processes (``RAY_ADDRESS``, ``platform/launcher.py``; without it Ray Train's state API finds
+   "multiple active Ray instances") and the auth token is created atomically. The sessions beside
+   keep their output in a file, printed when they end (three would interleave on one terminal);
+2. ``tests/integration`` alone, after them: each test owns a Ray cluster, ``ray up`` takes the
+   head's fixed ports (6379/8265) and its ``ray down`` sends ``ray stop`` (gated, see the test).
 
 Every session runs even if an earlier one failed (a red tier should not hide the others' times);
 the exit status is the first non-zero one. The last line is the plain summary
@@ -51,9 +52,9 @@ SESSIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("vllm", ("tests/vllm", f"--ignore={OFFLINE_VLLM}")),
     ("integration", ("tests/integration",)),
 )
-BESIDE = {"unit": "cluster+gpu"}
-"""Session -> the session it runs beside (started together; the next one waits for both).
-Only Ray-free sessions belong here (module doc)."""
+BESIDE = {"unit": "cluster+gpu", "vllm": "cluster+gpu"}
+"""Session -> the session it runs beside (started together; the next one waits for all of them).
+Never the integration session (module doc)."""
 
 
 @dataclass
@@ -125,6 +126,7 @@ class BackgroundSession:
 
     ``-p no:cacheprovider``: the foreground session writes ``.pytest_cache`` at its end too."""
 
+
     def __init__(self, name: str, paths: tuple[str, ...], *, extra: list[str]) -> None:
         self.name, self.paths = name, paths
         self._tmp = tempfile.TemporaryDirectory(prefix="rayfleet-junit-")
@@ -148,20 +150,19 @@ class BackgroundSession:
 
 
 def run_sessions(sessions, *, extra: list[str], top: int) -> list[SessionResult]:
-    """Run ``sessions`` in order, each one in ``BESIDE`` together with its partner (module doc)."""
+    """Run ``sessions`` in order; a session in ``BESIDE`` starts together with its partner, which
+    waits for it before the next session starts (module doc). Alone (its partner not selected)
+    it runs in the foreground."""
     names = [name for name, _ in sessions]
     results: dict[str, SessionResult] = {}
-    waiting: list[BackgroundSession] = []
     for name, paths in sessions:
-        if name in BESIDE and BESIDE[name] in names:
-            waiting.append(BackgroundSession(name, paths, extra=extra))
-            continue
+        if BESIDE.get(name) in names:
+            continue  # started with its partner
+        backgrounds = [BackgroundSession(other, other_paths, extra=extra)
+                       for other, other_paths in sessions if BESIDE.get(other) == name]
         results[name] = run_session(name, paths, extra=extra, top=top)
-        for background in waiting:
+        for background in backgrounds:
             results[background.name] = background.finish(top=top)
-        waiting = []
-    for background in waiting:  # a partner that was not selected: nothing to wait beside
-        results[background.name] = background.finish(top=top)
     return [results[name] for name in names]
 
 

@@ -58,7 +58,7 @@ def ensure_auth_token() -> Path:
 
     path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or ray_compat.default_auth_token_path())
     if not os.environ.get("RAY_AUTH_TOKEN") and not path.exists():
-        ray_compat.generate_auth_token()
+        ray_compat.generate_auth_token(path)  # atomic: another process may be creating it too
     ray_compat.enable_token_auth()
     return path
 
@@ -205,8 +205,12 @@ class LocalFleet:
         # raylet's PATH: put this interpreter's bin first so they run in rayfleet's environment.
         bin_dir = str(Path(sys.executable).parent)
         # RAYFLEET_HOME travels too, so the controller's database lives with this fleet.
+        # RAY_ADDRESS names this fleet to every process its raylets start: Ray's own clients that
+        # look a cluster up themselves (Ray Train's state actor and controller call the state API
+        # without an address) otherwise scan the host for GCS processes and fail with "Found
+        # multiple active Ray instances" while another fleet runs on the same machine.
         env = dict(os.environ, RAY_AUTH_MODE="token", RAYFLEET_HOME=str(Path(self.home).resolve()),
-                   PATH=os.pathsep.join([bin_dir, os.environ.get("PATH", "")]))
+                   PATH=os.pathsep.join([bin_dir, os.environ.get("PATH", "")]), RAY_ADDRESS=self.address)
         with open(log_path, "wb") as log:
             proc = subprocess.Popen([_ray_executable(), *args], stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)

@@ -51,11 +51,35 @@ def default_auth_token_path() -> Path:
     return Path(_get_default_token_path())
 
 
-def generate_auth_token() -> None:
-    """Create and save a new token at Ray's default path."""
-    from ray._private.authentication.authentication_token_setup import generate_and_save_token
+def generate_auth_token(path: Path | None = None) -> bool:
+    """Create a new token at ``path`` (default: Ray's default path) unless one is there already;
+    True if this call created it.
 
-    generate_and_save_token()
+    Atomic, first writer wins: the token goes to a private temporary file that is then hard-linked
+    into place, which fails if the file exists. Ray's own ``generate_and_save_token`` opens the
+    path for writing, so two processes starting fleets at once on a fresh machine (two test
+    sessions, two notebooks) could each write a different token, and the fleet started with the
+    first one refuses every client that read the second.
+    """
+    import os
+    import tempfile
+
+    from ray._private.authentication.authentication_token_setup import generate_new_authentication_token
+
+    path = Path(path) if path is not None else default_auth_token_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".auth_token-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(generate_new_authentication_token())
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(tmp)
 
 
 def enable_token_auth() -> None:

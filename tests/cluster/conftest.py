@@ -58,7 +58,7 @@ def local_fleet(tmp_path_factory):
 # Modules that add nodes and then kill them run last, in this order: the controller rightly
 # keeps a killed node in its inventory (as lost) and Ray lists it as dead, which the fleet
 # tests' exact node lists must not see.
-_RUN_LAST = ("test_serving_mixed.py", "test_training.py", "test_autoscaler.py")  # the first adds a P800 node
+_RUN_LAST = ("test_serving_mixed.py", "test_training.py")  # the first adds a P800 node
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -70,16 +70,16 @@ def test_the_unit_session_runs_beside_the_cluster_session_and_the_next_waits_for
     monkeypatch.setattr(tiers, "run_session", fake_run)
     results = tiers.run_sessions(list(tiers.SESSIONS), extra=[], top=3)
     assert [r.name for r in results] == [name for name, _ in tiers.SESSIONS]  # reported in the table's order
-    # unit starts, cluster runs beside it, unit is collected before vllm starts.
-    assert events == [("start", "unit"), ("run", "cluster+gpu"), ("finish", "unit"), ("run", "vllm"),
-                      ("run", "integration")]
+    # unit and vllm start with the cluster session and are collected before integration starts.
+    assert events == [("start", "unit"), ("start", "vllm"), ("run", "cluster+gpu"), ("finish", "unit"),
+                      ("finish", "vllm"), ("run", "integration")]
     events.clear()
-    tiers.run_sessions([s for s in tiers.SESSIONS if s[0] == "unit"], extra=[], top=3)
-    assert events == [("run", "unit")]  # alone (--only unit): in the foreground
-    # Only Ray-free sessions may run beside another (two Ray clusters confuse Ray Train).
-    assert set(tiers.BESIDE) == {"unit"}
+    tiers.run_sessions([s for s in tiers.SESSIONS if s[0] in ("unit", "vllm")], extra=[], top=3)
+    assert events == [("run", "unit"), ("run", "vllm")]  # their partner not selected: in the foreground
+    # ray up owns fixed ports and its ray down sends ray stop: integration never runs beside anything.
+    assert "integration" not in tiers.BESIDE and "integration" not in tiers.BESIDE.values()
     table = tiers.render(results, install_s=None, elapsed_s=90.0)
-    assert "unit beside cluster+gpu" in table and "1.5" in table  # the wall clock, not the sum
+    assert "unit beside cluster+gpu" in table and "vllm beside cluster+gpu" in table and "1.5" in table  # the wall clock, not the sum
 
 
 def test_a_background_session_runs_pytest_and_reports_its_counts(tmp_path, monkeypatch):

@@ -47,3 +47,26 @@ def test_importing_ray_compat_does_not_import_ray():
     code = "import sys, rayfleet.platform.ray_compat; print('ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_auth_token_is_created_once_when_many_writers_race_for_it(tmp_path):
+    """Two fleets started at once on a fresh machine must not write two different tokens."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rayfleet.platform import ray_compat
+
+    path = tmp_path / "ray" / "auth_token"
+    start = threading.Barrier(8)
+
+    def create(_):
+        start.wait()
+        return ray_compat.generate_auth_token(path)
+
+    with ThreadPoolExecutor(8) as pool:
+        created = list(pool.map(create, range(8)))
+    assert sum(created) == 1, created  # exactly one writer made it; the rest found it there
+    token = path.read_text()
+    assert len(token) >= 16 and "\n" not in token
+    assert [p.name for p in path.parent.iterdir()] == ["auth_token"]  # no temporary files left
+    assert ray_compat.generate_auth_token(path) is False and path.read_text() == token  # never overwritten
