@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rayfleet.jobs.checkpoint.hook import FlashCheckpointHook
 from rayfleet.jobs.local_processes import run_local, run_local_many
 from rayfleet.jobs.spec import TrainJobSpec
 from rayfleet.models.expert_tensor_parallel import expert_major_order
@@ -110,3 +111,34 @@ def test_fp8_ep2_etp2_stays_close_to_the_fp8_reference(spec) -> None:
     losses = torch.tensor(etp.losses)
     assert torch.isfinite(losses).all() and losses[-1] < losses[0]
     assert _loss_gap(etp, ref) < 0.01
+
+
+class _StopAfter:
+    """``should_stop`` that asks to stop after ``steps`` steps (pickles to the spawned ranks)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.calls = steps, 0
+
+    def __call__(self) -> bool:
+        self.calls += 1
+        return self.calls >= self.steps
+
+
+def _storage_hook(job: str, uri: str) -> FlashCheckpointHook:
+    return FlashCheckpointHook(job=job, snapshot_every=1, persist_every=1, checkpoint_uri=uri, shm_root=None)
+
+
+def test_ep2_etp2_checkpoints_reshard_to_one_process_and_back(spec, references, tmp_path) -> None:
+    """An EP2 x ETP2 run stopped after step 1 continues at one process from storage with the
+    reference's remaining losses; a one-process checkpoint continues at EP2 x ETP2 the same way."""
+    etp_plan, one = ParallelPlan(dp=4, ep=2, etp=2, micro_batch_size=1), ParallelPlan(dp=1, micro_batch_size=2)
+    ref = torch.tensor(references[W2].losses[1:], dtype=torch.float64)
+    for first, then, name in ((etp_plan, one, "from-etp"), (one, etp_plan, "into-etp")):
+        uri = str(tmp_path / name)
+        (stopped,) = run_local_many(spec, [(first, {"should_stop": _StopAfter(1)})], hooks=_storage_hook(name, uri))
+        assert stopped.summaries[0].stopped and stopped.summaries[0].steps_completed == 1
+        (resumed,) = run_local_many(spec, [(then, {})], hooks=_storage_hook(f"{name}-resumed", uri))
+        assert resumed.summaries[0].first_step == 1
+        for summary in resumed.summaries:
+            torch.testing.assert_close(torch.tensor(summary.losses, dtype=torch.float64), ref, rtol=LOSS_RTOL,
+                                       atol=0)
