@@ -10,7 +10,9 @@ Design decisions:
   replica). Stats are a state, not an event stream, because Serve hands the same latest stats
   to every caller's router: the hashes come as a bounded log of recent events plus a periodic
   full set (``hash_log``), so an update costs O(change), not O(cached blocks).
-- Between two publications the core books routed work exactly as ``router.RouterCore`` does.
+- Between two publications the core books routed work exactly as ``router.RouterCore`` does,
+  the TTFT cost's other inputs included (``prefill_outlook.PrefillOutlook``: queues drained at
+  each replica's rate from the publication on, recent prefill load, later requests per prompt).
   The routed prompt's blocks are indexed on the chosen replica by ``flush_bookings``, which the
   request router runs after it has answered (off the decision path); the next ``observe`` or
   ``rank`` runs it first if it has not run.
@@ -28,6 +30,7 @@ from rayfleet.errors import SpecError
 from rayfleet.serving.routing.hash_log import HashSetMirror
 from rayfleet.serving.engine.replica_state import ReplicaSnapshot, ReplicaId
 from rayfleet.serving.routing.policy import RouterPolicy
+from rayfleet.serving.routing.prefill_outlook import PrefillOutlook
 from rayfleet.serving.routing.prefix_index import PrefixIndex
 from rayfleet.serving.routing.recent_work import DecayedMean, PrefixWorkLedger, RecentWorkLedger
 from rayfleet.serving.routing.ttft_cost import PrefillRateEstimator, TTFTPolicy
@@ -88,6 +91,7 @@ class PoolRouterCore:
         self.own_activity = PrefixWorkLedger(activity_memory_s)  # ... and per prompt (its own turns)
         self.prompt_blocks = DecayedMean(load_memory_s)
         self.request_work = DecayedMean(load_memory_s)  # booked work per request
+        self.outlook = PrefillOutlook(activity_memory_s)  # the TTFT cost's other inputs
         self._rr = itertools.count()
         # Prompt blocks booked on their replica but not yet indexed (``flush_bookings``), with when.
         self._pending_bookings: list[tuple[ReplicaId, Sequence[Any], float | None]] = []
@@ -112,6 +116,7 @@ class PoolRouterCore:
             int(stats.get("num_queued_blocks", 0)), int(stats.get("num_running_requests", 0)),
             int(stats.get("max_num_seqs", 0)), num_prefill_tokens_total=int(stats.get("num_prefill_tokens_total", 0)),
             prefill_seconds_total=float(stats.get("prefill_seconds_total", 0.0)))
+        self.outlook.report(rid, snap.num_queued_blocks * self.tokens_per_block, now_s)
         if last is not None and snap.num_prefill_tokens_total >= last.num_prefill_tokens_total:
             self.prefill_rates.observe(rid, snap.num_prefill_tokens_total - last.num_prefill_tokens_total,
                                        snap.prefill_seconds_total - last.prefill_seconds_total)
@@ -133,6 +138,7 @@ class PoolRouterCore:
         for rid in gone:
             self.snapshots.pop(rid, None)
             self.versions.pop(rid, None)
+            self.outlook.forget(rid)
             self.hashes.forget(rid)
             self.recent_work.forget(rid)
             self.activity.forget(rid)
@@ -175,6 +181,8 @@ class PoolRouterCore:
         hashes = list(hint.block_hashes)
         matched = self.index.match_prefix(hashes)
         num_blocks = max(hint.num_prompt_blocks, len(hashes))
+        tpb = self.tokens_per_block
+        rates = self.prefill_rates.rates([s.replica_id for s in snaps])
         decision = self.policy.choose_prefill(snaps, hashes, self.index, matched=matched,
                                               num_prompt_blocks=num_blocks, max_ranked=1, recent_work=recent,
                                               activity=active, mean_request_blocks=(
@@ -182,12 +190,17 @@ class PoolRouterCore:
                                               mean_request_work=self.request_work.value(now_s) if ledgers else None,
                                               own_activity=self.own_activity.own(hashes, matched, now_s)
                                               if ledgers else None,
-                                              prefill_rate=self.prefill_rates.rates([s.replica_id for s in snaps]),
-                                              tokens_per_block=self.tokens_per_block)
+                                              prefill_rate=rates, tokens_per_block=tpb,
+                                              **self.outlook.cost_inputs(
+                                                  [(s.replica_id, s.num_queued_blocks * tpb) for s in snaps],
+                                                  rates, now_s))
         ranked = list(decision.order)
         if ranked:
             hit = matched.get(ranked[0], 0)
             snap = self.snapshots[ranked[0]]
+            self.outlook.book(ranked[0], uncached_tokens=(num_blocks - hit) * tpb, block_hashes=hashes,
+                              cached_blocks=max(matched.values(), default=0), now_s=now_s,
+                              rate=rates[ranked[0]], reported_queued_tokens=snap.num_queued_blocks * tpb)
             self.snapshots[ranked[0]] = replace(snap, num_queued_blocks=snap.num_queued_blocks + num_blocks - hit)
             if len(hashes) > hit:  # the first ``hit`` are indexed there already
                 self._pending_bookings.append((ranked[0], hashes[hit:], now_s))
@@ -206,6 +219,7 @@ class PoolRouterCore:
         for rid, hashes, booked_at in pending:
             if rid in self.snapshots:  # not a replica that left the pool meanwhile
                 self.hashes.book(rid, hashes, booked_at)
+        self.outlook.flush()
 
     def _book_decode(self, rid: ReplicaId, needed: int) -> None:
         d = self.snapshots[rid]

@@ -19,6 +19,9 @@ Design decisions:
   pool's mean booked work per request: live, a 24-block prompt repeated on a 2-replica pool
   whose mean request booked ~5 blocks left its cache, because the rest of its own first turn
   counted as the home's competing activity; ``tests/unit/serving/test_pool_routing.py``.)
+- ``FollowUpEstimate`` counts how many later requests a routed prompt brings (the TTFT cost's
+  ``later_s``, ``ttft_cost`` module doc): a set of recent prompts' last block hashes, searched
+  along each new prompt's chain after the decision.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 from rayfleet.errors import SpecError
 
-__all__ = ["RecentWorkLedger", "DecayedMean", "PrefixWorkLedger"]
+__all__ = ["RecentWorkLedger", "DecayedMean", "PrefixWorkLedger", "FollowUpEstimate"]
 
 
 class RecentWorkLedger:
@@ -138,3 +141,51 @@ class PrefixWorkLedger:
                 if matched.get(replica, 0) > j:
                     out[replica] = value * math.exp(-max(0.0, now - at) / self.memory_s)
         return out
+
+
+class FollowUpEstimate:
+    """How many later requests extend a routed prompt *and find it cached* (a conversation's next
+    turns, which the cost expects to follow the prompt to its replica), learned from the routed
+    prompts. A request *follows up* when an earlier routed prompt's last full block is in its hash
+    chain (its conversation's last turn, or the same prompt again), and is *held* when that block
+    lies within the longest prefix some replica caches. With ``p`` the decayed share of requests
+    that follow up and ``q`` the share that follow up held, a prompt expects ``p / (1 - p)`` later
+    requests (a geometric count: an 8-turn conversation trace gives p = 7/8, so 7; single-turn
+    traffic 0), of which ``q / p`` find it cached: ``q / (1 - p)``. Where caches evict a
+    conversation between its turns, its next turn is not tied to a replica and expects nothing.
+    ``p`` is capped at ``max_share`` so the count stays finite. Time comes from the caller; at most
+    ``max_prompts`` prompt ends are kept (least recent go first)."""
+
+    def __init__(self, memory_s: float, *, max_prompts: int = 1 << 16, max_share: float = 63 / 64) -> None:
+        self._follows = DecayedMean(memory_s)
+        self._held = DecayedMean(memory_s)
+        self._ends: OrderedDict[Hashable, None] = OrderedDict()
+        self.max_prompts = max(1, int(max_prompts))
+        self.max_share = max_share
+
+    def add(self, block_hashes: Sequence[Hashable], cached_blocks: int, now: float) -> None:
+        """Record a routed prompt (its full-block hashes) whose longest prefix cached on any
+        replica was ``cached_blocks`` long when it was routed. O(blocks): the router runs it
+        with its bookings, after the decision. Mutates."""
+        if not block_hashes:
+            return
+        ends = self._ends
+        last_end = -1
+        for i, h in enumerate(block_hashes):
+            if h in ends:
+                last_end = i
+        self._follows.add(1.0 if last_end >= 0 else 0.0, now)
+        self._held.add(1.0 if 0 <= last_end < cached_blocks else 0.0, now)
+        key = block_hashes[-1]
+        ends[key] = None
+        ends.move_to_end(key)
+        while len(ends) > self.max_prompts:
+            ends.popitem(last=False)
+
+    def expected(self, now: float) -> float:
+        """Later requests a prompt routed now expects on the replica caching it (0 before any
+        sample). Pure."""
+        follows, held = self._follows.value(now), self._held.value(now)
+        if follows is None or held is None:
+            return 0.0
+        return min(held, self.max_share) / (1.0 - min(follows, self.max_share))

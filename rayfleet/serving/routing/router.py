@@ -15,6 +15,8 @@ Design decisions:
   ``policy.RouterPolicy``, the block-unit cost, stays selectable). Each replica's prefill rate
   is learned from the growth of the prompt tokens and prefill seconds its snapshots report
   (``PrefillRateEstimator``); a snapshot whose totals fell (a restarted replica) is no sample.
+  Its other inputs (each replica's queue drained at that rate between polls, the prefill load
+  booked on it lately, the later requests a prompt brings) are a ``prefill_outlook.PrefillOutlook``.
 - ``round_robin`` is the baseline the benchmark compares with: it ignores prefixes and load.
 - Long prompts (``long_prefill``, see ``long_context``): when the uncached part of a prompt
   reaches the policy's threshold, the plan also carries spans over several first-role replicas,
@@ -51,6 +53,7 @@ from rayfleet.serving.engine.replica_state import ReplicaId, ReplicaSnapshot, Re
 from rayfleet.serving.routing.long_prefill import LongPrefillPolicy, SpanAssignment
 from rayfleet.serving.routing.prefix_index import PrefixIndex
 from rayfleet.serving.routing.policy import RouterPolicy
+from rayfleet.serving.routing.prefill_outlook import PrefillOutlook
 from rayfleet.serving.routing.pool_router import ROUTING_STATS_KEYS, Mode, PoolRouterCore, RouteHint
 from rayfleet.serving.routing.prompt_hashes import PromptHashCache
 from rayfleet.serving.routing.recent_work import DecayedMean, PrefixWorkLedger, RecentWorkLedger
@@ -85,6 +88,7 @@ class RouterCore:
         # Measured prefill tokens/s per replica, from the growth of its reported totals.
         self.prefill_rates = PrefillRateEstimator(prior_tokens_per_s=getattr(policy, "prior_tokens_per_s", 4000.0))
         self._prefill_totals: dict[ReplicaId, tuple[int, float]] = {}
+        self.outlook = PrefillOutlook(activity_memory_s)  # the TTFT cost's other inputs
         self.recent_work = RecentWorkLedger(load_memory_s)
         self.activity = RecentWorkLedger(activity_memory_s)  # the same bookings, short memory
         self.own_activity = PrefixWorkLedger(activity_memory_s)  # ... and per prompt (its own turns)
@@ -106,8 +110,10 @@ class RouterCore:
 
     # -- observations ---------------------------------------------------------------------------
 
-    def observe(self, replica: str, snapshot: ReplicaSnapshot, events: Sequence[Any] = ()) -> None:
-        """A successful poll: its snapshot replaces our guesses; its KV events update the index."""
+    def observe(self, replica: str, snapshot: ReplicaSnapshot, events: Sequence[Any] = (),
+                now_s: float | None = None) -> None:
+        """A successful poll: its snapshot replaces our guesses; its KV events update the index.
+        ``now_s`` (the clock ``route`` gets) dates its queue, which then drains between polls."""
         self.flush_bookings()  # a booking must not land after the eviction events that follow it
         rid = ReplicaId(replica)
         was_healthy = self.snapshots.get(rid, snapshot).healthy
@@ -116,6 +122,7 @@ class RouterCore:
             for ledger in (self.recent_work, self.activity):
                 ledger.join(rid, peers)
         self.snapshots[rid] = replace(snapshot, healthy=True)
+        self.outlook.report(rid, snapshot.num_queued_blocks * self.block_size, now_s)
         self._learn_prefill_rate(rid, snapshot)
         if not was_healthy:  # its cache was lost with it: start its index afresh
             self.index.remove_replica(rid)
@@ -136,6 +143,7 @@ class RouterCore:
         self.index.remove_replica(rid)
         self.recent_work.forget(rid)
         self.activity.forget(rid)
+        self.outlook.forget(rid)
 
     def set_mode(self, mode: Mode) -> None:
         if mode not in ("prefix_aware", "round_robin"):
@@ -171,6 +179,8 @@ class RouterCore:
         active = ({s.replica_id: self.activity.value(s.replica_id, now_s) for s in first_snaps}
                   if ledgers else None)
         matched = self.index.match_prefix(hashes) if self.mode == "prefix_aware" else {}
+        bs = self.block_size
+        rates = self.prefill_rates.rates([s.replica_id for s in first_snaps])
         spans: tuple[SpanAssignment, ...] = ()
         if self.mode == "prefix_aware" and self.long_prefill is not None:
             hit = max(matched.values(), default=0)
@@ -182,6 +192,8 @@ class RouterCore:
                 snap = self.snapshots[ReplicaId(span.replica_id)]
                 self.snapshots[snap.replica_id] = replace(snap, num_queued_blocks=snap.num_queued_blocks + -(
                     -(span.end - span.start) // self.block_size))
+                self.outlook.queued.book(snap.replica_id, span.end - span.start, now_s,
+                                         self.prefill_rates.rate(snap.replica_id), snap.num_queued_blocks * bs)
             first = (spans[-1].replica_id,)
             reason = f"split prefill: {split.reason}"
         elif self.mode == "round_robin":
@@ -197,15 +209,20 @@ class RouterCore:
                                                   if ledgers else None,
                                                   own_activity=self.own_activity.own(hashes, matched, now_s)
                                                   if ledgers else None,
-                                                  prefill_rate=self.prefill_rates.rates(
-                                                      [s.replica_id for s in first_snaps]),
-                                                  tokens_per_block=self.block_size,
-                                                  num_prompt_tokens=len(prompt_token_ids))
+                                                  prefill_rate=rates, tokens_per_block=bs,
+                                                  num_prompt_tokens=len(prompt_token_ids),
+                                                  **self.outlook.cost_inputs(
+                                                      [(s.replica_id, s.num_queued_blocks * bs) for s in first_snaps],
+                                                      rates, now_s))
             first = decision.order
             reason = decision.reason
         if first and not spans:
             chosen = self.snapshots[ReplicaId(first[0])]
             hit = matched.get(chosen.replica_id, 0)
+            self.outlook.book(chosen.replica_id, uncached_tokens=max(0, len(prompt_token_ids) - hit * bs),
+                              block_hashes=hashes, cached_blocks=max(matched.values(), default=0), now_s=now_s,
+                              rate=self.prefill_rates.rate(chosen.replica_id),
+                              reported_queued_tokens=chosen.num_queued_blocks * bs)
             self.snapshots[chosen.replica_id] = replace(
                 chosen, num_queued_blocks=chosen.num_queued_blocks + num_prompt_blocks - hit)
             if len(hashes) > hit:  # its first ``hit`` are indexed there already
@@ -239,6 +256,7 @@ class RouterCore:
         pending, self._pending_bookings = self._pending_bookings, []
         for rid, hashes in pending:
             self.index.add_blocks(rid, hashes)
+        self.outlook.flush()
 
     def _round_robin(self, role: str, snaps: list[ReplicaSnapshot]) -> tuple[str, ...]:
         if not snaps:
@@ -284,7 +302,7 @@ class Router:
             self.states.pop(name, None)
             return
         self.states[name] = state
-        self.core.observe(name, state.snapshot, state.events)
+        self.core.observe(name, state.snapshot, state.events, now_s=time.monotonic())
 
     async def poll_once(self) -> None:
         self.num_polls += 1

@@ -14,7 +14,7 @@ Design decisions:
 - rayfleet's routers run as they run live: a ``RouterCore`` fed ``ReplicaSnapshot``s and KV
   events (``stored``/``removed`` from each LRU) every ``publish_interval_s`` only, so the router
   sees published state as stale as a poll period and books its own decisions in between (queued
-  blocks, the routed prompt's blocks); snapshots carry the replica's prefill backlog, running
+  blocks, the routed prompt's blocks, drained at the learned rate); snapshots carry the replica's prefill backlog, running
   requests, active blocks and cumulative prefill tokens/seconds, from which the router learns
   each replica's rate.
 - ``pca`` is Ray Serve 2.60's ``PrefixCacheAffinityRouter`` with Serve LLM's defaults
@@ -245,7 +245,7 @@ def replay_bounded(requests: Sequence[TraceRequest], *, router: str, num_replica
                                        num_running_requests=rep.num_decoding + (rep.prefilling is not None),
                                        num_prefill_tokens_total=rep.prefill_tokens_total,
                                        prefill_seconds_total=rep.prefill_seconds_total)
-                core.observe(rep.name, snap, rep.events)
+                core.observe(rep.name, snap, rep.events, now_s=now)
                 rep.events = []
             if pending:
                 heapq.heappush(heap, (now + publish_interval_s, seq, 3, -1, -1))

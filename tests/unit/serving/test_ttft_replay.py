@@ -10,6 +10,7 @@ import pytest
 from rayfleet.errors import SpecError
 from rayfleet.serving.engine.block_hash import root_block_hash
 from rayfleet.serving.engine.replica_state import ReplicaId
+from rayfleet.serving.routing.recent_work import FollowUpEstimate
 from rayfleet.serving.routing.trace_replay import TraceRequest, chain_block_hashes, multi_turn_trace
 from rayfleet.serving.routing.ttft_replay import _PrefixAffinity, replay_bounded, working_set_blocks
 
@@ -43,8 +44,8 @@ def test_working_set_counts_distinct_chained_blocks():
 
 def test_ttft_router_beats_pca_on_ttft_when_caches_are_tight():
     """600 turns of 80 conversations on 4 replicas whose caches hold 1/40 of the working set
-    each. Measured: rayfleet TTFT mean 1.90 s, p99 6.8 s, token hit rate 0.104, requests max/mean
-    1.17; PCA 3.35 s, 20.6 s, 0.203, 1.54 (it keeps sending a conversation to the replica whose
+    each. Measured: rayfleet TTFT mean 1.97 s, p99 6.9 s, token hit rate 0.101, requests max/mean
+    1.20; PCA 3.35 s, 20.6 s, 0.203, 1.54 (it keeps sending a conversation to the replica whose
     tree holds it, evicted or not, whatever the queue: twice the hits, three times the p99);
     round robin 2.17 s, 7.6 s, 0.064. The hit rate is the term this cost gives up (module doc of
     ``ttft_cost``: a hit is worth the seconds it saves now)."""
@@ -58,9 +59,29 @@ def test_ttft_router_beats_pca_on_ttft_when_caches_are_tight():
     assert pca.requests_max_mean > ours.requests_max_mean
     assert 0 < ours.decision_p99_ms < 5.0
     # Broken variant: a router that never sees published state (stale forever) routes by its own
-    # bookings alone: measured 2.01 s mean, 8.1 s p99.
+    # bookings alone: measured 2.10 s mean, 8.4 s p99.
     blind = replay_bounded(trace, router="rayfleet", num_replicas=4, cache_blocks=cache, publish_interval_s=1e9)
     assert blind.ttft_mean_s > ours.ttft_mean_s, (blind, ours)
+
+
+def test_new_conversations_do_not_pile_up_where_they_start_soonest(monkeypatch):
+    """Regression (issue 30, the held-out bounded replay lost to PCA at 1/64-50% of the working
+    set per replica): the cost sent each new conversation to whichever replica would start it
+    soonest, blind to the turns it and the conversations already there would bring, so
+    conversations piled up and later turns queued. 960 turns of 120 conversations on 8 replicas
+    caching 1/4 of the working set each. Measured: rayfleet TTFT mean 0.165 s, p99 0.41 s,
+    requests max/mean 1.23; blind to later requests (the broken variant) 0.177 s, 0.46 s, 2.01;
+    PCA 0.188 s, 0.64 s, 1.93."""
+    trace = multi_turn_trace(num_conversations=120, turns=8, seed=7, turn_blocks=(1, 6), system_blocks=3,
+                             num_system_prompts=6)
+    cache = round(working_set_blocks(trace) / 4)
+    ours = replay_bounded(trace, router="rayfleet", num_replicas=8, cache_blocks=cache)
+    pca = replay_bounded(trace, router="pca", num_replicas=8, cache_blocks=cache)
+    assert ours.ttft_mean_s < pca.ttft_mean_s and ours.ttft_p99_s < pca.ttft_p99_s, (ours, pca)
+    monkeypatch.setattr(FollowUpEstimate, "expected", lambda self, now: 0.0)
+    blind = replay_bounded(trace, router="rayfleet", num_replicas=8, cache_blocks=cache)
+    assert blind.ttft_mean_s > ours.ttft_mean_s and blind.requests_max_mean > ours.requests_max_mean + 0.3, (
+        blind, ours)
 
 
 def test_replay_refuses_unknown_routers_and_empty_pools():
