@@ -70,12 +70,13 @@ def test_expert_major_order_worked_example() -> None:
 def test_four_ranks_ep2_etp2_and_etp2_match_and_a_missing_etp_reduce_does_not(spec, references) -> None:
     """EP2 x ETP2 over the DP ranks (EDP=1, experts outside FSDP); EP2 x ETP2 on TP2 x DP2 (ETP is
     the TP pair, which splits its tokens first); ETP2 alone over DP4 (experts FSDP-sharded over
-    EDP=2, gradients rescaled); ETP2 = TP2 without EP (router gradient: TP-summed over the split
+    EDP=2, gradients rescaled; ZeRO-1 and ZeRO-3); ETP2 = TP2 without EP (router gradient: TP-summed over the split
     tokens); CP2 x EP2 x ETP2; PP2 x ETP2 (losses); and the ETP reduce left out."""
     results = run_local_many(spec, [
         (ParallelPlan(dp=4, ep=2, etp=2, micro_batch_size=1), {"grad_probe": W2}),
         (ParallelPlan(tp=2, dp=2, ep=2, etp=2, micro_batch_size=1), {"grad_probe": W1}),
         (ParallelPlan(dp=4, etp=2, micro_batch_size=1), {"grad_probe": W1}),
+        (ParallelPlan(dp=4, etp=2, micro_batch_size=1, zero_stage=3), {"grad_probe": W2}),
         (ParallelPlan(tp=2, dp=2, etp=2, micro_batch_size=1), {"grad_probe": ROUTER}),
         (ParallelPlan(cp=2, dp=2, ep=2, etp=2, micro_batch_size=1), {"grad_probe": W2}),
         (ParallelPlan(pp=2, dp=2, etp=2, micro_batch_size=1), {}),
@@ -84,10 +85,11 @@ def test_four_ranks_ep2_etp2_and_etp2_match_and_a_missing_etp_reduce_does_not(sp
     _assert_matches(results[0], references[W2])
     _assert_matches(results[1], references[W1])
     _assert_matches(results[2], references[W1])
-    _assert_matches(results[3], references[ROUTER])
-    _assert_matches(results[4], references[W2])
-    _assert_losses(results[5], references[W2])
-    broken = results[6]
+    _assert_matches(results[3], references[W2])
+    _assert_matches(results[4], references[ROUTER])
+    _assert_matches(results[5], references[W2])
+    _assert_losses(results[6], references[W2])
+    broken = results[7]
     assert _loss_gap(broken, references[W2]) > 100 * LOSS_RTOL
     with pytest.raises(AssertionError):
         _assert_matches(broken, references[W2])
