@@ -19,8 +19,13 @@ Sessions (why they are separate: see the Makefile):
    processes (``RAY_ADDRESS``, ``platform/launcher.py``; without it Ray Train's state API finds
    "multiple active Ray instances") and the auth token is created atomically. The sessions beside
    keep their output in a file, printed when they end (three would interleave on one terminal);
-2. ``tests/integration`` alone, after them: each test owns a Ray cluster, ``ray up`` takes the
-   head's fixed ports (6379/8265) and its ``ray down`` sends ``ray stop`` (gated, see the test).
+2. ``tests/integration`` after them, as two sessions side by side: the ``ray up`` test, the
+   quickstart notebook and the quality benchmark's quick run; beside them, the other quick runs
+   of the benchmarks that start a cluster of their own (balanced: about 7 min each on a quiet
+   machine). ``ray up`` takes the head's fixed ports (6379/8265, below the ephemeral range every
+   other fleet's ports come from) and its ``ray down`` sends ``ray stop``, which the cluster's SSH
+   gate turns into ``rayfleet node stop`` (its own nodes only; see the test); the suite-end leak
+   check counts only processes carrying its own session's marker.
 
 Every session runs even if an earlier one failed (a red tier should not hide the others' times);
 the exit status is the first non-zero one. The last line is the plain summary
@@ -44,17 +49,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 OFFLINE_VLLM = "tests/vllm/test_offline.py"
+QUICK_RUNS = "test_benchmarks_quick"
+"""The quick runs of the benchmarks that start a cluster of their own: all but quality's (the
+longest) run beside the other integration tests (module doc)."""
 """vLLM's offline engine in subprocesses, no Ray: it runs in the Ray-free session (module doc)."""
 
 SESSIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("unit", ("tests/unit", OFFLINE_VLLM)),
     ("cluster+gpu", ("tests/cluster", "tests/gpu")),
     ("vllm", ("tests/vllm", f"--ignore={OFFLINE_VLLM}")),
-    ("integration", ("tests/integration",)),
+    ("integration", ("tests/integration", "-k", f"not {QUICK_RUNS} or quality")),
+    ("benchmarks", (f"tests/integration/{QUICK_RUNS}.py", "-k", "not quality")),
 )
-BESIDE = {"unit": "cluster+gpu", "vllm": "cluster+gpu"}
-"""Session -> the session it runs beside (started together; the next one waits for all of them).
-Never the integration session (module doc)."""
+BESIDE = {"unit": "cluster+gpu", "vllm": "cluster+gpu", "benchmarks": "integration"}
+"""Session -> the session it runs beside (started together; the next one waits for all of them)."""
 
 
 @dataclass

@@ -246,7 +246,9 @@ def _cmd_start(args: argparse.Namespace) -> int:
     _stop_records([(p, r) for p, r in _load_records() if p == path], grace_s=5.0)
     path.parent.mkdir(parents=True, exist_ok=True)
     log_path = path.with_suffix(".log")
-    env = dict(os.environ, RAY_AUTH_MODE="token",
+    # RAY_ADDRESS names this cluster to every process the raylet starts (as LocalFleet does):
+    # Ray Train's state API otherwise scans the host and fails while another cluster runs on it.
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_ADDRESS=plan.gcs_address,
                PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     env.pop("RAY_OVERRIDE_LABELS", None)  # would override the labels computed here
     print(f"rayfleet node {name} ({plan.address}, cluster {plan.cluster}): "

@@ -72,12 +72,14 @@ def test_the_unit_session_runs_beside_the_cluster_session_and_the_next_waits_for
     assert [r.name for r in results] == [name for name, _ in tiers.SESSIONS]  # reported in the table's order
     # unit and vllm start with the cluster session and are collected before integration starts.
     assert events == [("start", "unit"), ("start", "vllm"), ("run", "cluster+gpu"), ("finish", "unit"),
-                      ("finish", "vllm"), ("run", "integration")]
+                      ("finish", "vllm"), ("start", "benchmarks"), ("run", "integration"), ("finish", "benchmarks")]
     events.clear()
     tiers.run_sessions([s for s in tiers.SESSIONS if s[0] in ("unit", "vllm")], extra=[], top=3)
     assert events == [("run", "unit"), ("run", "vllm")]  # their partner not selected: in the foreground
-    # ray up owns fixed ports and its ray down sends ray stop: integration never runs beside anything.
-    assert "integration" not in tiers.BESIDE and "integration" not in tiers.BESIDE.values()
+    # Every test of tests/integration runs in exactly one of its two sessions.
+    integration = dict(tiers.SESSIONS)["integration"]
+    benchmarks = dict(tiers.SESSIONS)["benchmarks"]
+    assert integration[1:] == ("-k", f"not {tiers.QUICK_RUNS} or quality") and benchmarks[1:] == ("-k", "not quality")
     table = tiers.render(results, install_s=None, elapsed_s=90.0)
     assert "unit beside cluster+gpu" in table and "vllm beside cluster+gpu" in table and "1.5" in table  # the wall clock, not the sum
 

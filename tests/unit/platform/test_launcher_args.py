@@ -27,3 +27,27 @@ def test_each_node_gets_its_own_agent_ports():
     a = ray_start_args(node, head_address="h:1")
     b = ray_start_args(node, head_address="h:1")
     assert _arg(a, "--dashboard-agent-listen-port") != _arg(b, "--dashboard-agent-listen-port")
+
+
+def test_every_node_process_is_told_its_own_fleets_address(tmp_path, monkeypatch):
+    """Two fleets on one host: Ray's clients that look a cluster up themselves (Ray Train's state
+    API) read RAY_ADDRESS; without it they scan the host and find "multiple active Ray instances"."""
+    import subprocess
+
+    from rayfleet.platform import launcher
+
+    seen = []
+
+    class FakePopen:
+        def __init__(self, argv, *, env, **_):
+            seen.append(env)
+            self.pid = 12345
+
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.9:6379")  # another cluster's, in the caller's environment
+    fleet = launcher.LocalFleet(address="127.0.0.1:41000", dashboard_url="", home=str(tmp_path), temp_dir="/tmp/x",
+                                topology_nodes=[])
+    for node in build_topology(num_nodes=2).nodes:
+        fleet._spawn(node, head_address=None if node.role == "head" else fleet.address)
+    assert [env["RAY_ADDRESS"] for env in seen] == ["127.0.0.1:41000", "127.0.0.1:41000"]
+    assert all(env["RAY_AUTH_MODE"] == "token" for env in seen)
