@@ -126,7 +126,7 @@ def calibration(refit: bool) -> list[dict]:
                "source": run.source}
         rows.append(row)
     if refit:
-        fitted = fit_efficiency([r for r in runs if r.fit])
+        fitted = fit_efficiency([r for r in runs if r.fit], PRE_CALIBRATION, priors=PHYSICAL_PRIORS)
         print("refit on the `fit` runs:", {k: getattr(fitted, k) for k in FITTED_FIELDS},
               "(CostParams() defaults:", {k: getattr(CostParams(), k) for k in FITTED_FIELDS}, ")")
     return rows

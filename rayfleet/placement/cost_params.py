@@ -26,8 +26,8 @@ __all__ = ["CostParams", "Link", "ring_time", "hierarchical_allreduce_time", "al
 class CostParams:
     """Every non-hardware constant of the cost model.
 
-    The efficiency constants (GEMM and attention efficiency, the small/narrow-GEMM knees, MoE
-    permute bytes, the EP overlap's contention, TP overlap) are fitted to published H100 runs by
+    The efficiency constants (GEMM and attention efficiency, the small-GEMM knee, MoE permute
+    bytes and per-layer overhead, the EP overlap's contention, TP overlap) are fitted to published H100 runs by
     :func:`rayfleet.placement.calibration.fit_efficiency` (table: ``calibration/published_runs.yaml``).
 
     Attributes:
@@ -41,10 +41,18 @@ class CostParams:
         gemm_rows_at_half_efficiency: a GEMM with this many rows (tokens) runs at half of
             ``gemm_efficiency`` (efficiency x rows / (rows + this)); it is what makes many small
             local experts (small EP) slower than a few well-fed ones.
-        gemm_width_at_half_efficiency: an expert GEMM whose narrow side (``moe_ffn_hidden_size /
-            etp``) is this wide runs at half efficiency (fine-grained experts are slow).
         moe_permute_bytes: HBM bytes moved per element of every routed token copy per MoE layer
-            (permute, unpermute, probability scaling; forward and backward), memory-bound.
+            (permute, unpermute, probability scaling, the dispatcher's buffers, the grouped GEMMs'
+            own operand traffic; forward and backward), memory-bound. It replaced a "narrow
+            expert" knee that scaled the expert GEMMs' FLOP time by ``1 + 1536 / ffn_width``:
+            that extra is ``6 x tokens x top_k x hidden x 1536`` FLOPs whatever the width, i.e.
+            a per-routed-element cost like this one, but priced at the GEMM peak, so it doubled
+            when a run trained in BF16 (half the FP8 peak) and made BF16 MoE rows ~30% too slow.
+        moe_layer_overhead_s: seconds of one MoE layer's forward per micro-batch that do not
+            scale with its tokens (backward pays twice, recompute once more): a dropless dispatch
+            synchronises the host on the received token counts before the expert GEMMs can be
+            launched, so the layer's launches are exposed; plans with many small micro-batches
+            (TP4 with MBS 1, deep interleaving) pay it most.
         attention_efficiency: fraction of the BF16 peak that fused attention reaches.
         param_bytes: bytes per stored weight (BF16 master copy on device for FP8 too).
         grad_bytes: bytes per gradient (FP32 main grads, as Megatron keeps them).
@@ -56,6 +64,11 @@ class CostParams:
             norms stay BF16, which is the same two bytes.
         fp8_weight_cache_bytes: FP8 training caches each GEMM weight in FP8 in both row- and
             column-wise layouts (Transformer Engine), bytes per parameter.
+        fp8_cast_bytes: HBM bytes per element that FP8 current scaling moves to quantise a GEMM's
+            activation input (read for the amax, read again, written row- and column-wise:
+            2 + 2 + 1 + 1). Priced for the routed experts' inputs (per copy, where they are a
+            share of the FLOPs that grows as experts narrow); a dense GEMM's casts are
+            ``1 / hidden`` of its FLOPs and are left in ``gemm_efficiency``.
         activation_bytes: bytes per saved activation element (BF16).
         fp8_activation_bytes: bytes per Linear/SwiGLU input saved with ``activation_dtype ==
             "fp8"`` (the per-tile scales add well under 1%).
@@ -64,8 +77,15 @@ class CostParams:
         grad_reduce_bytes: bytes per element of the DP gradient reduce-scatter.
         logits_bytes: bytes per element of the output logits (FP32 for a stable loss).
         link_efficiency / nic_efficiency: achieved fraction of the scale-up link and NIC bandwidth.
+            NIC 0.9 (was 0.8): DeepEP's published normal-kernel figures on 400 Gb/s CX7 NICs
+            (~50 GB/s) reach 43-58 GB/s across nodes (github.com/deepseek-ai/DeepEP,
+            docs/legacy.md), and a NIC-bound FSDP run (ModelZoo Qwen3-235B EP8: 12 transfers of
+            64 GB per step, 14.8 s at line rate, in a 17.6 s step) needs >= 0.84 even if every
+            byte hid behind compute.
         intra_latency_s / inter_latency_s: per-collective latency inside / across domains.
-        dp_overlap_fraction: fraction of the last micro-batch's backward that hides DP reduction.
+        dp_overlap_fraction: fraction of the last micro-batch's backward that hides the ZeRO-0/1
+            gradient reduction (ZeRO-2/3's per-layer collectives are prefetched beside the whole
+            micro-batch: ``step_time_model._sharded_exposure``).
         ep_overlap_fraction: share of the compute piece (of another micro-batch) that Megatron-
             Core's combined 1F1B schedule (or DualPipe) pairs with each EP all-to-all, behind which
             that all-to-all hides: 1 = the schedule as built (each all-to-all shows only its excess
@@ -85,12 +105,13 @@ class CostParams:
         usable_memory_fraction: share of HBM a plan may fill (allocator, context, buffers).
     """
 
-    gemm_efficiency: float = 0.55
+    gemm_efficiency: float = 0.52
     bf16_gemm_efficiency: float = 0.72
-    gemm_rows_at_half_efficiency: float = 128.0
-    gemm_width_at_half_efficiency: float = 1536.0
-    moe_permute_bytes: float = 80.0
-    attention_efficiency: float = 0.28
+    gemm_rows_at_half_efficiency: float = 512.0
+    moe_permute_bytes: float = 128.0
+    moe_layer_overhead_s: float = 0.0004
+    fp8_cast_bytes: int = 6
+    attention_efficiency: float = 0.42
     param_bytes: int = 2
     grad_bytes: int = 4
     optimizer_bytes: int = 12
@@ -104,15 +125,15 @@ class CostParams:
     grad_reduce_bytes: int = 2
     logits_bytes: int = 4
     link_efficiency: float = 0.75
-    nic_efficiency: float = 0.8
+    nic_efficiency: float = 0.9
     intra_latency_s: float = 10e-6
     inter_latency_s: float = 25e-6
     dp_overlap_fraction: float = 0.8
     ep_overlap_fraction: float = 1.0
-    ep_overlap_contention: float = 0.45
+    ep_overlap_contention: float = 0.5
     cp_overlap_fraction: float = 0.5
     p2p_overlap_fraction: float = 0.8
-    tp_overlap_fraction: float = 0.7
+    tp_overlap_fraction: float = 0.9
     wgrad_accumulation_bytes: int = 8
     optimizer_bytes_touched: int = 36
     usable_memory_fraction: float = 0.9

@@ -226,8 +226,9 @@ def _refined_step_bound(model: ModelSpec, accel: AcceleratorSpec, cand: _Candida
 def _zero_floor(model: ModelSpec, accel: AcceleratorSpec, cand: _Candidate, zero: int, params: CostParams,
                 max_mbs: int) -> float:
     """Least exposed ZeRO-2/3 communication per step of ``cand`` under ``zero``: per micro-batch
-    ``max(0, comm - overlap * compute)`` summed over micro-batches is at least the sum's
-    ``max(0, m * comm - overlap * total compute)``, smallest at the largest micro-batch; the
+    at least ``max(0, comm - compute)`` (``step_time_model._sharded_exposure`` adds the prefetch's
+    first layer), summed over micro-batches is at least the sum's
+    ``max(0, m * comm - total compute)``, smallest at the largest micro-batch; the
     slowest stage is at least the mean stage (parameters / pp, work / pp)."""
     if zero < 2:
         return 0.0
@@ -246,4 +247,4 @@ def _zero_floor(model: ModelSpec, accel: AcceleratorSpec, cand: _Candidate, zero
     if zero >= 3:
         comm += 2 * ring_time((dense + expert) * params.param_bytes, group, link if group * c.tp <= domain else nic)
     m = cand.sequences / max_mbs
-    return max(0.0, m * comm - params.dp_overlap_fraction * cand.sequences * cand.work_per_sequence / cand.pp)
+    return max(0.0, m * comm - cand.sequences * cand.work_per_sequence / cand.pp)

@@ -8,8 +8,9 @@ Design decisions:
   (HBM-bound). Interleaved virtual stages send ``vpp`` times as often but hide the sends behind
   the stage's compute.
 - ZeRO-2 reduce-scatters gradients every micro-batch and ZeRO-3 (FSDP) also all-gathers the
-  weights for its forward and its backward; prefetching hides them behind that micro-batch's
-  compute (``dp_overlap_fraction`` of it), so only the excess is on the critical path.
+  weights for its forward and its backward; prefetched a layer ahead, they hide behind that
+  micro-batch's whole compute, so only the first layer's share and the excess are on the
+  critical path (:func:`_sharded_exposure`).
 - Compute: forward FLOPs per token from :class:`ModelSpec`, x3 for forward+backward, +1 forward
   with full recompute, +attention core forward (and MLA's q/k/v up-projections) with selective
   recompute. GEMMs run at the catalogue's peak for the model's precision (FP8 or BF16) times
@@ -154,12 +155,19 @@ def layer_time(model: ModelSpec, plan: ParallelPlan, layer: int, accel: Accelera
     if model.is_moe_layer(layer):
         routed = 2.0 * model.top_k * model.expert_params()
         rows = tokens / tp * model.top_k * plan.etp / (model.num_experts / plan.ep)
-        width = model.moe_ffn_hidden_size / plan.etp  # narrow experts also run below peak
-        expert_eff = rows / (rows + params.gemm_rows_at_half_efficiency) * width / (
-            width + params.gemm_width_at_half_efficiency)
+        expert_eff = rows / (rows + params.gemm_rows_at_half_efficiency)
         fwd_gemm += tokens * routed / plan.tp / gemm_peak * (1 / expert_eff - 1 / dense_eff)
         # permute / unpermute / probability scaling of every routed copy: HBM-bound, fwd + bwd
         fwd_gemm += tokens / tp * model.top_k * h * params.moe_permute_bytes / 3 / (accel.hbm_bandwidth_gbps * 1e9)
+        if _gemm_precision(model, accel) == "fp8":
+            # current scaling quantises each expert GEMM's activation input per routed copy: fc1's
+            # and fc2's inputs forward (hidden, width), their output gradients backward (hidden,
+            # 2 x width), each read for its amax, read again and written row- and column-wise
+            fwd_gemm += tokens / tp * model.top_k * (2 * h + 3 * model.moe_ffn_hidden_size / plan.etp) * \
+                params.fp8_cast_bytes / 3 / (accel.hbm_bandwidth_gbps * 1e9)
+        # the dispatch's host synchronisation (token counts) and the layer's kernel launches: a
+        # fixed cost per MoE layer and micro-batch, whatever its token count
+        fwd_gemm += params.moe_layer_overhead_s
     fwd_core = tokens * core / plan.tp / attn_peak
     fwd = fwd_gemm + fwd_core
     recompute = fwd if plan.recompute == "full" else fwd_core if plan.recompute == "selective" else 0.0
@@ -253,15 +261,24 @@ def edge_times(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorSpec,
 
 
 def _sharded_exposure(plan: ParallelPlan, counts: ParamCounts, allreduce_s: float, compute_s: float,
-                      params: CostParams, link: Link, nic: Link, domain: int) -> float:
+                      params: CostParams, link: Link, nic: Link, domain: int, num_layers: int) -> float:
     """Exposed ZeRO-2/3 communication of one micro-batch: half the all-reduce (the gradient
-    reduce-scatter) plus, for ZeRO-3, two weight all-gathers, less what hides behind its compute."""
+    reduce-scatter) plus, for ZeRO-3, two weight all-gathers, less what hides behind its compute.
+
+    The collectives are issued layer by layer and prefetched one layer ahead on their own stream
+    (FSDP, Megatron-FSDP), so they run beside the whole micro-batch's compute: with ``L`` equal
+    layers the pipeline ``c + (L-1) max(c, p) + p`` (``c``, ``p``: one layer's communication and
+    compute) exposes the first layer's share plus what the communication exceeds the compute by,
+    ``comm / L + (L-1)/L x max(0, comm - compute)``. A flat ``dp_overlap_fraction`` of the compute
+    (the end-of-step ZeRO-1 reduction's rule) left 20% of every micro-batch unable to hide
+    anything, which priced a NIC-bound FSDP run ~5 s too slow."""
     comm = allreduce_s / 2
     if plan.zero_stage >= 3:
         group = plan.dp * plan.cp
         comm += 2 * ring_time(counts.total * params.param_bytes, group,
                               link if group * plan.tp <= domain else nic)
-    return max(0.0, comm - params.dp_overlap_fraction * compute_s)
+    layers = max(1, num_layers)
+    return comm / layers + (layers - 1) / layers * max(0.0, comm - compute_s)
 
 
 def exposed_p2p(send_s: float, vpp: int, compute_s: float, params: CostParams, *, dualpipe: bool = False) -> float:
@@ -334,7 +351,8 @@ def estimate_step_time(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorS
                                             min(expert_group, max(1, domain // (plan.ep * plan.etp))), link, nic)
         exposed = max(0.0, dp_t - params.dp_overlap_fraction * parts[s][4])
         if plan.zero_stage >= 2:  # never cheaper than ZeRO-1: the same bytes, more often
-            exposed = max(exposed, m * _sharded_exposure(plan, counts, dp_t, parts[s][0], params, link, nic, domain))
+            exposed = max(exposed, m * _sharded_exposure(plan, counts, dp_t, parts[s][0], params, link, nic, domain,
+                                                         len(ranges[s])))
         shard = (counts.dense / (dense_group if plan.zero_stage >= 1 else 1)
                  + counts.expert / (expert_group if plan.zero_stage >= 1 else 1))
         opt = shard * params.optimizer_bytes_touched / (accel.hbm_bandwidth_gbps * 1e9)
