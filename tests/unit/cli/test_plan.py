@@ -121,19 +121,26 @@ def test_given_plan_errors_name_the_field_and_the_fix(text: str, message: str) -
 
 
 def test_runs_column_marks_what_rayfleet_train_cannot_run(capsys) -> None:
-    """Issue 28: Mixtral-8x7B on all of 1,024 H100s ranks expert-TP plans; the table says which
-    plans `rayfleet train` runs, and --runnable ranks only those. llama3-8b's CP plans there
-    (refused until issue 28 item 2) run."""
+    """Issue 28: the table says which plans `rayfleet train` runs, and --runnable ranks only those.
+    llama3-8b's CP plans and Mixtral-8x7B's expert-TP plans on 1,024 H100s (refused until issue 28
+    items 2 and 3) run; DeepSeek-V3 with FP8 activation caching and BF16 Adam moments offered
+    ranks plans the trainer refuses (neither is implemented), and --runnable leaves them out."""
     assert _run(["plan", str(EXAMPLES / "llama3-8b.yaml"), "--fleet", "H100:1024"]) == 0
     out = capsys.readouterr().out
     assert set(_column(out, "runs")) == {"yes"} and set(_column(out, "CP")) != {"CP1"}
-    argv = ["plan", str(EXAMPLES / "mixtral-8x7b.yaml"), "--fleet", "H100:1024", "--min-scaling-efficiency", "0.1"]
+    assert _run(["plan", str(EXAMPLES / "mixtral-8x7b.yaml"), "--fleet", "H100:1024", "--min-scaling-efficiency",
+                 "0.1"]) == 0
+    out = capsys.readouterr().out
+    assert set(_column(out, "runs")) == {"yes"} and set(_column(out, "ETP")) != {"ETP1"}
+    argv = ["plan", "deepseek-v3", "--fleet", "H100:1024", "--min-scaling-efficiency", "0.1", "--fp8-activations",
+            "--bf16-moments"]
     assert _run(argv) == 0
     runs = _column(capsys.readouterr().out, "runs")
-    assert any(r.startswith("no:") and "etp>1" in r for r in runs)
+    assert any(r.startswith("no:") and "acts:fp8" in r for r in runs), runs
     assert _run(argv + ["--runnable"]) == 0
     out = capsys.readouterr().out
-    assert set(_column(out, "runs")) == {"yes"} and set(_column(out, "ETP")) == {"ETP1"}
+    assert set(_column(out, "runs")) == {"yes"} and set(_column(out, "acts")) == {"bf16"}
+    assert set(_column(out, "adam")) == {"fp32"}
 
 
 def test_given_plan_shows_whether_the_trainer_runs_it(capsys) -> None:

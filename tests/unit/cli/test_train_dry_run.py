@@ -30,8 +30,10 @@ def test_dry_run_prints_the_plan_without_importing_ray() -> None:
 
 
 def test_dry_run_refuses_a_plan_the_trainer_cannot_run_with_the_tables_reason() -> None:
-    # expert-TP is the split the trainer still refuses (interleaved and DualPipeV pipelines and CP run)
-    out = _dry_run("examples/jobs/tiny-bf16-dp.yaml", "--set", "plan.etp=2", "--set", "plan.tp=2",
-                   "--set", "plan.dp=1", "--set", "plan.ep=2")
+    # DualPipeV with ZeRO-3 is the combination the trainer still refuses (expert-TP, CP, interleaved
+    # and DualPipeV pipelines run)
+    out = _dry_run("examples/jobs/tiny-bf16-dp.yaml", "--set", "plan.pp=2", "--set", "plan.dualpipe=true",
+                   "--set", "plan.dp=2", "--set", "plan.ep=2")
     assert "NO_RAY 2" in out.stdout
-    assert "plan.etp=2" in out.stderr and "expert tensor parallelism" in out.stderr and "Fix: set etp: 1" in out.stderr
+    assert "plan.zero_stage=3" in out.stderr and "DualPipeV with ZeRO-3" in out.stderr, out.stderr
+    assert "Fix: set zero_stage: 2" in out.stderr, out.stderr
