@@ -24,8 +24,12 @@ Design decisions:
   blocks), its running requests and their KV blocks (``num_active_blocks``: in service from the
   start of their prefill until ``decode_step_s`` per output token after its end, continuous
   batching) and the KV events (stored / evicted) since the previous one; the index sees an
-  eviction only then. ``book_running=False`` is the replay before issue 30: the FIFO's outstanding
-  work as queued blocks, no running requests, state current at every decision.
+  eviction only then. The TTFT cost also gets the inputs ``RouterCore`` keeps for it
+  (``prefill_outlook.PrefillOutlook``: queues drained between publications, booked prefill load,
+  later requests per prompt); without them the replay measured a router the live one no longer
+  was (64 replicas, C=200 T=10: requests max/mean 3.00 vs 1.62). ``book_running=False`` is the
+  replay before issue 30: the FIFO's outstanding work as queued blocks, no running requests, state
+  current at every decision.
 - ``load_max_mean`` is max/mean over replicas of the work each was assigned over the whole trace
   (what a replica actually had to compute), so stickiness that overloads one replica shows.
 - Pure apart from the optional ``timer``: no Ray, no I/O beyond reading the trace file.
@@ -44,6 +48,7 @@ from rayfleet.serving.engine.block_hash import BlockHash, hash_block, root_block
 from rayfleet.serving.engine.block_pool import KVCacheEvent
 from rayfleet.serving.engine.replica_state import ReplicaSnapshot, ReplicaId
 from rayfleet.serving.routing.policy import RouterPolicy
+from rayfleet.serving.routing.prefill_outlook import PrefillOutlook
 from rayfleet.serving.routing.prefix_index import PrefixIndex
 from rayfleet.serving.routing.recent_work import DecayedMean, PrefixWorkLedger, RecentWorkLedger
 
@@ -194,6 +199,10 @@ def replay_routing(requests: Sequence[TraceRequest], *, policy: RouterPolicy | N
     own_activity = PrefixWorkLedger(activity_memory_s)
     prompt_blocks, request_work = DecayedMean(load_memory_s), DecayedMean(load_memory_s)
     rates = {r.name: rate for r in replicas}
+    # The TTFT cost's other inputs, as ``RouterCore`` keeps them (drained queues, booked prefill
+    # load, later requests per prompt); off without ``book_running`` (state current at every
+    # decision: nothing to drain, the replay before issue 30).
+    outlook = PrefillOutlook(activity_memory_s)
     published: dict[ReplicaId, ReplicaSnapshot] = {}
     next_publication = requests[0].arrival_s if requests else 0.0
     for n, (req, chain) in enumerate(zip(requests, chains)):
@@ -202,6 +211,7 @@ def replay_routing(requests: Sequence[TraceRequest], *, policy: RouterPolicy | N
             tick = now - (now - next_publication) % publish_interval_s if publish_interval_s > 0 else now
             for r in replicas:
                 published[r.name] = r.publish(tick, cache_blocks)
+                outlook.report(r.name, published[r.name].num_queued_blocks * TRACE_BLOCK_TOKENS, tick)
                 index.apply_events(r.name, r.events)
                 r.events = []
             next_publication = tick + publish_interval_s
@@ -218,7 +228,9 @@ def replay_routing(requests: Sequence[TraceRequest], *, policy: RouterPolicy | N
                 activity={r.name: activity.value(r.name, now) for r in replicas},
                 mean_request_blocks=prompt_blocks.value(now), mean_request_work=request_work.value(now),
                 own_activity=own_activity.own(chain, matched, now) if own_ledger else None,
-                prefill_rate=rates, tokens_per_block=TRACE_BLOCK_TOKENS, num_prompt_tokens=req.input_tokens)
+                prefill_rate=rates, tokens_per_block=TRACE_BLOCK_TOKENS, num_prompt_tokens=req.input_tokens,
+                **(outlook.cost_inputs([(s.replica_id, s.num_queued_blocks * TRACE_BLOCK_TOKENS) for s in snaps],
+                                       rates, now) if book_running else {}))
             index.add_blocks(decision.replica_id, chain)  # the router books the prompt at once
             if timer:
                 times.append(timer() - start)
@@ -229,6 +241,11 @@ def replay_routing(requests: Sequence[TraceRequest], *, policy: RouterPolicy | N
         uncached_tokens = max(0, req.input_tokens - hit * TRACE_BLOCK_TOKENS)
         work = uncached_tokens + decode_token_cost * req.output_tokens
         chosen.assigned_work += work
+        if policy is not None and book_running:
+            outlook.book(chosen.name, uncached_tokens=uncached_tokens, block_hashes=chain,
+                         cached_blocks=max(matched.values(), default=0), now_s=now, rate=rate,
+                         reported_queued_tokens=published[chosen.name].num_queued_blocks * TRACE_BLOCK_TOKENS)
+            outlook.flush()
         ledger.add(chosen.name, work / TRACE_BLOCK_TOKENS, now)
         activity.add(chosen.name, work / TRACE_BLOCK_TOKENS, now)
         own_activity.add(chosen.name, chain, work / TRACE_BLOCK_TOKENS, now)
