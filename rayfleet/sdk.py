@@ -14,6 +14,7 @@ from pathlib import Path
 
 import ray
 
+from rayfleet.errors import SpecError
 from rayfleet.platform.connection import FleetConnection
 from rayfleet.platform.connection import connect as connect_fleet
 from rayfleet.platform.inventory import FleetStatus, NodeStatus
@@ -82,6 +83,7 @@ class Fleet:
             spec = TrainJobSpec.from_yaml(spec)
         elif not isinstance(spec, TrainJobSpec):
             spec = TrainJobSpec.model_validate(dict(spec))
+        self._check_queue(spec.queue)  # an undeclared queue is refused before anything is submitted
         if spec.resources.num_workers is not None or (spec.plan is not None and spec.plan.dp is not None):
             validate_job(spec)  # dataset, plan and memory, before anything is submitted
         else:
@@ -96,10 +98,11 @@ class Fleet:
         return job_client(self.dashboard_url)
 
     def jobs(self) -> list:
-        """Every job on the fleet, oldest first (frozen ``JobRecord``: id, status, kind, name, queue, ...)."""
-        from rayfleet.jobs.lifecycle import list_jobs
+        """Every job on the fleet, oldest first (frozen ``JobRecord``: id, status, kind, name, queue, ...;
+        a job waiting in its queue has status QUEUED, its reason and place in line)."""
+        from rayfleet.jobs.lifecycle import list_jobs, with_admissions
 
-        return list_jobs(self._job_client())
+        return with_admissions(list_jobs(self._job_client()), self.admissions())
 
     def job(self, job_id: str):
         """One job's ``JobRecord``; raises ``JobNotFoundError`` for an unknown id."""
@@ -164,6 +167,33 @@ class Fleet:
 
     def delete_queue(self, name: str) -> None:
         ray.get(self.controller.delete_queue.remote(name))
+
+    def apply_queues(self, queues) -> dict[str, list[str]]:
+        """Declare queues from a YAML file path or a list of queue mappings (``rayfleet queue
+        apply``): validated with the queues already declared as one tree, then stored together.
+        Returns the names ``created``, ``updated`` and ``unchanged``."""
+        import yaml
+
+        from rayfleet.platform.queues import parse_queue_file
+
+        source = "queues"
+        if isinstance(queues, (str, Path)):
+            source = str(queues)
+            if not Path(queues).exists():
+                raise SpecError(source, source, "no such file", "pass the path of a queues YAML (see examples/queues.yaml)")
+            queues = yaml.safe_load(Path(queues).read_text())
+        parsed = parse_queue_file(queues, source=source)
+        return ray.get(self.controller.apply_queues.remote([q.to_json() for q in parsed]))
+
+    def admissions(self) -> list[dict]:
+        """Queued and admitted training jobs: state, size, reason, place in line (queued first)."""
+        return ray.get(self.controller.admissions.remote())
+
+    def _check_queue(self, queue: str) -> None:
+        from rayfleet.platform.admission import route
+        from rayfleet.platform.queues import QueueTree, parse_queue_spec
+
+        route(QueueTree.build(parse_queue_spec(q) for q in ray.get(self.controller.list_queues.remote())), queue)
 
     def autoscaler_step(self) -> list:
         """Run one step of the shared autoscaler now; returns its decisions (frozen

@@ -26,10 +26,30 @@ def _client(args: argparse.Namespace):
     return job_client(args.address)
 
 
-def _cmd_list(args: argparse.Namespace) -> int:
-    from rayfleet.jobs.lifecycle import list_jobs, render_jobs
+def _admissions(address: str | None) -> list[dict]:
+    """The fleet controller's queued and admitted jobs, when it can be reached (best effort: a
+    job API URL alone does not reach it unless this process is connected already)."""
+    try:
+        import ray
 
-    records = list_jobs(_client(args))
+        from rayfleet.platform.controller import get_controller
+
+        if not ray.is_initialized():
+            if address and "://" in address:
+                return []
+            from rayfleet.platform.connection import connect
+
+            connect(address)
+        return ray.get(get_controller().admissions.remote(), timeout=10)
+    except Exception:  # noqa: BLE001 - a plain Ray cluster: no queues to show
+        return []
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    from rayfleet.jobs.lifecycle import list_jobs, render_jobs, with_admissions
+
+    client = _client(args)
+    records = with_admissions(list_jobs(client), _admissions(args.address))
     if args.kind:
         records = [r for r in records if r.kind == args.kind]
     print(json.dumps([r.to_json() for r in records], indent=2) if args.json else render_jobs(records))
@@ -37,9 +57,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from rayfleet.jobs.lifecycle import get_job, render_job
+    from rayfleet.jobs.lifecycle import get_job, render_job, with_admissions
 
-    record = get_job(_client(args), args.job)
+    record = with_admissions([get_job(_client(args), args.job)], _admissions(args.address))[0]
     print(json.dumps(record.to_json(), indent=2) if args.json else render_job(record))
     return 0
 

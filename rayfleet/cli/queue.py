@@ -1,9 +1,10 @@
-"""``rayfleet queue ...``: create, list, show and delete the fleet's hierarchical queues.
+"""``rayfleet queue ...``: create, list, show, delete and apply (from YAML) the fleet's hierarchical queues.
 
     rayfleet queue create research --parent training --quota H100=64 --borrow-limit H100=32 --priority 1
     rayfleet queue list
     rayfleet queue show research
     rayfleet queue delete research
+    rayfleet queue apply queues.yaml      # declare many at once (examples/queues.yaml)
 
 Arguments become a :class:`~rayfleet.platform.queues.QueueSpec` here (pure, unit-tested without
 Ray); the controller re-validates the whole tree (parents exist, children's guarantees backed
@@ -99,6 +100,29 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_apply(args: argparse.Namespace) -> int:
+    import yaml
+
+    from rayfleet.platform.queues import parse_queue_file
+
+    try:
+        with open(args.file) as handle:
+            data = yaml.safe_load(handle)
+    except FileNotFoundError:
+        raise SpecError("queues file", args.file, "no such file", "pass the path of a queues YAML (see examples/queues.yaml)") from None
+    except yaml.YAMLError as err:
+        raise SpecError("queues file", args.file, f"is not valid YAML ({err})", "fix the YAML syntax") from None
+    queues = parse_queue_file(data, source=args.file)  # fail before connecting
+    result = _fleet(args).apply_queues([q.to_json() for q in queues])
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for key in ("created", "updated", "unchanged"):
+            if result[key]:
+                print(f"{key}: {', '.join(result[key])}")
+    return 0
+
+
 def _cmd_delete(args: argparse.Namespace) -> int:
     _fleet(args).delete_queue(args.name)
     print(f"queue {args.name} deleted")
@@ -106,7 +130,7 @@ def _cmd_delete(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``rayfleet queue {create,list,show,delete}``."""
+    """Add ``rayfleet queue {create,list,show,delete,apply}``."""
     queue = subparsers.add_parser("queue", help="hierarchical queues: quota, borrow limit, priority",
                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = queue.add_subparsers(dest="queue_command", required=True)
@@ -125,8 +149,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     show.add_argument("name")
     show.add_argument("--json", action="store_true", help="the queue and its events as one JSON object")
     show.set_defaults(func=_cmd_show)
-    delete = sub.add_parser("delete", help="delete a queue without children")
+    delete = sub.add_parser("delete", help="delete a queue without children or jobs")
     delete.add_argument("name")
     delete.set_defaults(func=_cmd_delete)
-    for p in (create, listing, show, delete):
+    apply = sub.add_parser("apply", help="create or update every queue of a YAML file, validated as one tree")
+    apply.add_argument("file", help="YAML: `queues:` then one mapping per queue (name, parent, quota, borrow_limit, priority)")
+    apply.add_argument("--json", action="store_true", help="the created/updated/unchanged names as JSON")
+    apply.set_defaults(func=_cmd_apply)
+    for p in (create, listing, show, delete, apply):
         p.add_argument("--address", default=None, help="host:port of the cluster (default: the local fleet)")

@@ -13,6 +13,8 @@ Design decisions:
   it); polling ``get_job_logs`` would download the whole log again every second.
 - rayfleet's own facts about a job travel in its Ray job metadata (``rayfleet.kind``, ``.job``,
   ``.queue``, ``.resumed_from``); :class:`JobRecord` reads them back, so nothing else is stored.
+  Where the fleet controller is reachable, its queue state (QUEUED, reason, place in line) is
+  merged in (:func:`with_admissions`); through the job API alone it is not.
 - Resume resubmits the job's own entrypoint unchanged: the same spec, flags and ``--run-key``, so
   the new driver pins the same checkpoint directory (``rayfleet.jobs.train.pin_checkpoint_uri``)
   and its workers restore the newest step there. The runtime env is rebuilt from the spec (a
@@ -30,7 +32,7 @@ from typing import Any, Iterator
 
 from rayfleet.errors import RayfleetError
 
-__all__ = ["JobRecord", "JobNotFoundError", "JobStateError", "record_of", "render_jobs", "render_job",
+__all__ = ["JobRecord", "JobNotFoundError", "JobStateError", "record_of", "with_admissions", "render_jobs", "render_job",
            "job_client", "resolve_job_api_url", "list_jobs", "get_job", "job_logs", "follow_logs", "stop_job",
            "ResumeRequest", "ResumedJob", "resume_request", "resume_job"]
 
@@ -62,6 +64,11 @@ class JobRecord:
     end_time_s: float | None
     resumed_from: str | None
     ray_job_id: str | None
+    # From the fleet controller's queue admission (None for jobs outside the queues): while the
+    # job waits, ``status`` reads QUEUED (Ray says RUNNING: its driver runs and waits).
+    queue_state: str | None = None
+    queue_reason: str | None = None
+    queue_position: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,6 +92,24 @@ def record_of(details: Any) -> JobRecord:
                      ray_job_id=details.job_id)
 
 
+def with_admissions(records: list[JobRecord], admissions: list[dict]) -> list[JobRecord]:
+    """``records`` with the controller's queue state (``AdmissionRecord`` JSON) merged in (pure):
+    a live job that waits in its queue shows status QUEUED, its reason and its place in line."""
+    from dataclasses import replace
+
+    by_id = {a["request"]["job_id"]: a for a in admissions}
+    out = []
+    for record in records:
+        found = by_id.get(record.id)
+        if found is None or record.status in TERMINAL:
+            out.append(record)
+            continue
+        queued = found["state"] == "QUEUED"
+        out.append(replace(record, status="QUEUED" if queued else record.status, queue_state=found["state"],
+                           queue_reason=found["reason"], queue_position=found["position"] if queued else None))
+    return out
+
+
 def _fmt_duration(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -98,10 +123,14 @@ def render_jobs(records: list[JobRecord], *, now_s: float | None = None) -> str:
 
     if not records:
         return "no jobs"
-    rows = [(r.id, r.kind, r.name or "-", r.queue or "-", r.status,
+    any_reason = any(r.queue_state == "QUEUED" for r in records)
+    rows = [(r.id, r.kind, r.name or "-", r.queue or "-",
+             r.status + (f" (place {r.queue_position})" if r.queue_position else ""),
              time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.start_time_s)) if r.start_time_s else "-",
-             _fmt_duration(r.duration_s(now_s))) for r in records]
-    return format_table(("job", "kind", "name", "queue", "status", "started", "duration"), rows)
+             _fmt_duration(r.duration_s(now_s))) + ((r.queue_reason or "",) if any_reason else ())
+            for r in records]
+    return format_table(("job", "kind", "name", "queue", "status", "started", "duration")
+                        + (("queue reason",) if any_reason else ()), rows)
 
 
 def render_job(record: JobRecord) -> str:

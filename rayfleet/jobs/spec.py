@@ -220,6 +220,17 @@ class ResourcesSection(_Section):
     accelerator: str = "H100"
     num_workers: int | None = Field(None, ge=1)
     elastic: ElasticSection | None = None
+    # How the job's queue may reclaim its accelerators (docs/queues.md, job classes): None means
+    # elastic for a job with resources.elastic and a checkpoint, guaranteed otherwise.
+    job_class: str | None = None
+
+    @field_validator("job_class")
+    @classmethod
+    def _job_class(cls, v: str | None) -> str | None:
+        if v is not None and v not in ("guaranteed", "elastic", "opportunistic"):
+            raise SpecError("resources.job_class", v, "is not a job class",
+                            "use guaranteed, elastic or opportunistic (or leave it unset)")
+        return v
 
     @field_validator("accelerator")
     @classmethod
@@ -328,6 +339,11 @@ class TrainJobSpec(_Section):
             raise SpecError("data.seq_len", self.data.seq_len, f"plan.cp={self.plan.cp} cuts each sequence into "
                             f"2*cp={2 * self.plan.cp} equal chunks (load-balanced context parallelism)",
                             f"use a seq_len divisible by {2 * self.plan.cp}, or a smaller cp")
+        if self.resources.job_class in ("elastic", "opportunistic") and (
+                self.resources.elastic is None or self.checkpoint is None):
+            raise SpecError("resources.job_class", self.resources.job_class,
+                            "a reclaimed job re-forms (smaller, or later) from its checkpoint",
+                            "add resources.elastic and a checkpoint section, or use job_class: guaranteed")
         self._check_batch()
         self._check_workers()
         return self

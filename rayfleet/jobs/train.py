@@ -97,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         from rayfleet.platform.connection import connect
 
         connect()
-        final = run_training(train_job(spec), storage_path=args.storage_path, max_failures=args.max_failures)
+        from rayfleet.jobs.admission_gate import submission_id
+
+        final = run_training(train_job(spec), storage_path=args.storage_path, max_failures=args.max_failures,
+                             job_id=submission_id(run_key=args.run_key, name=spec.name))
     except RayfleetError as exc:
         print(f"rayfleet train: error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -10,7 +10,8 @@ Design decisions:
   * the flash-checkpoint hook gets :class:`CheckpointSettings`;
   * the launcher and the elastic driver get :class:`~rayfleet.jobs.planning.PlanInputs` (the
     job in placement's terms) and :class:`ElasticBounds`;
-  * the shared autoscaler's shell reads the job's identity (name, queue, priority).
+  * the shared autoscaler's shell and the queue admission read the job's identity (name,
+    queue, priority, class).
 
 - Ray Train workers receive the loop config and the checkpoint settings pickled in their
   ``train_loop_config``: plain frozen dataclasses of built-in values and a ``MoEConfig``, so the
@@ -126,6 +127,12 @@ class TrainJob:
     planning: PlanInputs
     checkpoint: CheckpointSettings | None = None
     elastic: ElasticBounds | None = None
+    job_class: str | None = None  # resources.job_class; None: elastic when is_elastic, else guaranteed
+
+    @property
+    def queue_class(self) -> str:
+        """How the job's queue may reclaim it: guaranteed, elastic or opportunistic (docs/queues.md)."""
+        return self.job_class or ("elastic" if self.is_elastic else "guaranteed")
 
     @property
     def accelerator(self) -> str:
@@ -175,4 +182,5 @@ def train_job(spec: TrainJobSpec) -> TrainJob:
     el = spec.resources.elastic
     return TrainJob(name=spec.name, queue=spec.queue, priority=spec.priority, steps=spec.steps,
                     loop=loop_config(spec), planning=plan_inputs(spec), checkpoint=checkpoint_settings(spec),
-                    elastic=ElasticBounds(el.min_workers, el.max_workers) if el is not None else None)
+                    elastic=ElasticBounds(el.min_workers, el.max_workers) if el is not None else None,
+                    job_class=spec.resources.job_class)

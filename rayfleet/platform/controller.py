@@ -18,6 +18,10 @@ Design decisions:
   ``report_training``) and *take* their typed decisions from an inbox (``take_decisions``), so
   the controller never imports their internals; node requests go straight to Ray's autoscaler
   (``request_resources``). Every decision is recorded as an event with its reason.
+- Training jobs in a queue are admitted here (:class:`~rayfleet.platform.admission_book.AdmissionBook`
+  around the pure :mod:`rayfleet.platform.admission`, which calls ``queues.admit``): the job's
+  driver asks, waits while QUEUED, heartbeats and releases; reclaims go to the jobs' shells as
+  ``ShrinkTraining`` decisions through the autoscaler's inboxes. Records live in the same SQLite.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from rayfleet.platform.autoscaler.service import SharedAutoscaler
 from rayfleet.platform.autoscaler.types import (
     Decision, InboxEntry, RequestNodes, ServeObservation, TrainingObservation,
 )
+from rayfleet.platform.admission import AdmissionRequest
+from rayfleet.platform.admission_book import AdmissionBook
 from rayfleet.platform.queues import QueueTree, parse_queue_spec
 from rayfleet.platform.ray_compat import available_resources_per_node
 
@@ -71,7 +77,11 @@ class FleetController:
         self.autoscaler = SharedAutoscaler(
             free_accelerators=self._free_accelerators, request_nodes=_request_nodes,
             record=self._record)
-        self._event("controller", "controller_started", f"restored {len(self._records)} node record(s)")
+        self._job_client = None  # Ray's job API, built on first use (_ended_jobs)
+        self.admission = AdmissionBook(self.store, tree=self._queue_tree, ray_idle=self._idle_by_type,
+                                       carry_out=self.autoscaler.carry_out, record=self._record)
+        self._event("controller", "controller_started", f"restored {len(self._records)} node record(s), "
+                    f"{len(self.admission.records())} queued or admitted job(s)")
         self._stop = threading.Event()
         self._reconcile_s = reconcile_s
         threading.Thread(target=self._loop, name="reconcile", daemon=True).start()
@@ -126,6 +136,11 @@ class FleetController:
             live = [name for name, entry in seen.items() if entry.get("Alive")]
         for name in live:
             self._ensure_agent(name)
+        try:  # jobs whose drivers died are released; capacity that came back admits waiting jobs
+            self.admission.expire(self._ended_jobs)
+            self.admission.step()
+        except Exception:  # noqa: BLE001 - admission must not stop the node reconcile
+            log.exception("admission step failed")
         return len(live)
 
     def _ensure_agent(self, node: str):
@@ -247,7 +262,8 @@ class FleetController:
                 last_heartbeat_age_s=None if record.last_heartbeat is None else now - record.last_heartbeat,
             ))
         return FleetStatus(nodes=tuple(rows), events=tuple(self.store.events(limit=event_limit)),
-                           decisions=tuple(self.autoscaler_decisions(limit=event_limit)))
+                           decisions=tuple(self.autoscaler_decisions(limit=event_limit)),
+                           admissions=tuple(self.admission.records()))
 
     def ping(self) -> str:
         return self.state_path
@@ -264,9 +280,14 @@ class FleetController:
             self.store.put(f"queue/{queue.name}", queue.to_json())
             self._event(queue.name, "queue_created", f"quota {dict(queue.quota)}, borrow limit "
                         f"{'unlimited' if queue.borrow_limit is None else dict(queue.borrow_limit)}, priority {queue.priority}")
+        self.admission.step()  # outside self._lock (see delete_queue): a new quota may admit waiting jobs
         return queue.to_json()
 
     def delete_queue(self, name: str) -> None:
+        jobs = self.admission.jobs_in(name)  # outside self._lock: the book takes it (free accelerators)
+        if jobs:
+            raise SpecError("queue", name, f"holds {len(jobs)} queued or running job(s) ({', '.join(jobs[:3])})",
+                            "wait for them to end, or stop them (`rayfleet job stop JOB`)")
         with self._lock:
             self._queue_tree().without(name)
             self.store.delete(f"queue/{name}")
@@ -274,6 +295,48 @@ class FleetController:
 
     def list_queues(self) -> list[dict]:
         return [q.to_json() for q in sorted(self._queue_tree().queues.values(), key=lambda q: q.name)]
+
+    def apply_queues(self, specs: list[dict]) -> dict[str, list[str]]:
+        """Create or replace every queue in ``specs`` at once (``rayfleet queue apply``): the tree
+        they make with the queues already declared is validated as a whole before anything is
+        stored. Returns the names ``created``, ``updated`` and ``unchanged``."""
+        queues = [parse_queue_spec(spec) for spec in specs]
+        out: dict[str, list[str]] = {"created": [], "updated": [], "unchanged": []}
+        with self._lock:
+            current = self._queue_tree().queues
+            names = {q.name for q in queues}
+            if len(names) != len(queues):
+                raise SpecError("queues", sorted(q.name for q in queues), "names a queue twice", "give each queue once")
+            QueueTree.build([q for n, q in current.items() if n not in names] + queues)
+            for queue in queues:
+                old = current.get(queue.name)
+                key = "created" if old is None else "unchanged" if old == queue else "updated"
+                out[key].append(queue.name)
+                if key != "unchanged":
+                    self.store.put(f"queue/{queue.name}", queue.to_json())
+                    self._event(queue.name, f"queue_{key}", f"applied: quota {dict(queue.quota)}, borrow limit "
+                                f"{'unlimited' if queue.borrow_limit is None else dict(queue.borrow_limit)}, "
+                                f"priority {queue.priority}")
+        self.admission.step()  # a larger quota may admit waiting jobs now
+        return out
+
+    # -- admission of training jobs (see admission_book; the job driver calls these) ---------------
+    def request_admission(self, request: dict) -> dict:
+        """A job driver asks its queue for accelerators (``AdmissionRequest`` fields)."""
+        return self.admission.request(AdmissionRequest.from_json(request))
+
+    def admission_status(self, job_id: str) -> dict | None:
+        return self.admission.status(job_id)
+
+    def admission_heartbeat(self, job_id: str, held: int | None = None) -> bool:
+        return self.admission.heartbeat(job_id, held)
+
+    def release_admission(self, job_id: str, why: str = "the job ended") -> bool:
+        return self.admission.release(job_id, why)
+
+    def admissions(self) -> list[dict]:
+        """Every queued and admitted job: state, size, reason, place in line (JSON-able)."""
+        return self.admission.records()
 
     # -- shared autoscaler (see autoscaler.service; these are its actor-facing methods) ----------
     def report_serve(self, observation: ServeObservation | None, deployment: str | None = None) -> None:
@@ -313,6 +376,32 @@ class FleetController:
             free[record.name] = int(available.get(record.ray_node_id, {}).get(topo.accelerator.ray_resource, 0))
             types[record.name] = topo.accelerator_type
         return free, types
+
+    def _ended_jobs(self, job_ids: set[str]) -> set[str]:
+        """Which of these Ray submission ids have ended (Ray's job API; the controller runs in the
+        cluster, so it can ask). A driver stopped with ``ray job stop`` may be SIGKILLed before it
+        releases its queue record; this releases it within one reconcile."""
+        from ray.job_submission import JobSubmissionClient
+
+        from rayfleet.platform.launcher import ensure_auth_token
+        from rayfleet.platform.ray_compat import dashboard_url
+
+        if self._job_client is None:
+            ensure_auth_token()
+            self._job_client = JobSubmissionClient(dashboard_url())
+        ended = set()
+        for details in self._job_client.list_jobs():
+            status = str(getattr(details.status, "value", details.status))
+            if details.submission_id in job_ids and status in ("SUCCEEDED", "FAILED", "STOPPED"):
+                ended.add(details.submission_id)
+        return ended
+
+    def _idle_by_type(self) -> dict[str, int]:
+        free, types = self._free_accelerators()
+        out: dict[str, int] = defaultdict(int)
+        for node, count in free.items():
+            out[types[node]] += count
+        return dict(out)
 
     def _carry_out(self, decision: Decision) -> None:
         self.autoscaler.carry_out(decision)

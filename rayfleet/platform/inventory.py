@@ -155,6 +155,7 @@ class FleetStatus:
     nodes: tuple[NodeStatus, ...]
     events: tuple  # tuple[state_store.Event, ...], newest last
     decisions: tuple = ()  # the shared autoscaler's recent events (decisions, handovers), newest last
+    admissions: tuple = ()  # queued and admitted training jobs (AdmissionRecord JSON), queued first in line order
 
     def totals(self) -> AcceleratorUsage:
         fields_ = ("total", "free", "training", "inference", "cordoned", "other")

@@ -40,7 +40,7 @@ from rayfleet.platform.catalogue import accelerator_names
 
 __all__ = [
     "JobClass", "QueueSpec", "Queue", "QueueTree", "Workload", "Reclaim", "AdmissionDecision",
-    "parse_queue_spec", "queue_usage", "admit", "admission_order",
+    "parse_queue_spec", "parse_queue_file", "queue_usage", "admit", "admission_order",
 ]
 
 UNLIMITED = math.inf
@@ -123,6 +123,23 @@ def parse_queue_spec(data: Mapping | QueueSpec) -> Queue:
     return Queue(name=spec.name, parent=spec.parent, quota=dict(spec.quota),
                  borrow_limit=None if spec.borrow_limit is None else dict(spec.borrow_limit),
                  priority=spec.priority)
+
+
+def parse_queue_file(data: object, *, source: str = "queues.yaml") -> list[Queue]:
+    """The queues of a ``rayfleet queue apply`` file (already parsed from YAML): ``{queues: [...]}``
+    or a plain list, each item the fields of :class:`QueueSpec` (Kueue users declare their
+    ClusterQueues the same way: one file, applied as a whole)."""
+    items = data.get("queues") if isinstance(data, Mapping) else data
+    if not isinstance(items, list) or not items:
+        raise SpecError(source, type(data).__name__, "holds no list of queues",
+                        "write `queues:` followed by items such as `- {name: team-a, quota: {H100: 8}}`")
+    out = []
+    for index, item in enumerate(items):
+        if not isinstance(item, Mapping):
+            raise SpecError(f"{source}: queues[{index}]", item, "is not a mapping of queue fields",
+                            "give name, parent, quota, borrow_limit and priority per queue")
+        out.append(parse_queue_spec(item))
+    return out
 
 
 @dataclass(frozen=True)

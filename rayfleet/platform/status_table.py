@@ -12,7 +12,7 @@ from typing import Sequence
 from rayfleet.platform.inventory import FleetStatus
 from rayfleet.platform.topology import FleetTopology
 
-__all__ = ["format_table", "render_status", "render_topology"]
+__all__ = ["format_table", "render_status", "render_topology", "render_admissions"]
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -53,6 +53,8 @@ def render_status(status: FleetStatus, *, show_events: bool = True) -> str:
          "health", "cordon", "heartbeat"), rows)
     out += (f"\ntotal: {tot.free}/{tot.total} free, {tot.training} training, {tot.inference} inference, "
             f"{tot.cordoned} cordoned, {tot.other} other")
+    if status.admissions:
+        out += "\n\ntraining jobs in queues:\n" + render_admissions(status.admissions)
     if show_events and status.decisions:
         out += "\n\nautoscaler decisions:\n" + format_table(
             ("time", "subject", "decision", "reason"),
@@ -63,3 +65,15 @@ def render_status(status: FleetStatus, *, show_events: bool = True) -> str:
             ("time", "subject", "event", "cause"),
             [(time.strftime("%H:%M:%S", time.localtime(e.ts)), e.subject, e.kind, e.cause) for e in status.events])
     return out
+
+
+def render_admissions(records: Sequence[dict]) -> str:
+    """One row per queued or admitted job (``AdmissionRecord`` JSON): queued first, in line order."""
+    rows = []
+    for r in records:
+        req = r["request"]
+        line = str(r["position"]) if r["state"] == "QUEUED" else "-"
+        size = f"{r['size']}" + (f" ({r['borrowed']} borrowed)" if r["borrowed"] else "")
+        rows.append((req["job_id"], req["queue"], r["state"], line, size, f"{req['min_size']}..{req['max_size']}",
+                     req["accelerator_type"], req["job_class"], _clip(r["reason"], 90)))
+    return format_table(("job", "queue", "state", "place", "size", "wants", "type", "class", "reason"), rows)

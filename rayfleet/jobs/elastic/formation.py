@@ -163,8 +163,10 @@ class _Watcher:
 class RayFormations:
     """The driver's side effects on a live Ray cluster (``FormationRuntime``)."""
 
-    def __init__(self, job: TrainJob, *, max_failures: int, log: Callable[[str], None], shell: Any = None) -> None:
+    def __init__(self, job: TrainJob, *, max_failures: int, log: Callable[[str], None], shell: Any = None,
+                 ticket: Any = None) -> None:
         self.job, self.max_failures, self.log, self.shell = job, max_failures, log, shell
+        self.ticket = ticket  # the queue admission's ticket: told what each formation holds
 
     def observe(self) -> tuple:
         from rayfleet.jobs.train_launcher import observe_fleet
@@ -192,8 +194,13 @@ class RayFormations:
             watcher.start()
             on_start(stop_signal)
 
+        ticket = self.ticket
+
         def stepped(row: dict) -> None:
-            watcher.stepping.set()
+            if watcher is not None:
+                watcher.stepping.set()
+            if ticket is not None:  # its first step: the formation's workers hold their accelerators
+                ticket.holding(launch.layout.world_size)
             if on_step is not None:
                 on_step(row)
 
@@ -201,9 +208,12 @@ class RayFormations:
             metrics = fit_once(launch, loop=self.job.loop, checkpoint=self.job.checkpoint, run_dir=run_dir,
                                max_failures=self.max_failures, log=self.log,
                                stop_signal=actor, on_trainer_start=started if watcher else None,
-                               on_step=stepped if watcher else on_step)
+                               on_step=stepped if watcher or ticket else on_step)
         except Exception as exc:  # noqa: BLE001 - the driver decides (node lost: re-plan; else: fail)
             return FormationOutcome(end=self._stop(watcher), error=exc)
+        finally:
+            if ticket is not None:
+                ticket.holding(0)
         return FormationOutcome(metrics=metrics, end=self._stop(watcher))
 
     @staticmethod
@@ -227,14 +237,20 @@ TRAIN_CONTROLLER_POLL_S = "0.5"
 
 
 def run_training(job: TrainJob, *, storage_path: str | None = None, max_failures: int | None = None,
-                 log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Plan, lay out and train ``job`` (a validated spec's slices, ``train_job``) on the connected
-    cluster; returns the last metrics.
+                 log: Callable[[str], None] = print, job_id: str | None = None) -> dict[str, Any]:
+    """Admit ``job`` through its queue, then plan, lay out and train it (a validated spec's
+    slices, ``train_job``) on the connected cluster; returns the last metrics.
+
+    Admission (``jobs.admission_gate``) comes first, before any accelerator is asked of Ray: a job
+    in a declared queue waits QUEUED until the fleet controller admits it, and an elastic one
+    then runs at most at the size granted (its shell's target; the queue may shrink it later).
+    ``job_id``: the Ray submission id its queue record is kept under.
 
     An elastic job (``resources.elastic`` + ``checkpoint``) is re-formed by the driver when a
     node of its layout is lost (smaller plan, checkpoint resharded), when capacity returns
     (larger plan) and when the shared autoscaler resizes it, until it finishes.
     """
+    from rayfleet.jobs.admission_gate import AdmissionTicket
     from rayfleet.jobs.train_launcher import default_storage_path
     from rayfleet.jobs.elastic.training_shell import TrainingShell
 
@@ -251,6 +267,13 @@ def run_training(job: TrainJob, *, storage_path: str | None = None, max_failures
     if job.checkpoint is not None and job.checkpoint.uri is None:
         # one checkpoint location for every re-formation of the job
         job = job.with_checkpoint_uri(os.path.join(job_dir, "checkpoints"))
-    shell = TrainingShell.attach(job, log) if job.is_elastic else None
-    runtime = RayFormations(job, max_failures=max_failures, log=log, shell=shell)
-    return ElasticDriver(job, runtime, job_dir=job_dir, shell=shell, log=log).run()
+    ticket = AdmissionTicket.open(job, log, job_id=job_id or job.name)
+    try:
+        granted = ticket.wait() if ticket is not None else None
+        shell = (TrainingShell.attach(job, log, target_size=granted, governed=ticket is not None)
+                 if job.is_elastic else None)
+        runtime = RayFormations(job, max_failures=max_failures, log=log, shell=shell, ticket=ticket)
+        return ElasticDriver(job, runtime, job_dir=job_dir, shell=shell, log=log).run()
+    finally:
+        if ticket is not None:
+            ticket.close()

@@ -48,6 +48,7 @@ class TrainingShell(AutoscalerShellBase):
         self.target_size: int | None = None  # None: as large as the fleet holds
         self.version = 0  # decisions taken so far
         self.manages_growth = False
+        self.governed = False  # admitted through a queue: growth beyond the grant is the controller's call
         self._lent: list[Any] = []
         self._lent_placed: set[Any] = set()  # lent before the running formation began: their borrowers run
         self._lock = threading.RLock()
@@ -62,8 +63,12 @@ class TrainingShell(AutoscalerShellBase):
         self._snapshot = (0, 0.0)  # (step, wall time) of the newest flash snapshot
 
     @classmethod
-    def attach(cls, job: TrainJob, log: Callable[[str], None]) -> "TrainingShell | None":
-        """A started shell, or ``None`` on a plain Ray cluster (no fleet controller to report to)."""
+    def attach(cls, job: TrainJob, log: Callable[[str], None], *, target_size: int | None = None,
+               governed: bool = False) -> "TrainingShell | None":
+        """A started shell, or ``None`` on a plain Ray cluster (no fleet controller to report to).
+
+        ``target_size``: the size the job's queue admitted it at (its formations stay within it);
+        ``governed``: the queue admission, not the job's own watcher, decides when it grows."""
         import ray
 
         try:
@@ -73,7 +78,10 @@ class TrainingShell(AutoscalerShellBase):
             ray.get(controller.ping.remote(), timeout=10)
         except Exception:  # noqa: BLE001 - no controller: nobody to report to
             return None
-        return cls(job, RayChannel(controller), log).start()
+        shell = cls(job, RayChannel(controller), log)
+        shell.target_size, shell.governed = target_size, governed
+        shell.manages_growth = governed
+        return shell.start()
 
     # -- called by the driver -------------------------------------------------------------------
     def lent_slots(self) -> tuple:
@@ -131,7 +139,7 @@ class TrainingShell(AutoscalerShellBase):
 
     # -- the skeleton's steps ---------------------------------------------------------------------
     def before_take(self) -> None:
-        self.manages_growth = self.channel.autoscaler_running()
+        self.manages_growth = self.governed or self.channel.autoscaler_running()
 
     def apply(self, decision: Decision, decided_at_s: float) -> None:
         with self._lock:
@@ -179,7 +187,7 @@ class TrainingShell(AutoscalerShellBase):
             snap_step, snap_at = self._snapshot
             return TrainingObservation(
                 job_id=job.name, queue=job.queue, accelerator_type=job.accelerator,
-                job_class=JobClass.ELASTIC, size=size, min_size=elastic.min_workers, max_size=elastic.max_workers,
+                job_class=JobClass(job.queue_class), size=size, min_size=elastic.min_workers, max_size=elastic.max_workers,
                 replica_size=job.replica_size, replica_nodes=nodes, priority=job.priority, admitted_size=self._admitted or size,
                 last_snapshot_step=snap_step, last_snapshot_at_s=snap_at, resizing=resizing)
 

@@ -12,7 +12,7 @@ from ray.dashboard.modules.job.pydantic_models import JobDetails, JobType
 
 from rayfleet.errors import SpecError
 from rayfleet.jobs.log_stream import complete_lines
-from rayfleet.jobs.lifecycle import JobStateError, record_of, render_job, render_jobs, resume_request
+from rayfleet.jobs.lifecycle import JobStateError, record_of, render_job, render_jobs, resume_request, with_admissions
 from rayfleet.jobs.runtime_env import BASE_ENV_VARS, RuntimeEnvSection, absolute_working_dir, ray_runtime_env
 from rayfleet.jobs.spec import TrainJobSpec
 from rayfleet.jobs.train import pin_checkpoint_uri
@@ -21,7 +21,7 @@ from rayfleet.jobs.training_run import encode_spec, parse_metrics_lines, train_m
 SPEC = {"name": "tiny-life", "model": {"preset": "tiny"}, "data": {"uri": "/data/tokens", "seq_len": 64},
         "steps": 8, "global_batch_size": 4, "checkpoint": {"every_n_steps": 2, "persist_every": 1}}
 JSON_KEYS = {"id", "status", "kind", "name", "queue", "entrypoint", "message", "start_time_s", "end_time_s",
-             "resumed_from", "ray_job_id"}
+             "resumed_from", "ray_job_id", "queue_state", "queue_reason", "queue_position"}
 
 
 def _details(*, status: str = "STOPPED", spec: dict | None = None, run_key: str | None = "rayfleet-train-x",
@@ -56,6 +56,20 @@ def test_job_table_lists_every_record():
     assert lines[0].split() == ["job", "kind", "name", "queue", "status", "started", "duration"]
     assert len(lines) == 4 and "STOPPED" in lines[2] and "0:01:30" in lines[2]
     assert render_jobs([]) == "no jobs"
+
+
+def test_a_job_waiting_in_its_queue_lists_as_queued_with_reason_and_place():
+    waiting = {"request": {"job_id": "rayfleet-train-x"}, "state": "QUEUED", "reason": "waiting: 0 idle",
+               "position": 2}
+    running, ended = record_of(_details(status="RUNNING")), record_of(_details())
+    [merged] = with_admissions([running], [waiting])
+    assert (merged.status, merged.queue_state, merged.queue_reason, merged.queue_position) == (
+        "QUEUED", "QUEUED", "waiting: 0 idle", 2)
+    assert with_admissions([ended], [waiting]) == [ended]  # Ray's end wins over a stale record
+    table = render_jobs([merged])
+    assert "QUEUED (place 2)" in table and "waiting: 0 idle" in table and table.splitlines()[0].endswith("queue reason")
+    admitted = with_admissions([running], [{**waiting, "state": "ADMITTED"}])[0]
+    assert (admitted.status, admitted.queue_position) == ("RUNNING", None)
 
 
 def test_resume_keeps_the_entrypoint_and_records_where_it_came_from():

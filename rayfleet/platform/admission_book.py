@@ -1,0 +1,170 @@
+"""The fleet controller's admission state: records in SQLite, steps of the pure admission.
+
+Design decisions:
+- One record per queued or admitted job under ``admission/<job id>`` in the controller's
+  :class:`~rayfleet.platform.state_store.StateStore`, written on every change: a restarted
+  controller reloads them and every waiting job keeps its state, reason and place in line.
+- Nothing here imports Ray: the controller passes in the queue tree, Ray's idle accelerators
+  per type and where decisions go (``carry_out``: the shared autoscaler's inboxes), so the book
+  is unit-tested in-process (tests/unit/platform/test_admission_controller.py).
+- A job's driver heartbeats while it waits and while it runs (``heartbeat``, with what its
+  formation holds) and releases its record when it ends; a driver killed without a word is
+  released after ``heartbeat_ttl_s``. After a controller restart every record gets a fresh
+  grace period (its driver's heartbeats resume against the new controller).
+- Reclaims go out as the autoscaler's own ``ShrinkTraining`` decisions (a preempted job's
+  ``new_size`` is 0: its shell pauses it), and a preempted job admitted again gets a
+  ``GrowTraining`` to its new size: the job shells already carry both out.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+from typing import Callable, Mapping
+
+from rayfleet.errors import SpecError
+from rayfleet.platform.admission import (
+    AdmissionRecord, AdmissionRequest, AdmissionState, admission_step, route, settled,
+)
+from rayfleet.platform.autoscaler.types import Decision, GrowTraining, ShrinkTraining
+from rayfleet.platform.queues import QueueTree
+
+__all__ = ["AdmissionBook", "HEARTBEAT_TTL_S"]
+
+HEARTBEAT_TTL_S = 30.0  # drivers beat every 2 s; a stopped driver releases at once (SIGTERM)
+_PREFIX = "admission/"
+
+
+class AdmissionBook:
+    """Queued and admitted training jobs of one controller (thread-safe; see module doc)."""
+
+    def __init__(self, store, *, tree: Callable[[], QueueTree], ray_idle: Callable[[], Mapping[str, int]],
+                 carry_out: Callable[[Decision], None], record: Callable[[str, str, str, dict], None],
+                 clock: Callable[[], float] = time.time, heartbeat_ttl_s: float = HEARTBEAT_TTL_S) -> None:
+        self.store, self.tree, self.ray_idle, self.carry_out, self.record = store, tree, ray_idle, carry_out, record
+        self.clock, self.heartbeat_ttl_s = clock, heartbeat_ttl_s
+        self._lock = threading.RLock()
+        self._records = {key[len(_PREFIX):]: AdmissionRecord.from_json(value) for key, value in store.items(_PREFIX)}
+        now = clock()
+        self._beats = {job_id: now for job_id in self._records}
+
+    # -- the job driver's side ---------------------------------------------------------------------
+    def request(self, request: AdmissionRequest) -> dict:
+        """Queue ``request`` (or find it queued already: a driver retrying after a controller restart)
+        and run a step. Returns ``{"outcome": "direct"}`` for a job outside the queues, else
+        ``{"outcome": "queued", "record": ...}``; a bad queue gives ``{"outcome": "refused",
+        "error": [field, value, why-and-fix message]}`` (plain values: they cross Ray as they are)."""
+        try:
+            leaf = route(self.tree(), request.queue)
+        except SpecError as err:
+            return {"outcome": "refused", "error": [err.field, err.value, str(err)]}
+        if leaf is None:
+            return {"outcome": "direct"}
+        with self._lock:
+            if request.job_id not in self._records:
+                record = AdmissionRecord(request=request, state=AdmissionState.QUEUED, submitted_at=self.clock(),
+                                         reason="waiting for the next admission step")
+                self._put(record)
+                self.record(f"job:{request.name}", "queue_submitted",
+                            f"{request.min_size}..{request.max_size} {request.accelerator_type} in queue {request.queue}",
+                            {"job_id": request.job_id, "class": request.job_class.value})
+            self._beats[request.job_id] = self.clock()
+            self.step()
+            return {"outcome": "queued", "record": self._records[request.job_id].to_json()}
+
+    def status(self, job_id: str) -> dict | None:
+        """The job's record and whether it may start (admitted, every job it reclaimed from has
+        let go); ``None`` for an unknown job."""
+        with self._lock:
+            record = self._records.get(job_id)
+            if record is None:
+                return None
+            ready = record.state is AdmissionState.ADMITTED and all(
+                settled(self._records.get(v)) for v in record.waiting_for)
+            return {"record": record.to_json(), "ready": ready}
+
+    def heartbeat(self, job_id: str, held: int | None = None) -> bool:
+        """The driver is alive; ``held``: accelerators its running formation holds (0 between
+        formations). Returns whether the job is known (False: re-request after a lost record)."""
+        with self._lock:
+            record = self._records.get(job_id)
+            if record is None:
+                return False
+            self._beats[job_id] = self.clock()
+            if held is not None and held != record.held:
+                self._put(replace(record, held=int(held)))
+                self.step()
+            return True
+
+    def release(self, job_id: str, why: str = "the job ended") -> bool:
+        """Forget the job (its driver ended) and admit what now fits. Returns whether it was known."""
+        with self._lock:
+            record = self._records.pop(job_id, None)
+            self._beats.pop(job_id, None)
+            if record is None:
+                return False
+            self.store.delete(_PREFIX + job_id)
+            self.record(f"job:{record.request.name}", "queue_released", why,
+                        {"job_id": job_id, "queue": record.request.queue, "size": record.size})
+            self.step()
+            return True
+
+    # -- the controller's side -----------------------------------------------------------------------
+    def expire(self, ended: Callable[[set[str]], set[str]] | None = None) -> list[str]:
+        """Release jobs that ended without a word: those ``ended(job ids)`` names (Ray's job table
+        says they ended: a driver SIGKILLed by ``ray job stop``) and those whose driver has not
+        heartbeat for ``heartbeat_ttl_s``."""
+        now = self.clock()
+        with self._lock:
+            known = set(self._records)
+            stale = [j for j in known if now - self._beats.get(j, now) > self.heartbeat_ttl_s]
+        try:
+            gone = sorted(set(ended(known)) & known) if ended is not None and known else []
+        except Exception:  # noqa: BLE001 - the job API not answering: the heartbeat deadline still holds
+            gone = []
+        for job_id in gone:
+            self.release(job_id, "its Ray job ended")
+        for job_id in stale:
+            if job_id not in gone:
+                self.release(job_id, f"no heartbeat from its driver for {self.heartbeat_ttl_s:g}s")
+        return gone + [j for j in stale if j not in gone]
+
+    def step(self) -> None:
+        """One admission step over every record; persists what changed and carries out reclaims."""
+        with self._lock:
+            if not self._records:
+                return
+            before = dict(self._records)
+            result = admission_step(self.tree(), before.values(), ray_idle=self.ray_idle(), now=self.clock())
+            for record in result.records:
+                if before.get(record.job_id) != record:
+                    self._put(record)
+            for subject, kind, cause, detail in result.events:
+                self.record(subject, kind, cause, detail)
+            for order in result.reclaims:
+                victim, reclaim = order.victim, order.reclaim
+                per = victim.request.replica_size
+                self.carry_out(ShrinkTraining(
+                    job_id=victim.request.name, new_size=reclaim.new_size,
+                    replicas=tuple(range(reclaim.new_size // per, victim.size // per)), freed_by_node={},
+                    reason=f"queue reclaim: {reclaim.reason}", snapshot_first=True))
+            for record in result.admitted:
+                if record.times_admitted > 1:  # preempted earlier: its shell waits, paused, for this
+                    self.carry_out(GrowTraining(job_id=record.request.name, new_size=record.size, nodes=(),
+                                                reason=f"queue re-admission: {record.reason}"))
+
+    def records(self) -> list[dict]:
+        """Every record, queued first in line order, then admitted (JSON-able)."""
+        with self._lock:
+            rows = sorted(self._records.values(), key=lambda r: (r.state is AdmissionState.ADMITTED,
+                                                                 r.request.queue, r.position, r.submitted_at))
+            return [r.to_json() for r in rows]
+
+    def jobs_in(self, queue: str) -> list[str]:
+        with self._lock:
+            return sorted(j for j, r in self._records.items() if r.request.queue == queue)
+
+    def _put(self, record: AdmissionRecord) -> None:
+        self._records[record.job_id] = record
+        self.store.put(_PREFIX + record.job_id, record.to_json())
