@@ -24,6 +24,8 @@ Design decisions:
   the peers' input gradients (a reduce-scatter), the scatter's backward broadcasts the output
   gradient (an all-gather). Rejected: an all-reduce over ETP of replicated tokens (the classic
   dense TP MLP): ETP peers do not hold the same tokens unless ETP coincides with an unsplit TP.
+- The ETP exchanges are blocking and are not recorded in the EP dispatcher's ``ExchangeStats``:
+  the a2a hidden fraction stays the EP dispatch's.
 - ``control="no_reduce"`` is BROKEN ON PURPOSE: each peer keeps only its own partial sum (the
   reduce-scatter's sum left out). The parity tests run it to prove they catch a missing reduce.
 """
