@@ -32,6 +32,7 @@ __all__ = ["METRICS_PREFIX", "format_metrics_line", "parse_metrics_lines", "Metr
            "training_entrypoint", "new_submission_id", "train_metadata", "TERMINAL"]
 
 METRICS_PREFIX = "RAYFLEET_METRICS "
+QUEUE_PREFIX = "rayfleet queue: "  # the driver's queue admission lines (jobs.admission_gate)
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
 
@@ -181,7 +182,8 @@ class TrainingRun:
         raise TimeoutError(f"training job {self.job_id} still {self.status()} after {timeout_s:.0f} s")
 
     def follow(self, *, out=sys.stdout, poll_s: float = 1.0) -> str:
-        """Print a progress line per new step until the job ends; returns the final status.
+        """Print a progress line per new step (and the queue admission's lines: QUEUED with
+        reason and place, admitted) until the job ends; returns the final status.
 
         Reads the log once, as it is written (Ray's ``tail_job_logs``); if that stream breaks
         (the head restarted), falls back to polling the status every ``poll_s`` seconds."""
@@ -190,6 +192,8 @@ class TrainingRun:
         started, seen = time.monotonic(), -1
         try:
             for line in complete_lines(stream_job_logs(self.client, self.job_id)):
+                if QUEUE_PREFIX in line:  # waiting in its queue, admitted, reclaimed: say so
+                    print(line[line.find(QUEUE_PREFIX):].rstrip(), file=out, flush=True)
                 for row in parse_metrics_lines(line):
                     if int(row.get("step", 0)) > seen:
                         seen = int(row.get("step", 0))

@@ -48,6 +48,7 @@ class AdmissionBook:
         self._records = {key[len(_PREFIX):]: AdmissionRecord.from_json(value) for key, value in store.items(_PREFIX)}
         now = clock()
         self._beats = {job_id: now for job_id in self._records}
+        self._resend_unfinished_reclaims()
 
     # -- the job driver's side ---------------------------------------------------------------------
     def request(self, request: AdmissionRequest) -> dict:
@@ -153,6 +154,23 @@ class AdmissionBook:
                 if record.times_admitted > 1:  # preempted earlier: its shell waits, paused, for this
                     self.carry_out(GrowTraining(job_id=record.request.name, new_size=record.size, nodes=(),
                                                 reason=f"queue re-admission: {record.reason}"))
+
+    def _resend_unfinished_reclaims(self) -> None:
+        """After a restart: the reclaims a job still waits for, sent again to victims that still
+        hold more than their new size. The autoscaler's inboxes live in memory, so a decision not
+        yet taken when the controller died is gone; the shells ignore a shrink they already took
+        (same target size)."""
+        waited = {v for r in self._records.values() if r.state is AdmissionState.ADMITTED for v in r.waiting_for}
+        for job_id in sorted(waited):
+            victim = self._records.get(job_id)
+            if victim is None or victim.held <= victim.size:
+                continue
+            per = victim.request.replica_size
+            self.carry_out(ShrinkTraining(
+                job_id=victim.request.name, new_size=victim.size,
+                replicas=tuple(range(victim.size // per, victim.held // per)), freed_by_node={},
+                reason=f"queue reclaim (sent again after a controller restart): shrink to {victim.size}",
+                snapshot_first=True))
 
     def records(self) -> list[dict]:
         """Every record, queued first in line order, then admitted (JSON-able)."""

@@ -145,6 +145,8 @@ class TrainingShell(AutoscalerShellBase):
         with self._lock:
             size = self._size()
             match decision:
+                case ShrinkTraining(new_size=new_size) if new_size == self.target_size:
+                    return  # taken already (a controller restart sends unfinished queue reclaims again)
                 case ShrinkTraining(replicas=replicas, new_size=new_size):
                     slots = replica_slots(self._launch.layout) if self._launch is not None else []
                     for index in replicas:

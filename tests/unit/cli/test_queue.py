@@ -51,3 +51,14 @@ def test_render_queues_as_a_tree():
     lines = text.splitlines()
     assert lines[2].startswith("root") and "unlimited" in lines[2]
     assert lines[3].startswith("  team") and "H100=4" in lines[3]
+
+
+def test_apply_refuses_a_bad_file_before_connecting(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("RAYFLEET_HOME", str(tmp_path))  # no fleet here: a connection attempt would fail differently
+    bad = tmp_path / "queues.yaml"
+    bad.write_text("queues:\n  - {name: team-a, quota: {NOPE: 1}}\n")
+    assert main(["queue", "apply", str(bad)]) == 2
+    assert "unknown accelerator type 'NOPE'" in capsys.readouterr().err
+    assert main(["queue", "apply", str(tmp_path / "missing.yaml")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert args("apply", "q.yaml", "--json").json is True

@@ -51,3 +51,22 @@ def test_the_submission_id_comes_from_rays_job_config(monkeypatch):
     assert submission_id(run_key="rk", name="n") == "raysubmit_9"
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR")
     assert submission_id(run_key="rk", name="n") == "rk" and submission_id(run_key=None, name="n") == "n"
+
+
+def test_a_shrink_the_shell_took_already_is_not_taken_twice():
+    """A restarted controller sends an unfinished queue reclaim again; the shell ignores it."""
+    from rayfleet.jobs.elastic.training_shell import TrainingShell
+    from rayfleet.platform.autoscaler.service import SharedAutoscaler
+    from rayfleet.platform.autoscaler.shell import LocalChannel
+    from rayfleet.platform.autoscaler.types import ShrinkTraining
+
+    job = _job(resources={"elastic": {"min_workers": 1, "max_workers": 2}}, checkpoint=CKPT)
+    autoscaler = SharedAutoscaler(free_accelerators=lambda: ({}, {}), request_nodes=lambda d: None,
+                                  record=lambda *e: None)
+    shell = TrainingShell(job, LocalChannel(autoscaler), log=lambda line: None)
+    shell.target_size = 2
+    shrink = ShrinkTraining("tiny-q", 1, (1,), {}, "queue reclaim")
+    shell.apply(shrink, 0.0)
+    assert (shell.target_size, shell.version) == (1, 1)
+    shell.apply(shrink, 1.0)
+    assert (shell.target_size, shell.version) == (1, 1)

@@ -211,3 +211,25 @@ def test_request_sizes_round_to_whole_replicas():
     assert request_sizes(min_workers=3, max_workers=9, replica_size=2) == (4, 8)
     with pytest.raises(SpecError, match="resources.elastic"):
         request_sizes(min_workers=3, max_workers=3, replica_size=2)
+
+
+def test_a_restarted_controller_sends_an_unfinished_reclaim_again(controller):
+    """The autoscaler's inboxes are in memory: a ShrinkTraining not yet taken dies with the controller."""
+    fleet = Fleet(controller)
+    controller.request_admission(request("b1", "team-b", 2, 2).to_json())
+    fleet.run("b1")
+    controller.request_admission(request("b2", "team-b", 1, 2, JobClass.ELASTIC, replica=1).to_json())
+    fleet.run("b2")  # borrowing 2, holding 2
+    controller.request_admission(request("a1", "team-a", 1, 1).to_json())  # reclaims 1 of b2's
+    again = FleetController(controller.state_path, reconcile_s=3600.0)  # before b2's shell took it
+    try:
+        [entry] = again.take_decisions("name-b2")
+        assert (entry.decision.new_size, entry.decision.replicas) == (1, (1,))
+        assert "sent again after a controller restart" in entry.decision.reason
+        Fleet(again)
+        again.admission_heartbeat("b2", 1)  # b2 re-formed at 1: nothing is sent after the next restart
+        third = FleetController(controller.state_path, reconcile_s=3600.0)
+        third._stop.set()
+        assert third.take_decisions("name-b2") == []
+    finally:
+        again._stop.set()
