@@ -188,10 +188,11 @@ def test_request_router_ranks_published_state_and_never_leaves_a_request_waiting
         request = PendingRequest(args=[], kwargs={"route": hint}, metadata=None, future=None)
         return asyncio.run(router.choose_replicas([a, b], request))
 
-    # b published the prefix; its tier repeats, so a probe that misses busy b does not send the
-    # call to a (Serve doubles the probe deadline per tier).
-    assert choose(RouteHint(block_hashes=hashes, num_prompt_blocks=9)) == [[b], [b], [b], [a]]
-    assert choose(RouteHint(replica="a")) == [[a], [a], [a]]
+    # b published the prefix; its tier repeats (best_attempts: 5), so a probe that misses busy b
+    # does not send the call to a (Serve doubles the probe deadline per tier: 0.1 ... 1.0 s).
+    assert router.best_attempts == 5
+    assert choose(RouteHint(block_hashes=hashes, num_prompt_blocks=9)) == [[b]] * 5 + [[a]]
+    assert choose(RouteHint(replica="a")) == [[a]] * 5
     assert choose(RouteHint(replica="gone")) == [[a, b]] and router.num_fallbacks == 1  # the replica refuses
     router.core.rank = lambda *_, **__: 1 / 0  # a bug in the policy must not hang the request in Serve's loop
     assert choose(RouteHint()) == [[a, b]] and router.num_fallbacks == 2
