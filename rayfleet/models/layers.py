@@ -91,7 +91,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, num_kv_heads * head_dim, bias=qkv_bias)
         self.wv = nn.Linear(dim, num_kv_heads * head_dim, bias=qkv_bias)
         self.wo = nn.Linear(num_heads * head_dim, dim, bias=False)
-        # Per-head norms over head_dim (Qwen3): they commute with a TP split of the heads.
+        # Per-head norms over head_dim (Qwen3): they commute with a TP split of the heads, but their
+        # gradients are then partial per TP peer (summed in jobs/parallel: tensor_parallel.py).
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
 

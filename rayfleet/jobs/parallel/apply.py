@@ -89,7 +89,8 @@ def parallelize_model(model: nn.Module, ctx: ParallelContext) -> nn.Module:
                                      control=ctx.etp_control)  # type: ignore[arg-type]
     # 2. tensor parallel
     if ctx.tp_size > 1:
-        apply_tensor_parallel(model, tp_mesh=ctx.submesh("tp"))
+        # params used by this peer's heads only (q/k norms): finalize_gradients sums them over TP
+        ctx.tp_partial_grads = apply_tensor_parallel(model, tp_mesh=ctx.submesh("tp"))
         if ctx.moe_token_split:
             split_moe_tokens(model, group=ctx.group("tp"), tp_rank=ctx.tp_rank, tp=ctx.tp_size)
     # 2b. context parallel: attention across the CP group (the loop feeds each rank its chunks)

@@ -1,6 +1,7 @@
 """The step's collectives on a model laid out by :func:`~rayfleet.jobs.parallel.apply.parallelize_model`.
 
 After backward, ``finalize_gradients`` adds the reductions FSDP cannot express (TP-sum of
+the replicated parameters each TP peer uses for its own heads only, such as q/k norms, and of
 the MoE layer's replicated parameters when TP peers split its tokens; expert gradients when
 experts are not FSDP-wrapped; the CP-sum of every gradient the CP ranks replicate, since they
 saw distinct tokens of the same samples), then ``clip_grad_norm_`` computes the global norm over
@@ -45,7 +46,7 @@ def finalize_gradients(model: nn.Module, ctx: ParallelContext) -> None:
                     dist.all_reduce(grad, group=ctx.group("edp"))
                 if ctx.dp_size > 1:
                     grad.div_(ctx.dp_size)
-        elif ctx.moe_token_split and name.startswith(moe_prefixes):
+        elif name in ctx.tp_partial_grads or (ctx.moe_token_split and name.startswith(moe_prefixes)):
             dist.all_reduce(grad, group=ctx.group("tp"))
         if ctx.plan.cp > 1 and not (is_expert_param(name) and ctx.experts_apart):
             # Routed experts under EP/ETP were summed over EDP above, which spans the CP ranks.

@@ -114,6 +114,8 @@ class ParallelContext:
     cp_exchange: str = "all_gather"  # or "ring" (context_parallel_ring)
     a2a: A2AStats = field(default_factory=A2AStats)
     pipeline: Any = None  # the PipelineRunner when plan.pp > 1 (set by parallelize_model)
+    # replicated params with per-TP-peer partial gradients (set by parallelize_model; see tensor_parallel)
+    tp_partial_grads: frozenset[str] = frozenset()
     expert_ckpt_mesh: DeviceMesh | None = None  # (ep, edp[, etp]) of this stage: experts' global layout
     etp_rank: int = 0
     etp_control: str = "none"  # "none", or the BROKEN ON PURPOSE "no_reduce" (expert_tensor_parallel)

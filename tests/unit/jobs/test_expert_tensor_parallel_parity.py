@@ -146,10 +146,10 @@ def test_ep2_etp2_checkpoints_reshard_to_one_process_and_back(spec, references, 
                                        atol=0)
 
 
-def test_a_qwen3_moe_shaped_model_matches_at_ep2_etp2(spec) -> None:
+def test_a_qwen3_moe_shaped_model_matches_at_ep2_etp2_and_tp2(spec) -> None:
     """The Hugging Face Qwen3-MoE mapping (softmax router, QK-norm, no shared experts, every layer
-    MoE), random-initialized: EP2 x ETP2 and ETP2 over DP4 equal one process. (Not over TP2: this
-    config's TP2 runs leave the reference by ~4e-5 with or without EP/ETP, a TP matter.)"""
+    MoE), random-initialized: EP2 x ETP2, ETP2 over DP4 and TP2 x DP2 x EP2 x ETP2 equal one process.
+    (TP2 left the reference by ~4e-5 until the QK-norm gradients were summed over TP.)"""
     from dataclasses import asdict
 
     from rayfleet.models.hf.config_map import from_hf_config
@@ -166,6 +166,7 @@ def test_a_qwen3_moe_shaped_model_matches_at_ep2_etp2(spec) -> None:
     results = run_local_many(qwen, [
         (ParallelPlan(dp=4, ep=2, etp=2, micro_batch_size=1), {"grad_probe": probe}),
         (ParallelPlan(dp=4, etp=2, micro_batch_size=1), {"grad_probe": probe}),
+        (ParallelPlan(tp=2, dp=2, ep=2, etp=2, micro_batch_size=1), {"grad_probe": probe}),
     ])
     for result in results:
         _assert_matches(result, reference)
