@@ -102,7 +102,11 @@ class Fleet:
         a job waiting in its queue has status QUEUED, its reason and place in line)."""
         from rayfleet.jobs.lifecycle import list_jobs, with_admissions
 
-        return with_admissions(list_jobs(self._job_client()), self.admissions())
+        try:
+            admissions = self.admissions()
+        except (ray.exceptions.RayError, ValueError):  # the controller restarting: Ray's view alone
+            admissions = []
+        return with_admissions(list_jobs(self._job_client()), admissions)
 
     def job(self, job_id: str):
         """One job's ``JobRecord``; raises ``JobNotFoundError`` for an unknown id."""
@@ -193,7 +197,11 @@ class Fleet:
         from rayfleet.platform.admission import route
         from rayfleet.platform.queues import QueueTree, parse_queue_spec
 
-        route(QueueTree.build(parse_queue_spec(q) for q in ray.get(self.controller.list_queues.remote())), queue)
+        try:
+            queues = ray.get(self.controller.list_queues.remote(), timeout=30)
+        except (ray.exceptions.RayError, ValueError):  # no controller / restarting: the job's driver asks it
+            return
+        route(QueueTree.build(parse_queue_spec(q) for q in queues), queue)
 
     def autoscaler_step(self) -> list:
         """Run one step of the shared autoscaler now; returns its decisions (frozen

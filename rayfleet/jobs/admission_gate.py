@@ -90,6 +90,7 @@ class AdmissionTicket:
         self._halt = threading.Event()
         self._beat = threading.Event()
         self._thread = threading.Thread(target=self._heartbeats, name="rayfleet-admission", daemon=True)
+        self._restore_sigterm: Callable[[], Any] | None = None
 
     @classmethod
     def open(cls, job: TrainJob, log: Callable[[str], None], *, job_id: str) -> "AdmissionTicket | None":
@@ -150,6 +151,8 @@ class AdmissionTicket:
     def close(self, why: str = "the job ended") -> None:
         self._halt.set()
         self._beat.set()
+        if self._restore_sigterm is not None:
+            self._restore_sigterm()
         try:
             self._call("release_admission", self.request.job_id, why, retries=3)
         except Exception as exc:  # noqa: BLE001 - the controller expires it after a missed heartbeat
@@ -180,6 +183,8 @@ class AdmissionTicket:
                 raise SystemExit(128 + signum)
 
         signal.signal(signal.SIGTERM, on_sigterm)
+        self._restore_sigterm = lambda: (signal.getsignal(signal.SIGTERM) is on_sigterm
+                                         and signal.signal(signal.SIGTERM, previous))
 
     def _heartbeats(self) -> None:
         while not self._halt.is_set():
@@ -200,7 +205,7 @@ class AdmissionTicket:
         while True:
             try:
                 return ray.get(getattr(self.controller, method).remote(*args), timeout=CALL_TIMEOUT_S)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:  # restarting, too
                 attempt += 1
                 if retries is not None and attempt > retries:
                     raise

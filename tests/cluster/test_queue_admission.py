@@ -8,14 +8,20 @@ the same place and every job still known; a1 is stopped, team-a idles and b2 bor
 (team-a, 1 H100, within quota) arrives and the controller reclaims by shrinking b2 one DP replica
 (a ShrinkTraining through its shell: it re-forms at 1 from its checkpoint), then a2 runs. The
 admission events come in that order with those reasons. The unit twin, in milliseconds:
-tests/unit/platform/test_admission_controller.py.
+tests/unit/platform/test_admission_controller.py. A job to an undeclared queue is refused by the
+SDK and, submitted with ``ray job submit``, by its driver (exit 2, the field, value and fix).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
+import yaml
 
 from rayfleet.cli import main
 from rayfleet.errors import SpecError
@@ -50,8 +56,18 @@ def _admission(sdk, job_id: str) -> dict | None:
 
     try:
         return next((a for a in sdk.admissions() if a["request"]["job_id"] == job_id), None)
-    except ray.exceptions.RayActorError:  # the controller restarting
+    except ray.exceptions.RayError:  # the controller restarting
         return None
+
+
+def _restarted_since(sdk, killed_at: float) -> bool:
+    """The controller answers again, and it is a new one (started after ``killed_at``)."""
+    import ray
+
+    try:
+        return any(e.kind == "controller_started" and e.ts > killed_at for e in sdk.events(limit=50))
+    except ray.exceptions.RayError:
+        return False
 
 
 def _state(sdk, job_id: str) -> str | None:
@@ -75,8 +91,16 @@ def test_queue_wait_borrow_reclaim_and_controller_restart(local_fleet, dataset, 
     queues.write_text(QUEUES_YAML)
     assert _cli_json(capsys, "queue", "apply", str(queues), "--json", "--address", address)["created"] == [TEAM_A, TEAM_B]
 
+    nope = _spec(dataset, "tiny-q-nope", "qa-nope", resources={"accelerator": "H100", "num_workers": 1})
     with pytest.raises(SpecError, match=r"queue='qa-nope': no such queue.*rayfleet queue apply"):
-        sdk.train(_spec(dataset, "tiny-q-nope", "qa-nope", resources={"accelerator": "H100", "num_workers": 1}))
+        sdk.train(nope)  # the SDK asks before submitting; the job's driver asks again (ray job submit):
+    job_yaml = tmp_path / "nope.yaml"
+    job_yaml.write_text(yaml.safe_dump(nope))
+    out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "job", "submit", "--address", url,
+                          "--", "python", "-m", "rayfleet.jobs.train", str(job_yaml)],
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ, RAY_AUTH_MODE="token"))
+    assert out.returncode != 0 and "rayfleet train: error: queue='qa-nope': no such queue" in out.stdout + out.stderr, \
+        out.stdout[-2000:] + out.stderr[-2000:]
 
     fixed = lambda n: {"plan": {"dp": n}, "resources": {"accelerator": "H100", "num_workers": n}}  # noqa: E731
     runs = {}
@@ -107,8 +131,9 @@ def test_queue_wait_borrow_reclaim_and_controller_restart(local_fleet, dataset, 
         assert row[1:4] == [TEAM_B, "QUEUED", "1"], row
 
         # the controller dies in the middle; Ray restarts it from the same SQLite file
+        killed_at = time.time()
         ray.kill(get_controller(), no_restart=False)
-        wait_until(lambda: _admission(sdk, b2) is not None, timeout_s=90, interval_s=0.5,
+        wait_until(lambda: _restarted_since(sdk, killed_at), timeout_s=90, interval_s=0.5,
                    what="the restarted controller to answer")
         again = {a["request"]["job_id"]: a for a in sdk.admissions()}
         assert {runs[k].job_id for k in ("a1", "b1", "b2")} <= set(again), again

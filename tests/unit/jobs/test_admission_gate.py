@@ -70,3 +70,76 @@ def test_a_shrink_the_shell_took_already_is_not_taken_twice():
     assert (shell.target_size, shell.version) == (1, 1)
     shell.apply(shrink, 1.0)
     assert (shell.target_size, shell.version) == (1, 1)
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)  # ray.get is patched to pass the value through
+
+
+class FakeController:
+    """The controller's admission methods over an in-process AdmissionBook-like script."""
+
+    def __init__(self, answers):
+        self.answers, self.calls = list(answers), []
+        for name in ("request_admission", "admission_status", "admission_heartbeat", "release_admission"):
+            setattr(self, name, _Method(lambda *a, _n=name: self._answer(_n, a)))
+
+    def _answer(self, name, args):
+        self.calls.append(name)
+        if name == "admission_heartbeat":
+            return True
+        if name == "release_admission":
+            return True
+        return self.answers.pop(0)
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    import ray
+
+    import rayfleet.jobs.admission_gate as gate
+
+    monkeypatch.setattr(ray, "get", lambda value, timeout=None: value)
+    return gate
+
+
+def _record(state, **extra):
+    return {"state": state, "size": 0, "reason": "waiting (gang minimum 2 does not fit): 2: 0 idle", "position": 1,
+            "borrowed": 0, "waiting_for": [], **extra}
+
+
+def test_the_driver_is_refused_waits_queued_and_starts_when_admitted(no_ray, monkeypatch):
+    job = _job(plan={"dp": 2}, resources={"num_workers": 2})
+    refused = FakeController([{"outcome": "refused", "error": ["queue", "team-a", "queue='team-a': no such queue. Fix: x"]}])
+    monkeypatch.setattr(no_ray, "_controller", lambda: refused)
+    with pytest.raises(no_ray.QueueRefusedError, match="queue='team-a': no such queue"):
+        no_ray.AdmissionTicket.open(job, print, job_id="sub-1")
+    monkeypatch.setattr(no_ray, "_controller", lambda: FakeController([{"outcome": "direct"}]))
+    assert no_ray.AdmissionTicket.open(job, print, job_id="sub-1") is None  # outside the queues: as before
+
+    controller = FakeController([
+        {"outcome": "queued", "record": _record("QUEUED")},
+        {"record": _record("QUEUED"), "ready": False},
+        {"record": _record("QUEUED"), "ready": False},  # unchanged: no second log line
+        {"record": _record("ADMITTED", size=2, reason="admitted at 2 H100 within quota", position=0), "ready": True},
+    ])
+    monkeypatch.setattr(no_ray, "_controller", lambda: controller)
+    lines = []
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    ticket = no_ray.AdmissionTicket.open(job, lines.append, job_id="sub-1")
+    ticket.poll_s = 0.0
+    assert ticket.wait() == 2
+    assert lines == ["rayfleet queue: QUEUED in team-a (place 1 in line): waiting (gang minimum 2 does not fit): 2: 0 idle",
+                     "rayfleet queue: admitted in team-a at 2 H100: admitted at 2 H100 within quota"]
+    import signal
+
+    assert signal.getsignal(signal.SIGTERM) is not before  # released first when the driver is stopped
+    ticket.close()
+    assert controller.calls[-1] == "release_admission"
+    assert signal.getsignal(signal.SIGTERM) is before
