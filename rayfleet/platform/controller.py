@@ -46,9 +46,8 @@ from rayfleet.platform.autoscaler.service import SharedAutoscaler
 from rayfleet.platform.autoscaler.types import (
     Decision, InboxEntry, RequestNodes, ServeObservation, TrainingObservation,
 )
-from rayfleet.platform.admission import AdmissionRequest
 from rayfleet.platform.admission_book import AdmissionBook
-from rayfleet.platform.queues import QueueTree, parse_queue_spec
+from rayfleet.platform.controller_queues import QueueMethods
 from rayfleet.platform.ray_compat import available_resources_per_node
 
 __all__ = ["FleetController", "ensure_controller", "get_controller", "CONTROLLER_NAME"]
@@ -58,7 +57,7 @@ CONTROLLER_NAME = "rayfleet_controller"
 _ACCELERATOR_RESOURCES = ("GPU", "NPU", "XPU")
 
 
-class FleetController:
+class FleetController(QueueMethods):
     def __init__(self, state_path: str | None = None, *, heartbeat_s: float = 2.0,
                  reconcile_s: float = 2.0, heartbeat_timeout_s: float = 15.0,
                  cordon_suspect: bool = True) -> None:
@@ -267,76 +266,6 @@ class FleetController:
 
     def ping(self) -> str:
         return self.state_path
-
-    # -- queues -----------------------------------------------------------------------------
-    def _queue_tree(self) -> QueueTree:
-        return QueueTree.build(parse_queue_spec(v) for _, v in self.store.items("queue/"))
-
-    def create_queue(self, spec: dict) -> dict:
-        """Create or replace a queue; the whole tree is re-validated first (SpecError if not)."""
-        queue = parse_queue_spec(spec)
-        with self._lock:
-            self._queue_tree().with_queue(queue)
-            self.store.put(f"queue/{queue.name}", queue.to_json())
-            self._event(queue.name, "queue_created", f"quota {dict(queue.quota)}, borrow limit "
-                        f"{'unlimited' if queue.borrow_limit is None else dict(queue.borrow_limit)}, priority {queue.priority}")
-        self.admission.step()  # outside self._lock (see delete_queue): a new quota may admit waiting jobs
-        return queue.to_json()
-
-    def delete_queue(self, name: str) -> None:
-        jobs = self.admission.jobs_in(name)  # outside self._lock: the book takes it (free accelerators)
-        if jobs:
-            raise SpecError("queue", name, f"holds {len(jobs)} queued or running job(s) ({', '.join(jobs[:3])})",
-                            "wait for them to end, or stop them (`rayfleet job stop JOB`)")
-        with self._lock:
-            self._queue_tree().without(name)
-            self.store.delete(f"queue/{name}")
-            self._event(name, "queue_deleted", "operator")
-
-    def list_queues(self) -> list[dict]:
-        return [q.to_json() for q in sorted(self._queue_tree().queues.values(), key=lambda q: q.name)]
-
-    def apply_queues(self, specs: list[dict]) -> dict[str, list[str]]:
-        """Create or replace every queue in ``specs`` at once (``rayfleet queue apply``): the tree
-        they make with the queues already declared is validated as a whole before anything is
-        stored. Returns the names ``created``, ``updated`` and ``unchanged``."""
-        queues = [parse_queue_spec(spec) for spec in specs]
-        out: dict[str, list[str]] = {"created": [], "updated": [], "unchanged": []}
-        with self._lock:
-            current = self._queue_tree().queues
-            names = {q.name for q in queues}
-            if len(names) != len(queues):
-                raise SpecError("queues", sorted(q.name for q in queues), "names a queue twice", "give each queue once")
-            QueueTree.build([q for n, q in current.items() if n not in names] + queues)
-            for queue in queues:
-                old = current.get(queue.name)
-                key = "created" if old is None else "unchanged" if old == queue else "updated"
-                out[key].append(queue.name)
-                if key != "unchanged":
-                    self.store.put(f"queue/{queue.name}", queue.to_json())
-                    self._event(queue.name, f"queue_{key}", f"applied: quota {dict(queue.quota)}, borrow limit "
-                                f"{'unlimited' if queue.borrow_limit is None else dict(queue.borrow_limit)}, "
-                                f"priority {queue.priority}")
-        self.admission.step()  # a larger quota may admit waiting jobs now
-        return out
-
-    # -- admission of training jobs (see admission_book; the job driver calls these) ---------------
-    def request_admission(self, request: dict) -> dict:
-        """A job driver asks its queue for accelerators (``AdmissionRequest`` fields)."""
-        return self.admission.request(AdmissionRequest.from_json(request))
-
-    def admission_status(self, job_id: str) -> dict | None:
-        return self.admission.status(job_id)
-
-    def admission_heartbeat(self, job_id: str, held: int | None = None) -> bool:
-        return self.admission.heartbeat(job_id, held)
-
-    def release_admission(self, job_id: str, why: str = "the job ended") -> bool:
-        return self.admission.release(job_id, why)
-
-    def admissions(self) -> list[dict]:
-        """Every queued and admitted job: state, size, reason, place in line (JSON-able)."""
-        return self.admission.records()
 
     # -- shared autoscaler (see autoscaler.service; these are its actor-facing methods) ----------
     def report_serve(self, observation: ServeObservation | None, deployment: str | None = None) -> None:
