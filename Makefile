@@ -41,12 +41,10 @@ vllm: $(VLLM_STAMP)
 demo: setup
 	$(PY) -m rayfleet.demo
 
-# Unit tests (no Ray; with vLLM's offline-engine tests) run in a pytest session of their own
-# *beside* the cluster tier (one shared local fleet): the live tiers leave cores idle while they
-# wait on starts. The `ray up cluster.yaml` integration test owns its own cluster, so it runs
-# alone afterwards; tests/vllm starts its own small fleet, after the cluster tier released its own.
-# scripts/test_tiers.py runs the sessions (unit beside cluster + gpu, then vllm, then integration)
-# and prints each tier's time (and the install's) at the end.
+# Unit tests (no Ray; with vLLM's offline-engine tests), then the cluster tests (one shared local
+# fleet), then tests/vllm (its own small fleet, after the cluster tier released its own), then
+# tests/integration (the `ray up cluster.yaml` test owns its own cluster). scripts/test_tiers.py
+# runs the sessions in that order and prints each tier's time (and the install's) at the end.
 test:
 	@start=$$(date +%s); $(MAKE) --no-print-directory setup vllm && \
 		$(PY) scripts/test_tiers.py --install-seconds $$(( $$(date +%s) - start ))

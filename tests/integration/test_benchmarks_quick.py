@@ -1,10 +1,8 @@
 """The quick runs of the benchmarks that start a Ray cluster of their own (see
 tests/unit/test_benchmarks_quick.py for the rest and for the --quick/--json checks).
 
-Each starts a fleet of its own. ``make test`` (scripts/test_tiers.py) runs them in a session of
-their own beside the rest of tests/integration, after the cluster tier's fleet is gone; fleets
-that run side by side name themselves to their processes (``RAY_ADDRESS``), so Ray Train's
-discovery does not see "multiple active Ray instances".
+Each starts a fleet of its own, so they run in the integration session, after the cluster
+tier's fleet is gone.
 """
 
 from __future__ import annotations
