@@ -63,6 +63,9 @@ __all__ = ["RoutePlan", "RouterCore", "Router", "PolledReplica", "RouteHint", "P
            "ROUTING_STATS_KEYS", "register_pool_router", "pool_router"]
 
 log = logging.getLogger(__name__)
+POLL_MISSES_UNHEALTHY = 3
+"""Poll deadlines a replica may miss in a row before the router stops sending to it (a failed
+poll, e.g. a dead actor, makes it unhealthy at once)."""
 
 @dataclass(frozen=True)
 class RoutePlan:
@@ -284,6 +287,7 @@ class Router:
         self.poll_interval_s = poll_interval_s
         self.idle_poll_interval_s = max(idle_poll_interval_s, poll_interval_s)
         self.states: dict[str, ReplicaState] = {}
+        self._missed: dict[str, int] = {}  # polls in a row a replica let time out (_poll_one)
         self.num_polls = 0  # poll rounds so far (tests, debugging)
         self._task: asyncio.Task | None = None
         self._routed_since_poll = False
@@ -296,11 +300,22 @@ class Router:
     async def _poll_one(self, name: str, client: PolledReplica) -> None:
         try:
             state = await asyncio.wait_for(client.poll_state(), timeout=max(2.0, 10 * self.poll_interval_s))
+        except asyncio.TimeoutError:
+            # Slow, not failed: a replica in a long step on a loaded host can miss a poll's deadline
+            # (seen: one missed poll made the only replica unhealthy and a normal request got a 503
+            # at load 30). Unhealthy after POLL_MISSES_UNHEALTHY in a row; its last state stands.
+            self._missed[name] = self._missed.get(name, 0) + 1
+            log.info("router: replica %s did not answer a poll in time (%d in a row)", name, self._missed[name])
+            if self._missed[name] >= POLL_MISSES_UNHEALTHY:
+                self.core.mark_unhealthy(name)
+                self.states.pop(name, None)
+            return
         except Exception as exc:  # noqa: BLE001 - any failure to answer makes it unhealthy
             log.info("router: replica %s did not answer a poll (%s)", name, type(exc).__name__)
             self.core.mark_unhealthy(name)
             self.states.pop(name, None)
             return
+        self._missed.pop(name, None)
         self.states[name] = state
         self.core.observe(name, state.snapshot, state.events, now_s=time.monotonic())
 
