@@ -167,8 +167,8 @@ def deploy(spec: ServeSpec | dict[str, Any] | str | Path, *, address: str | None
     serve.start(proxy_location="HeadOnly", http_options={"host": spec.http.host, "port": spec.http.port})
     deadline = time.monotonic() + timeout_s
     for role, pool in spec.pools().items():  # Serve autoscales each pool within these (pool_scaling)
-        set_pool_bounds(spec.name, pool_deployment_name(spec, role), min_replicas=pool.replicas,
-                        max_replicas=pool.max_replicas or pool.replicas)
+        lo, hi = pool.serve_replica_bounds()  # Serve replicas: a vLLM DP pool's replica is a gang of ranks
+        set_pool_bounds(spec.name, pool_deployment_name(spec, role), min_replicas=lo, max_replicas=hi)
     try:
         serve.run(build_app(spec), name=spec.name, route_prefix=spec.http.route_prefix, blocking=False)
     except RuntimeError as exc:  # Serve raises RuntimeError when a deployment fails to start

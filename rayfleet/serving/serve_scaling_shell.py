@@ -20,6 +20,9 @@ only gathers and acts, so it stays thin:
   and Serve drains the replica it stops (no new routes, its requests finish within
   ``graceful_shutdown_timeout_s``; what is left resumes elsewhere), so a scale-down fails no
   request. Serve picks which replica stops, so the freed node may not be the named one.
+A vLLM pool with ``data_parallel_size`` > 1 is lent and reclaimed in whole gangs of DP ranks:
+the shell reports it to the policy with a gang as the replica (``deploy.gang_units.LendUnit``) and
+moves Serve's bounds by the gang's ranks.
 The shell is a Ray actor (``num_cpus=0``, on the head node) so that it outlives a notebook
 cell but not the driver that started it. Its pure rules (the observation it reports, desired
 replicas, when a lent replica may be placed) are ``deploy.serve_scaling_rules``. It sits at the
@@ -32,12 +35,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from rayfleet.errors import SpecError
 from rayfleet.platform.autoscaler.shell import AutoscalerShellBase, RayChannel
 from rayfleet.platform.autoscaler.types import Decision, ScaleServe, ServeObservation
+from rayfleet.serving.deploy.gang_units import LendUnit
 from rayfleet.serving.deploy.serve_scaling_rules import LentReplica, RoomWatch, ServeShellConfig, serve_observation
 from rayfleet.serving.deployer import pool_deployment_name
 from rayfleet.serving.spec import ServeSpec
@@ -68,12 +72,17 @@ class ServeShell(AutoscalerShellBase):
             raise SpecError(f"{self.role}.accelerator_type", None, "is needed to lend accelerators to this pool",
                             "set the pool's accelerator_type (e.g. H100)")
         self.pool = pool
+        # The policy's replica: a gang of DP ranks in a wide-EP vLLM pool (gang_units)
+        self.unit = LendUnit.of_pool(data_parallel_size=pool.data_parallel_size,
+                                     accelerators_per_replica=pool.accelerators_per_replica)
+        if self.unit.ranks > 1:  # the target is per Serve replica (rank); desired counts gangs
+            self.config = replace(self.config, target_ongoing_requests=self.config.target_ongoing_requests * self.unit.ranks)
         super().__init__(RayChannel(get_controller(), timeout_s=10), inbox=self.spec.name,
                          subject=f"serve:{self.spec.name}", interval_s=self.config.interval_s, log=log.warning,
                          thread_name="serve-shell")
         self.deployment = pool_deployment_name(self.spec, self.role)  # the pool's Serve deployment
         self.load_source = _load_source(self.spec, self.deployment, window_s=self.config.window_s)
-        self.base_nodes = _replica_nodes(self.spec.name, self.deployment)
+        self.base_nodes = _replica_nodes(self.spec.name, self.deployment, self.unit)
         self.lent: list[LentReplica] = []
         self._lock = threading.Lock()
         self.last_observation: ServeObservation | None = None
@@ -101,7 +110,7 @@ class ServeShell(AutoscalerShellBase):
             lent = list(self.lent)
         observation = serve_observation(
             deployment=self.spec.name, accelerator_type=self.pool.accelerator_type,
-            accelerators_per_replica=max(1, self.pool.accelerators_per_replica), load=load,
+            accelerators_per_replica=self.unit.accelerators, load=load,
             kv_usage_by_replica=kv, base_nodes=self.base_nodes, lent=lent, config=self.config)
         self.last_observation = observation
         return observation
@@ -130,14 +139,16 @@ class ServeShell(AutoscalerShellBase):
             threading.Thread(target=self._remove, args=(victim, decision.reason), daemon=True).start()
 
     def _lent_bounds(self) -> int:
-        """Replicas of the pool the shell wants now: base + lent ones not being removed."""
+        """Units (replicas or gangs) of the pool the shell wants now: base + lent ones not being removed."""
         with self._lock:
             active = [r for r in self.lent if r.removal_decided_at is None and not r.error and r.placed_at is not None]
         return len(self.base_nodes) + len(active)
 
-    def _set_bounds_and_wait(self, replicas: int, timeout_s: float) -> None:
+    def _set_bounds_and_wait(self, units: int, timeout_s: float) -> None:
+        """Serve's bounds to ``units`` whole units (a gang's ranks together), then wait for them to run."""
         from rayfleet.serving.deploy.pool_scaling import set_pool_bounds
 
+        replicas = self.unit.serve_replicas(units)
         set_pool_bounds(self.spec.name, self.deployment, min_replicas=replicas, max_replicas=replicas)
         deadline = time.monotonic() + timeout_s
         while _running_replicas(self.spec.name, self.deployment) != replicas:
@@ -150,7 +161,7 @@ class ServeShell(AutoscalerShellBase):
             # Raise the bounds only once the policy's freed accelerator is really free (the
             # training job steps off it after its current step): a replica queued in Ray before
             # that was seen to stay pending after the accelerator freed up.
-            self._wait_for_room(replica.node, max(1, self.pool.accelerators_per_replica), reforming=reforming)
+            self._wait_for_room(replica.node, self.unit.accelerators, reforming=reforming)
             replica.placed_at = time.time()
             self._set_bounds_and_wait(self._lent_bounds(), timeout_s=self.config.replica_start_timeout_s)
         except Exception as exc:  # noqa: BLE001 - recorded; the policy sees no new replica
@@ -171,7 +182,7 @@ class ServeShell(AutoscalerShellBase):
         from rayfleet.serving.deploy.pool_scaling import set_pool_bounds
 
         try:
-            replicas = self._lent_bounds()
+            replicas = self.unit.serve_replicas(self._lent_bounds())
             set_pool_bounds(self.spec.name, self.deployment, min_replicas=replicas, max_replicas=replicas)
         except Exception as exc:  # noqa: BLE001 - reported; the next decision retries through the policy
             self.event("autoscaler_serve_shell_error", f"lowering the pool's bounds failed: {exc!r}", {})
@@ -249,8 +260,9 @@ def _load_source(spec: ServeSpec, deployment: str, *, window_s: float):
     return _IngressLoad(spec.name, window_s)
 
 
-def _replica_nodes(app_name: str, deployment: str) -> list[str]:
-    """rayfleet node of each running replica of the pool deployment ('' when not labelled)."""
+def _replica_nodes(app_name: str, deployment: str, unit: LendUnit) -> list[str]:
+    """rayfleet node of each running replica of the pool deployment ('' when not labelled); of
+    each complete gang, grouped by its placement group, when the pool's unit is a gang."""
     import ray
     from ray.util.state import list_actors
 
@@ -259,9 +271,14 @@ def _replica_nodes(app_name: str, deployment: str) -> list[str]:
     node_of = {n["NodeID"]: (n.get("Labels") or {}).get(L.NODE, "") for n in ray.nodes()}
     cls = f"ServeReplica:{app_name}:{deployment}"
     # This cluster's address: with another Ray instance on the host, "auto" is ambiguous.
-    alive = list_actors(address=ray.get_runtime_context().gcs_address,
+    alive = list_actors(address=ray.get_runtime_context().gcs_address, detail=unit.ranks > 1,
                         filters=[("state", "=", "ALIVE"), ("class_name", "=", cls)], limit=10000)
-    return sorted(node_of.get(a.node_id, "") for a in alive)
+    if unit.ranks == 1:
+        return sorted(node_of.get(a.node_id, "") for a in alive)
+    by_gang: dict[str, list[str]] = {}
+    for a in alive:
+        by_gang.setdefault(a.placement_group_id or a.actor_id, []).append(node_of.get(a.node_id, ""))
+    return unit.unit_nodes(by_gang)
 
 
 def _running_replicas(app_name: str, deployment: str) -> int:

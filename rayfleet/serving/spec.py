@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from rayfleet.errors import SpecError
 from rayfleet.serving.engine.engine_config import EngineConfig
+from rayfleet.serving.pool_parallelism import DataParallelPoolFields, check_pool_parallelism
 
 if TYPE_CHECKING:
     from rayfleet.serving.routing.long_prefill import LongPrefillPolicy
@@ -72,8 +73,9 @@ class ModelSource(_Strict):
         return str(self.preset)
 
 
-class PoolSpec(_Strict):
-    """Engine replicas of one role and what each reserves on the fleet."""
+class PoolSpec(DataParallelPoolFields, _Strict):
+    """Engine replicas of one role and what each reserves on the fleet (a vLLM pool's replica may
+    be a gang of data-parallel ranks: ``pool_parallelism``)."""
 
     replicas: int = Field(1, ge=1, le=64)  # Serve autoscaling's floor (the pool is one deployment)
     max_replicas: int | None = Field(None, ge=1, le=64)  # Serve may scale up to this alone (None: replicas)
@@ -318,6 +320,7 @@ class ServeSpec(_Strict):
             raise SpecError("vllm.request_router", "rayfleet", "Serve LLM's prefill/decode servers do not publish "
                             "the routing stats rayfleet's router reads",
                             "use prefix_cache_affinity or power_of_two with mode: disaggregated")
+        check_pool_parallelism(engine_kind=self.engine.kind, device=self.vllm.device, pools=self.pools())
         return self
 
     @classmethod

@@ -294,6 +294,7 @@ SERVING_RANK = {
     "errors": 0, "api_keys": 0, "experts": 0,  # below every room: shared errors, API keys, EPLB
     "engine": 1,  # one replica's engine core; owns what it publishes and the protocols it needs
     "kv": 2, "routing": 2,  # KV tiers and transfer (implement the engine's connector); the router
+    "pool_parallelism": 2,  # a pool's wide-EP fields (a mixin of spec's PoolSpec) and their checks
     "spec": 3,  # ServeSpec, the pydantic edge, maps onto engine/routing/experts configs
     "deploy": 4,  # engine replicas on Serve, the request path, Serve autoscaling bounds
     "openai_api": 5, "vllm": 5,  # the two HTTP faces and their Serve applications

@@ -74,8 +74,8 @@ def app_builder(args: dict[str, Any]):
     spec = ServeSpec.parse(dict(args))
     app = build_vllm_app(spec)
     for role, pool in spec.pools().items():
-        set_pool_bounds(spec.name, llm_deployment_name(spec, role), min_replicas=pool.replicas,
-                        max_replicas=pool.max_replicas or pool.replicas)
+        lo, hi = pool.serve_replica_bounds()  # a DP pool's replica is a gang of Serve replicas
+        set_pool_bounds(spec.name, llm_deployment_name(spec, role), min_replicas=lo, max_replicas=hi)
     return app
 
 

@@ -27,6 +27,11 @@ decides what to ask of it, from the same spec as the built-in engine:
   (``routing.VLLMPrefixLoadRequestRouter``) needs replicas that publish its routing stats, so
   its pools run ``server.RayfleetLLMServer`` (``LLMConfig.server_cls``).
 
+- A wide-EP pool (``data_parallel_size`` > 1, a replica is a gang of DP ranks) becomes Serve
+  LLM's data-parallel deployment: the placement group, label selectors and engine arguments
+  above are one rank's, and ``data_parallel`` says what changes (builder, server class, DP/EP
+  engine arguments, the MoE check).
+
 The builders in ``rayfleet.serving.vllm.app`` turn ``VLLMAppArgs`` into an ``Application``.
 """
 
@@ -40,6 +45,7 @@ from rayfleet.platform import labels as L
 from rayfleet.platform.catalogue import get_accelerator
 from rayfleet.serving.deploy.pool_scaling import autoscaling_config
 from rayfleet.serving.spec import PoolSpec, ServeSpec
+from rayfleet.serving.vllm.data_parallel import RAY_DP_SERVER, RAYFLEET_DP_SERVER, check_moe_model, dp_engine_kwargs
 from rayfleet.serving.vllm.text_blocks import DEFAULT_CHARS_PER_TOKEN
 
 __all__ = ["VLLMAppArgs", "vllm_app_args", "llm_config_fields", "llm_deployment_name", "placement_group_config", "engine_kwargs",
@@ -69,7 +75,7 @@ class VLLMAppArgs:
     """What to build: ``builder`` names the ``ray.serve.llm`` function, ``args`` its argument
     (``LLMServingArgs`` / ``PDServingArgs`` as a dict of ``LLMConfig`` field dicts)."""
 
-    builder: Literal["build_openai_app", "build_pd_openai_app"]
+    builder: Literal["build_openai_app", "build_pd_openai_app", "build_dp_openai_app"]
     args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -101,8 +107,13 @@ def kv_transfer_config(spec: ServeSpec) -> dict[str, Any] | None:
     return config
 
 
+def accelerators_per_rank(pool: PoolSpec) -> int:
+    """Accelerators of one Serve replica: the pool's replica, or one DP rank of its gang."""
+    return pool.accelerators_per_replica // pool.data_parallel_size
+
+
 def tensor_parallel_size(spec: ServeSpec, pool: PoolSpec) -> int:
-    return max(1, pool.accelerators_per_replica) if spec.vllm.device == "gpu" else 1
+    return max(1, accelerators_per_rank(pool)) if spec.vllm.device == "gpu" else 1
 
 
 def engine_kwargs(spec: ServeSpec, role: str) -> dict[str, Any]:
@@ -130,6 +141,7 @@ def engine_kwargs(spec: ServeSpec, role: str) -> dict[str, Any]:
     transfer = kv_transfer_config(spec)
     if transfer is not None:
         kwargs["kv_transfer_config"] = transfer
+    kwargs.update(dp_engine_kwargs(spec.pools()[role]))
     kwargs.update(v.engine_kwargs)
     return kwargs
 
@@ -143,7 +155,8 @@ def _accelerator(pool: PoolSpec) -> tuple[str, str | None]:
 
 
 def placement_group_config(spec: ServeSpec, pool: PoolSpec) -> dict[str, Any]:
-    """One replica's placement group (``LLMConfig.placement_group_config``; see module doc)."""
+    """One Serve replica's placement group (``LLMConfig.placement_group_config``; see module
+    doc): of a DP pool, one rank's, which Serve repeats for each rank of the gang."""
     resource, _ = _accelerator(pool)
     if spec.vllm.device == "gpu":
         first = {resource: 1.0, **({"CPU": pool.num_cpus} if pool.num_cpus else {})}
@@ -152,8 +165,8 @@ def placement_group_config(spec: ServeSpec, pool: PoolSpec) -> dict[str, Any]:
     bundle: dict[str, float] = {}
     if pool.num_cpus:
         bundle["CPU"] = pool.num_cpus
-    if pool.accelerators_per_replica:
-        bundle[resource] = float(pool.accelerators_per_replica)
+    if accelerators_per_rank(pool):
+        bundle[resource] = float(accelerators_per_rank(pool))
     return {"bundles": [bundle or {"CPU": CPU_ENGINE_SHARE}], "strategy": "PACK"}
 
 
@@ -219,6 +232,8 @@ def llm_config_fields(spec: ServeSpec, role: str) -> dict[str, Any]:
     """``LLMConfig`` fields (a dict ``LLMConfig.model_validate`` accepts) for ``role``'s pool."""
     pool = spec.pools()[role]
     pg = placement_group_config(spec, pool)
+    source = model_loading_config(spec)["model_source"]
+    check_moe_model(source, role=role, pool=pool)
     if role == "decode":
         _check_router(spec, pg["bundles"])
     deployment: dict[str, Any] = {"ray_actor_options": {"num_cpus": 0},
@@ -234,7 +249,7 @@ def llm_config_fields(spec: ServeSpec, role: str) -> dict[str, Any]:
     router = request_router_config(spec)
     if router is not None:
         deployment["request_router_config"] = router
-    fields: dict[str, Any] = {"model_loading_config": model_loading_config(spec),
+    fields: dict[str, Any] = {"model_loading_config": {"model_id": spec.model.served_name, "model_source": source},
                               "accelerator_config": {"kind": spec.vllm.device},
                               "placement_group_config": pg,
                               "deployment_config": deployment,
@@ -242,7 +257,7 @@ def llm_config_fields(spec: ServeSpec, role: str) -> dict[str, Any]:
                               "runtime_env": _runtime_env(spec),
                               "log_engine_metrics": True}
     if request_router_name(spec) == "rayfleet":
-        fields["server_cls"] = RAYFLEET_SERVER
+        fields["server_cls"] = RAYFLEET_DP_SERVER if pool.is_data_parallel else RAYFLEET_SERVER
     return fields
 
 
@@ -251,7 +266,8 @@ def llm_deployment_name(spec: ServeSpec, role: str) -> str:
     ``ray.llm._internal.serve.core.server.builder``): the model id with ``/`` -> ``--`` and
     ``.`` -> ``_``, after ``Prefill:`` / ``Decode:`` in a PD app (``build_pd_openai_app``), after
     the server class name in a colocated one (``build_openai_app``: ``LLMServer:``, or
-    ``RayfleetLLMServer:`` under rayfleet's router). The vLLM tier checks it against Serve.
+    ``RayfleetLLMServer:`` under rayfleet's router; a DP pool's: ``DPServer:`` or
+    ``RayfleetDPServer:``). The vLLM tier checks it against Serve.
 
     >>> spec = ServeSpec.parse({"name": "a", "engine": "vllm", "mode": "disaggregated", "vllm": {"device": "cpu"},
     ...                         "model": {"hf": "/models/q", "name": "Qwen/Qwen3-0.6B"}})
@@ -264,7 +280,10 @@ def llm_deployment_name(spec: ServeSpec, role: str) -> str:
     model_id = spec.model.served_name.replace("/", "--").replace(".", "_")
     if spec.mode == "disaggregated":
         return f"{role.capitalize()}:{model_id}"
-    server = RAYFLEET_SERVER if request_router_name(spec) == "rayfleet" else "LLMServer"
+    if spec.pools()[role].is_data_parallel:  # data_parallel module doc: which builder, which class
+        server = RAYFLEET_DP_SERVER if request_router_name(spec) == "rayfleet" else RAY_DP_SERVER
+    else:
+        server = RAYFLEET_SERVER if request_router_name(spec) == "rayfleet" else "LLMServer"
     return f"{server.rsplit('.', 1)[-1]}:{model_id}"
 
 
@@ -277,7 +296,10 @@ def vllm_app_args(spec: ServeSpec) -> VLLMAppArgs:
     ingress = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}}
     common = {"ingress_deployment_config": ingress, "ingress_cls_config": ingress_cls_config(spec)}
     if spec.mode == "colocated":
-        return VLLMAppArgs("build_openai_app", {"llm_configs": [llm_config_fields(spec, "colocated")], **common})
+        fields = llm_config_fields(spec, "colocated")
+        if spec.colocated.is_data_parallel and "server_cls" not in fields:  # Serve's routers: Ray's DP app as is
+            return VLLMAppArgs("build_dp_openai_app", {"llm_config": fields, **common})
+        return VLLMAppArgs("build_openai_app", {"llm_configs": [fields], **common})
     return VLLMAppArgs("build_pd_openai_app", {"prefill_config": llm_config_fields(spec, "prefill"),
                                                "decode_config": llm_config_fields(spec, "decode"), **common})
 
