@@ -42,7 +42,8 @@ from rayfleet.errors import SpecError
 from rayfleet.platform.autoscaler.shell import AutoscalerShellBase, RayChannel
 from rayfleet.platform.autoscaler.types import Decision, ScaleServe, ServeObservation
 from rayfleet.serving.deploy.gang_units import LendUnit
-from rayfleet.serving.deploy.serve_scaling_rules import LentReplica, RoomWatch, ServeShellConfig, serve_observation
+from rayfleet.serving.deploy.serve_scaling_rules import (LentReplica, RoomWatch, ServeShellConfig,
+                                                        free_accelerators_of_type, serve_observation)
 from rayfleet.serving.deployer import pool_deployment_name
 from rayfleet.serving.spec import ServeSpec
 
@@ -202,16 +203,14 @@ class ServeShell(AutoscalerShellBase):
         import ray
         from rayfleet.platform.ray_compat import available_resources_per_node
 
-        from rayfleet.platform import labels as L
         from rayfleet.platform.catalogue import get_accelerator
 
         resource = get_accelerator(self.pool.accelerator_type).ray_resource  # GPU, XPU or NPU
         deadline = time.monotonic() + timeout_s
         watch = RoomWatch(node, count, settle_s=settle_s, reforming=bool(reforming))
         while time.monotonic() < deadline and not self._halt.is_set():
-            alive = {n["NodeID"]: (n.get("Labels") or {}).get(L.NODE) for n in ray.nodes() if n.get("Alive")}
-            free_by_node = {name: available_resources_per_node().get(node_id, {}).get(resource, 0)
-                            for node_id, name in alive.items()}
+            free_by_node = free_accelerators_of_type(ray.nodes(), available_resources_per_node(), resource=resource,
+                                                     accelerator_type=self.pool.accelerator_type)
             if watch.ready(time.monotonic(), free_by_node, self._pending_lent_accelerators(count)):
                 return
             time.sleep(0.25)

@@ -4,19 +4,21 @@ No Ray, clock or I/O (times are passed in), so they are unit-tested alone and th
 (``serving.serve_scaling_shell``) stays a thin actor that gathers, calls and acts:
 - ``serve_observation``: a pool's ``ServeObservation`` from its load, KV usage and lent replicas;
 - ``desired_replicas``: Serve's own autoscaling rule (``ceil(in flight / target)`` in bounds);
-- ``RoomWatch``: when the accelerator the policy freed may take the lent replica.
+- ``RoomWatch``: when the accelerator the policy freed may take the lent replica;
+- ``free_accelerators_of_type``: what ``RoomWatch`` is fed (only the pool's accelerator type).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
+from rayfleet.platform import labels as L
 from rayfleet.platform.autoscaler.types import ServeObservation
 
 __all__ = ["ServeShellConfig", "LentReplica", "p95", "RoomWatch", "lender_settled", "desired_replicas",
-           "serve_observation", "SETTLED_HOLD_S"]
+           "serve_observation", "SETTLED_HOLD_S", "free_accelerators_of_type"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,24 @@ def lender_settled(free_by_node: dict[str, float], pending_lent: int) -> bool:
     """True when no accelerator is free beyond those lent and not yet taken (pure): the lender
     holds its new layout, so a replica placed now can only land on a lent one."""
     return sum(free_by_node.values()) <= pending_lent
+
+
+def free_accelerators_of_type(nodes: Sequence[Mapping], available_by_node_id: Mapping[str, Mapping[str, float]], *,
+                              resource: str, accelerator_type: str) -> dict[str, float]:
+    """rayfleet node name -> free ``resource`` (``GPU``, ``XPU``...) of each live node whose
+    accelerator-type label is ``accelerator_type`` (pure; ``nodes`` as ``ray.nodes()`` lists them).
+
+    Only these nodes can take the pool's lent replica, so only they say whether the lender has
+    settled (``lender_settled``). Counting every node's free GPUs made a fleet with idle
+    accelerators of another type never look settled: the replica then waited out ``settle_s``
+    (seen in the vLLM tier: an idle A100 node held the H100 decode pool's lend back 90 s).
+    """
+    out: dict[str, float] = {}
+    for node in nodes:
+        labels = node.get("Labels") or {}
+        if node.get("Alive") and labels.get(L.ACCELERATOR_TYPE) == accelerator_type:
+            out[labels.get(L.NODE, "")] = available_by_node_id.get(node["NodeID"], {}).get(resource, 0)
+    return out
 
 
 def desired_replicas(in_flight: int, *, target_ongoing_requests: float, min_replicas: int, max_replicas: int) -> int:
