@@ -73,6 +73,14 @@ def dataset(tmp_path_factory):
     return stdlib_json_tokens(tmp_path_factory)
 
 
+# vLLM's gauges reach the autoscaler through Ray's metrics agent, exported every
+# ``metrics_report_interval_ms`` (10 s by default): the lend test waited that long to see the
+# burst, the lent engine's tokens and the burst's end. 2 s cuts those lags (Ray's floor is 1 s);
+# the test's TTFT window still spans several exports.
+METRICS_EXPORT_S = 2.0
+FAST_METRICS_EXPORT = {"metrics_report_interval_ms": int(METRICS_EXPORT_S * 1000)}
+
+
 @pytest.fixture(scope="session")
 def vllm_fleet(tmp_path_factory):
     import ray
@@ -87,7 +95,8 @@ def vllm_fleet(tmp_path_factory):
         # Ray gives a joining raylet 30 s (hard-coded) to register; on a loaded 2-core machine the
         # second node sometimes needs longer. LocalFleet.up tears down what it started on failure.
         try:
-            fleet = LocalFleet.up(topology, home=tmp_path_factory.mktemp("rayfleet-home"))
+            fleet = LocalFleet.up(topology, home=tmp_path_factory.mktemp("rayfleet-home"),
+                                  system_config=FAST_METRICS_EXPORT)
             break
         except Exception as exc:  # noqa: BLE001 - retried, then re-raised
             if attempt == 2 or "timed out during startup" not in str(exc):

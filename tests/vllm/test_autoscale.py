@@ -56,6 +56,18 @@ def _replica_node(dashboard_url: str, replica_id: str) -> str:
     return ""
 
 
+class _Phases:
+    """Seconds since the test started, printed at each phase's end (where the test's time goes)."""
+
+    def __init__(self) -> None:
+        self.t0 = self.last = time.monotonic()
+
+    def __call__(self, what: str) -> None:
+        now = time.monotonic()
+        print(f"[{now - self.t0:6.1f}s] +{now - self.last:5.1f}s {what}", flush=True)
+        self.last = now
+
+
 def _generated_tokens(replica_id: str) -> float:
     from rayfleet.serving.vllm.prometheus_scrape import metric_sum, scrape_vllm_metrics
 
@@ -70,6 +82,7 @@ def test_autoscaler_lends_an_accelerator_from_training_to_the_vllm_decode_pool_a
     from rayfleet.serving.deploy.pool_scaling import get_pool_bounds
     from rayfleet.serving.vllm.config import llm_deployment_name
 
+    phase = _Phases()
     url, spec = pd_app
     sdk = vllm_fleet.sdk
     decode = llm_deployment_name(spec, "decode")
@@ -96,23 +109,26 @@ def test_autoscaler_lends_an_accelerator_from_training_to_the_vllm_decode_pool_a
         wait_until(lambda: len(steps()) >= 2 or run.status() in ("FAILED", "STOPPED"), timeout_s=300,
                    interval_s=1.0, what="the job's first steps on 2 workers")
         assert "on 2 workers" in run.logs(), run.logs()[-3000:]
+        phase("the job's first steps on 2 workers")
         # Decode in flight above 1 per replica asks for a second one; the TTFT SLO is loose, so the
         # decision follows vLLM's request gauges and the burst's end lets the pool shrink.
         # A vLLM engine start takes minutes on 2 busy cores (seen: 7 min at load average 37).
         shell = sdk.autoscale_serve(ServeDeployment(spec=spec, url=url.removesuffix("/v1"), api_key=API_KEY), ttft_slo_s=10.0,
-                                    target_ongoing_requests=1, max_replicas=2, window_s=15.0, interval_s=1.0,
+                                    target_ongoing_requests=1, max_replicas=2, window_s=10.0, interval_s=1.0,
                                     replica_start_timeout_s=900)
         burst = _burst(url, 3).start()
         t0 = time.monotonic()
         try:
             wait_until(lambda: any(h["running_at"] for h in shell.history()) or run.status() in ("FAILED", "STOPPED"),
                        timeout_s=1100, interval_s=1.0, what="a lent decode replica running")
+            phase("a lent decode replica running")
             lent_id = next(iter(replica_ids(vllm_fleet.dashboard_url, PD_APP, "Decode") - base_decode), "")
             lent_node = _replica_node(vllm_fleet.dashboard_url, lent_id)
             # The burst goes on until the lent engine has served part of it (its own counters;
             # Ray exports them every few seconds).
             lent_tokens = wait_until(lambda: _generated_tokens(lent_id), timeout_s=90, interval_s=2.0,
                                      what="the lent decode engine's generated tokens")
+            phase("the lent engine's generated tokens")
         except AssertionError as err:
             raise AssertionError(f"{err}\nshell saw {shell.observation()}\nhistory {shell.history()}\n"
                                  f"events {[(e.kind, e.cause) for e in sdk.events(limit=30)]}\n"
@@ -123,12 +139,15 @@ def test_autoscaler_lends_an_accelerator_from_training_to_the_vllm_decode_pool_a
         try:
             wait_until(lambda: all(h["removed_at"] for h in shell.history()), timeout_s=240, interval_s=1.0,
                        what="the lent decode replica drained and removed after the burst")
+            phase("the lent replica removed")
             wait_until(lambda: re.search(r"formation [1-9]\d* with 2 workers", run.logs())
                        or run.status() in ("FAILED", "STOPPED"), timeout_s=300, interval_s=2.0,
                        what="the job grown back to 2 workers")
+            phase("the job grown back to 2 workers")
             regrown = max(steps())
             wait_until(lambda: max(steps()) >= regrown + 2 or run.status() in ("FAILED", "STOPPED"),
                        timeout_s=180, interval_s=1.0, what="steps after the grow-back")
+            phase("steps after the grow-back")
         except AssertionError as err:
             raise AssertionError(f"{err}\nhistory {shell.history()}\n"
                                  f"events {[(e.kind, e.cause) for e in sdk.events(limit=30)]}\n"
@@ -145,6 +164,7 @@ def test_autoscaler_lends_an_accelerator_from_training_to_the_vllm_decode_pool_a
             run.cancel()
             wait_until(lambda: run.status() in ("STOPPED", "FAILED", "SUCCEEDED"), timeout_s=120, interval_s=1.0,
                        what="the job stopped")
+        phase("the job stopped")
 
     results = burst.results
     failed = [r for r in results if r["error"]]  # an empty answer can be right: greedy may end at once
@@ -152,7 +172,9 @@ def test_autoscaler_lends_an_accelerator_from_training_to_the_vllm_decode_pool_a
     handover = [h["handover_s"] for h in history if h["handover_s"] is not None]
     print(f"\nvLLM decode pool autoscaled: {len(results)} requests, {len(failed)} failed, {len(wrong)} wrong; "
           f"lent engine {lent_id} on {lent_node} generated {lent_tokens:.0f} tokens; burst {lend_cycle_s:.0f}s")
-    print(f"handover (decision -> lent vLLM decode replica running): {', '.join(f'{h:.1f}s' for h in handover)}")
+    placed = [h["placed_at"] - h["decided_at"] for h in history if h["placed_at"]]
+    print(f"handover (decision -> lent vLLM decode replica running): {', '.join(f'{h:.1f}s' for h in handover)}; "
+          f"placed (accelerator free, bounds raised) {', '.join(f'{p:.1f}s' for p in placed)} after the decision")
     for e in decisions:
         print(f"  {e.subject:<18} {e.kind:<34} {e.cause}")
     kinds = [e.kind for e in decisions]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import API_KEY, key_file, long_prompt, replica_ids, wait_until
+from .conftest import API_KEY, METRICS_EXPORT_S, key_file, long_prompt, replica_ids, wait_until
 
 APP = "vllm-pool"
 MODEL = "tiny-moe"
@@ -143,7 +143,8 @@ def _prompt_tokens_by_replica(uids: set[str]) -> dict[str, float]:
 
 def _settled_prompt_tokens(uids: set[str]) -> dict[str, float]:
     """The counters once Ray's metrics agent has exported everything earlier tests sent (two
-    scrapes a report interval apart agree); a stale baseline once added 202 tokens to a replica."""
+    scrapes more than the fleet's export interval apart agree); a stale baseline once added 202
+    tokens to a replica."""
     previous: dict[str, float] | None = None
 
     def settled() -> dict[str, float] | None:
@@ -153,7 +154,7 @@ def _settled_prompt_tokens(uids: set[str]) -> dict[str, float]:
         previous = now
         return now if same else None
 
-    return wait_until(settled, timeout_s=120, interval_s=12, what="vLLM's counters to settle")
+    return wait_until(settled, timeout_s=120, interval_s=1.5 * METRICS_EXPORT_S, what="vLLM's counters to settle")
 
 
 def test_prefix_aware_router_keeps_each_tenant_on_one_replica(pool_app, vllm_fleet):
