@@ -64,8 +64,8 @@ def check_pool_parallelism(*, engine_kind: str, device: str, pools: Mapping[str,
             name = "data_parallel_size" if pool.is_data_parallel else (
                 "enable_expert_parallel" if pool.enable_expert_parallel else "enable_eplb")
             raise SpecError(f"{role}.{name}", getattr(pool, name), "is a vLLM engine setting (Ray Serve LLM's "
-                            "data-parallel deployment); the built-in engine's replica is one process",
-                            f"set engine: vllm, or remove {role}.{name}")
+                            "data-parallel deployment)", f"set engine: vllm, or remove {role}.{name} (the built-in "
+                            f"engine's multi-rank replica is {role}.ranks_per_replica)")
         accelerators = int(getattr(pool, "accelerators_per_replica", 0))
         if pool.is_data_parallel and accelerators % dp:
             raise SpecError(f"{role}.accelerators_per_replica", accelerators,
