@@ -1,7 +1,8 @@
 """Wide-EP serving on the shared local fleet: a disaggregated app whose decode pool is ONE replica
-spanning 4 ranks (DP attention, experts split over the ranks, live EPLB), over HTTP.
+spanning 4 ranks (DP attention, experts split over the ranks, live EPLB) and whose prefill pool is
+one 2-rank replica, over HTTP: prefilled KV goes from a prefill rank to a decode rank.
 
-Checks: the gang's placement group holds the front and one H100 per rank, labelled; greedy
+Checks: each gang's placement group holds the front and one H100 per rank, labelled; greedy
 tokens of OpenAI requests (streamed and not, concurrent ones spread over the ranks by the DP
 balancer) equal a single in-process engine's; under traffic that shifts between two token
 topics the live EPLB moves expert weights between the ranks and no request fails; killing one
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.cluster
 MODEL = {"preset": "tiny", "seed": 7, "dtype": "float64",
          "overrides": {"max_seq_len": 1024, "init_std": 0.1, "num_experts": 8, "num_shared_experts": 0}}
 ENGINE = {"block_size": 8, "num_blocks": 96, "max_num_seqs": 8, "max_num_batched_tokens": 96}
-RANKS = 4
+RANKS, PREFILL_RANKS = 4, 2
 MAX_TOKENS = 12
 
 
@@ -43,7 +44,8 @@ def app(local_fleet):
 
     pool = {"replicas": 1, "accelerators_per_replica": 1, "accelerator_type": "H100"}
     served = deploy({"name": "test-wide-ep", "model": MODEL, "engine": ENGINE, "mode": "disaggregated",
-                     "prefill": pool, "decode": {**pool, "ranks_per_replica": RANKS, "accelerators_per_replica": RANKS},
+                     "prefill": {**pool, "ranks_per_replica": PREFILL_RANKS, "accelerators_per_replica": PREFILL_RANKS},
+                     "decode": {**pool, "ranks_per_replica": RANKS, "accelerators_per_replica": RANKS},
                      # 8 experts + 4 redundant slots = 3 per rank; windows of 4 steps, re-placed every window
                      "expert_balancing": {"enabled": True, "num_redundant_experts": 4, "window_steps": 4,
                                           "history_windows": 2, "rebalance_every_windows": 1},
@@ -94,16 +96,17 @@ def _complete(url: str, prompt: str, *, stream: bool, max_tokens: int = MAX_TOKE
     return tokens
 
 
-def _stats(served):
+def _stats(served, role: str = "decode"):
     from ray import serve
 
-    return serve.get_deployment_handle("decode", app_name=served.name).wide_ep_stats.remote().result(timeout_s=60)
+    return serve.get_deployment_handle(role, app_name=served.name).wide_ep_stats.remote().result(timeout_s=60)
 
 
-def _rank_actors() -> list[dict]:
+def _rank_actors(role: str = "decode") -> list[dict]:
     import ray
 
-    return [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("wide-ep-rank-")]
+    return [a for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(f"wide-ep-{role}-rank-")]
 
 
 def _concurrently(fn, args: list) -> list:
@@ -124,17 +127,18 @@ def _concurrently(fn, args: list) -> list:
     return results
 
 
-def test_the_gang_is_one_placement_group_of_labelled_h100_bundles(app, local_fleet):
+def test_each_gang_is_one_placement_group_of_labelled_h100_bundles(app, local_fleet):
     from ray.util import placement_group_table
 
-    gangs = [pg for pg in placement_group_table().values()
-             if pg["state"] == "CREATED" and len(pg["bundles"]) == RANKS + 1]
-    assert len(gangs) == 1, gangs
-    bundles = gangs[0]["bundles"]
-    assert bundles[0] == {"CPU": 0.01} and all(bundles[i] == {"GPU": 1.0} for i in range(1, RANKS + 1)), bundles
     h100 = {n.ray_node_id for n in local_fleet.topology.nodes if n.accelerator_type == "H100"}
-    assert set(gangs[0]["bundles_to_node_id"].values()) <= h100
-    assert len(_rank_actors()) == RANKS
+    for ranks, role in ((RANKS, "decode"), (PREFILL_RANKS, "prefill")):
+        gangs = [pg for pg in placement_group_table().values()
+                 if pg["state"] == "CREATED" and len(pg["bundles"]) == ranks + 1]
+        assert len(gangs) == 1, gangs
+        bundles = gangs[0]["bundles"]
+        assert bundles[0] == {"CPU": 0.01} and all(bundles[i] == {"GPU": 1.0} for i in range(1, ranks + 1)), bundles
+        assert set(gangs[0]["bundles_to_node_id"].values()) <= h100
+        assert len(_rank_actors(role)) == ranks
 
 
 def test_decode_gang_gives_single_engine_tokens_and_spreads_over_ranks(app, reference):
@@ -147,6 +151,8 @@ def test_decode_gang_gives_single_engine_tokens_and_spreads_over_ranks(app, refe
     assert got == [reference(p, 24) for p in many]
     stats = _stats(app)
     assert stats.num_ranks == RANKS and sum(1 for n in stats.requests_per_rank if n) >= 2, stats
+    prefill = _stats(app, "prefill")
+    assert prefill.num_ranks == PREFILL_RANKS and all(prefill.requests_per_rank), prefill
 
 
 def test_live_eplb_moves_expert_weights_under_shifting_traffic_without_failures(app, reference):

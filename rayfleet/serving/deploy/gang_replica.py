@@ -87,7 +87,7 @@ class RayGang:
                  placement: ExpertPlacement, placement_group: Any, first_bundle: int = 1,
                  rank_resources: dict[str, float] | None = None, routing: str = "balanced",
                  transport: str = "ray_object_store", lease_s: float = 30.0, threads_per_rank: int = 1,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, name: str = "wide-ep") -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.num_ranks, self.timeout_s = num_ranks, timeout_s
@@ -95,7 +95,7 @@ class RayGang:
         resources = dict(rank_resources or {})
         gpus = resources.pop("GPU", 0)
         self.actors = [actor.options(
-            name=f"wide-ep-rank-{uuid.uuid4().hex[:8]}-{r}", num_cpus=0, num_gpus=gpus, resources=resources,
+            name=f"{name}-rank-{uuid.uuid4().hex[:8]}-{r}", num_cpus=0, num_gpus=gpus, resources=resources,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=placement_group, placement_group_bundle_index=first_bundle + r,
                 placement_group_capture_child_tasks=False) if placement_group is not None else None,
@@ -176,7 +176,7 @@ class GangReplica(EngineReplica):
         def make_front(placement: ExpertPlacement | None) -> WideEPReplica:
             gang = RayGang(num_ranks=ranks, recipe=recipe, engine_config=config, placement=placement or initial,
                            placement_group=pg, rank_resources=wide_ep["rank_resources"], transport=transport,
-                           lease_s=lease_s, timeout_s=wide_ep["timeout_s"])
+                           lease_s=lease_s, timeout_s=wide_ep["timeout_s"], name=f"wide-ep-{role}")
             return WideEPReplica(gang, num_ranks=ranks, block_size=config.block_size, eplb=eplb, max_history=4096)
 
         engine = GangEngine(make_front, name=name, tokenizer=ByteTokenizer(),
