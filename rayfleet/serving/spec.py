@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from rayfleet.errors import SpecError
 from rayfleet.serving.engine.engine_config import EngineConfig
-from rayfleet.serving.pool_parallelism import DataParallelPoolFields, check_pool_parallelism
+from rayfleet.serving.pool_parallelism import DataParallelPoolFields, check_pool_parallelism, check_wide_ep
 
 if TYPE_CHECKING:
     from rayfleet.serving.routing.long_prefill import LongPrefillPolicy
@@ -83,7 +83,6 @@ class PoolSpec(DataParallelPoolFields, _Strict):
     accelerators_per_replica: int = Field(1, ge=0)  # the catalogue's Ray resource (GPU/XPU/NPU); 0: CPU only
     accelerator_type: str | None = None  # catalogue name (H100, P800, 910B); node label rayfleet.io/accelerator-type
     num_cpus: float = Field(0.0, ge=0)  # CPU resource per replica (fake-GPU fleets declare few)
-    ranks_per_replica: int = Field(1, ge=1, le=256)  # wide EP: DP-attention x EP ranks of one replica (a gang)
 
     @model_validator(mode="after")
     def _known_accelerator_and_bounds(self) -> "PoolSpec":
@@ -322,8 +321,6 @@ class ServeSpec(_Strict):
                             "the routing stats rayfleet's router reads",
                             "use prefix_cache_affinity or power_of_two with mode: disaggregated")
         check_pool_parallelism(engine_kind=self.engine.kind, device=self.vllm.device, pools=self.pools())
-        from rayfleet.serving.wide_ep_spec import check_wide_ep
-
         check_wide_ep(self)
         return self
 
