@@ -19,7 +19,7 @@ from ray import serve
 from rayfleet.serving.engine.async_engine import AsyncEngine
 from rayfleet.serving.engine.engine_config import EngineConfig
 from rayfleet.serving.engine.kv_connector import HandoffId, KVHandle
-from rayfleet.serving.engine.loading import load_engine
+from rayfleet.serving.engine.loading import load_engine, replica_device
 from rayfleet.serving.engine.replica_output import GenerationChunk, PrefillReply
 from rayfleet.serving.engine.replica_state import BlockUsage, ReplicaState
 from rayfleet.serving.engine.sampling import SamplingParams
@@ -67,7 +67,7 @@ class EngineReplica:
             self._kv_index = get_kv_index()
         engine = load_engine(preset_name=model["preset"], seed=model["seed"], checkpoint=model["checkpoint"],
                              dtype=model["dtype"], overrides=model["overrides"], config=config,
-                             kv_tiers=self.kv_tiers, hf=model.get("hf"))
+                             kv_tiers=self.kv_tiers, hf=model.get("hf"), device=replica_device())
         self.balancer = ExpertLoadBalancer(engine.model, expert_balancing) if expert_balancing else None
         self._attach(AsyncEngine(engine, name=name, transport=make_transport(transport, owner=name, lease_s=lease_s),
                                  after_step=self.balancer.after_step if self.balancer is not None else None),

@@ -232,9 +232,9 @@ class LLMEngine:
             raise SpecError("kv", tuple(k.shape), f"does not match {num_blocks} blocks of this engine's "
                             f"KV layout {tuple(cache.k.shape)}", "transfer between engines of one model "
                             "and block size")
-        ids = torch.tensor(self.kv_cache_manager.get_block_ids(rid)[:num_blocks], dtype=torch.long)
-        cache.k[:, ids] = k.to(cache.k.dtype)
-        cache.v[:, ids] = v.to(cache.v.dtype)
+        ids = torch.tensor(self.kv_cache_manager.get_block_ids(rid)[:num_blocks], dtype=torch.long, device=cache.k.device)
+        cache.k[:, ids] = k.to(cache.k.device, cache.k.dtype)
+        cache.v[:, ids] = v.to(cache.v.device, cache.v.dtype)
         self.scheduler.commit_prefilled(rid)
 
     def pop_prefill_result(self, request_id: str) -> PrefillResult | None:
@@ -275,7 +275,7 @@ class LLMEngine:
         self.num_prefill_tokens_total += self.last_step_prefill_tokens
         step_logits = self._execute(output)
         requests = [self.scheduler.requests[rid] for rid in step_logits.request_ids]
-        rows = sample_rows(step_logits.logits, [r.sampling_params for r in requests],
+        rows = sample_rows(step_logits.logits.cpu(), [r.sampling_params for r in requests],  # CPU generators
                            [r.generator or self._generator for r in requests],
                            vocab_limit=self.config.vocab_limit,
                            output_token_ids=[r.output_token_ids for r in requests])

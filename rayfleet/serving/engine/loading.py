@@ -24,15 +24,15 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch
 
 def load_engine(*, preset_name: str | None, seed: int, checkpoint: str | None, dtype: str,
                 overrides: dict[str, Any], config: EngineConfig, kv_tiers: KVTierHooks | None = None,
-                hf: str | None = None) -> LLMEngine:
+                hf: str | None = None, device: str = "cpu") -> LLMEngine:
     """Build the served model (a preset from ``seed``, a training servable, or a Hugging Face
     folder/URI ``hf`` with its own tokenizer) and its engine (``kv_tiers``: an optional
-    ``KVTierHooks``)."""
+    ``KVTierHooks``) on ``device`` (the replica's accelerator, see ``replica_device``)."""
     from rayfleet.models import build_model, preset
 
     torch_dtype = _DTYPES[dtype]
     if hf:
-        return _load_hf_engine(hf, dtype=torch_dtype, config=config, kv_tiers=kv_tiers)
+        return _load_hf_engine(hf, dtype=torch_dtype, config=config, kv_tiers=kv_tiers, device=device)
     if checkpoint:
         from rayfleet.storage.model_registry import load_servable
 
@@ -40,13 +40,20 @@ def load_engine(*, preset_name: str | None, seed: int, checkpoint: str | None, d
         model = build_model(servable.config, seed=seed, dtype=torch_dtype)
         model.load_state_dict({k: v.to(torch_dtype) if v.is_floating_point() and "expert_bias" not in k else v
                                for k, v in servable.state_dict.items()})
+        model = model.to(device)
     else:
-        model = build_model(preset(preset_name or "tiny", **overrides), seed=seed, dtype=torch_dtype)
+        model = build_model(preset(preset_name or "tiny", **overrides), seed=seed, dtype=torch_dtype, device=device)
     return LLMEngine(model, config, kv_tiers=kv_tiers)
 
 
+def replica_device() -> str:
+    """Where a replica's engine runs: the first accelerator this process may use (Ray sets
+    ``CUDA_VISIBLE_DEVICES`` to the replica's own GPU), else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _load_hf_engine(uri: str, *, dtype: torch.dtype, config: EngineConfig,
-                     kv_tiers: KVTierHooks | None) -> LLMEngine:
+                     kv_tiers: KVTierHooks | None, device: str = "cpu") -> LLMEngine:
     """An HF model through the import path (``build_hf_model`` over the lazy safetensors reader;
     unsupported config fields are refused there, by name) with the folder's tokenizer. Sampling
     is limited to the tokenizer's ids (the embedding table may be padded past them) and EOS is
@@ -59,6 +66,7 @@ def _load_hf_engine(uri: str, *, dtype: torch.dtype, config: EngineConfig,
 
     ckpt = HFCheckpoint(uri)
     model, _ = build_hf_model(ckpt.config, ckpt, dtype=dtype)
+    model = model.to(device)
     tokenizer = HFTokenizer.from_files(ckpt.side_files(), name=f"hf:{uri.rstrip('/').rsplit('/', 1)[-1]}")
     raw = ckpt.read_file("generation_config.json")
     eos = json.loads(raw).get("eos_token_id") if raw else None
