@@ -127,13 +127,17 @@ def _concurrently(fn, args: list) -> list:
     return results
 
 
-def test_each_gang_is_one_placement_group_of_labelled_h100_bundles(app, local_fleet):
+def _gang_groups(ranks: int) -> list[dict]:
     from ray.util import placement_group_table
 
+    return [pg for pg in placement_group_table().values()
+            if pg["state"] == "CREATED" and len(pg["bundles"]) == ranks + 1]
+
+
+def test_each_gang_is_one_placement_group_of_labelled_h100_bundles(app, local_fleet):
     h100 = {n.ray_node_id for n in local_fleet.topology.nodes if n.accelerator_type == "H100"}
     for ranks, role in ((RANKS, "decode"), (PREFILL_RANKS, "prefill")):
-        gangs = [pg for pg in placement_group_table().values()
-                 if pg["state"] == "CREATED" and len(pg["bundles"]) == ranks + 1]
+        gangs = _gang_groups(ranks)
         assert len(gangs) == 1, gangs
         bundles = gangs[0]["bundles"]
         assert bundles[0] == {"CPU": 0.01} and all(bundles[i] == {"GPU": 1.0} for i in range(1, ranks + 1)), bundles
@@ -180,6 +184,7 @@ def test_killing_a_rank_mid_stream_loses_no_request_and_leaks_nothing(app, refer
             killed.append(victim["name"])
 
     reforms = _stats(app).num_reforms
+    group = _gang_groups(RANKS)[0]["placement_group_id"]
     others = ["keep serving", "while a rank dies"]
     results: dict = {}
     background = threading.Thread(target=lambda: results.update(got=_concurrently(
@@ -192,6 +197,7 @@ def test_killing_a_rank_mid_stream_loses_no_request_and_leaks_nothing(app, refer
     stats = _stats(app)
     assert stats.num_reforms == reforms + 1 and stats.num_resumed >= 1, stats
     assert len(_rank_actors()) == RANKS
+    assert [g["placement_group_id"] for g in _gang_groups(RANKS)] == [group]  # re-formed in place: no new group
 
     def clean():
         usage = app.block_usage()
