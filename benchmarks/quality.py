@@ -24,6 +24,7 @@ Rows (every run sees the same tokens: steps x 12 x 64):
     python benchmarks/quality.py                     # every row at full size (~45 min on 2 idle cores)
     python benchmarks/quality.py --rows a            # the dense reference row only (~5 min)
     python benchmarks/quality.py --quick             # 24 steps per run: the pipeline, not the targets
+                                                     # (two jobs side by side, the killed run alone)
 
 Writes ``--json`` (default results/quality.json) with every run's loss curve, draws them into
 ``--png`` (default results/quality.png), records the run in the ledger and prints the table last.
@@ -39,6 +40,7 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -120,7 +122,7 @@ def run_job(fleet, spec: dict, *, timeout_s: float) -> dict:
     run.wait(timeout_s=timeout_s)
     out = curve(surviving_rows(run.metrics().rows))
     out["wall_s"] = time.monotonic() - started
-    print(f"    final val_loss {out['final_val_loss']:.4f}, {out['wall_s']:.0f} s", flush=True)
+    print(f"    {spec['name']}: final val_loss {out['final_val_loss']:.4f}, {out['wall_s']:.0f} s", flush=True)
     return out
 
 
@@ -172,8 +174,10 @@ def main() -> None:
     png_path = args.png or json_path.with_suffix(".png")
     work = tempfile.mkdtemp(prefix="rayfleet-quality-")
     try:
+        # Quick: two jobs side by side. A quick run's cost is each job's start (Ray job, Ray Train
+        # workers, about 30 s on 2 cores) far more than its 24 steps; its times are not goals.
         curves, dataset = run_rows(rows, steps=steps, eval_every=eval_every, eval_batches=eval_batches,
-                                   fp8_recipe=args.fp8_recipe, work=work)
+                                   fp8_recipe=args.fp8_recipe, work=work, at_once=2 if args.quick else 1)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -184,7 +188,10 @@ def main() -> None:
            png=png_path, eval_batches=eval_batches)
 
 
-def run_rows(rows: str, *, steps: int, eval_every: int, eval_batches: int, fp8_recipe: str, work: str):
+def run_rows(rows: str, *, steps: int, eval_every: int, eval_batches: int, fp8_recipe: str, work: str,
+             at_once: int = 1):
+    """Every run of ``rows`` on a private fleet, ``at_once`` jobs side by side (each on 2
+    accelerators of its own); the killed run always alone, after the others."""
     import ray
 
     from rayfleet.platform.launcher import LocalFleet
@@ -210,28 +217,33 @@ def run_rows(rows: str, *, steps: int, eval_every: int, eval_batches: int, fp8_r
     os.environ.setdefault("RAYFLEET_CPU_THREADS_PER_WORKER", "1")
     os.environ["RAY_TRAIN_ENABLE_STATE_TRACKING"] = "1"  # recovery.run_with_kills picks the victim by rank
     home = tempfile.mkdtemp(prefix="home-", dir=work)
-    local = LocalFleet.up(build_topology(num_nodes=1, accelerator="H100", accelerators_per_node=2), home=home)
+    local = LocalFleet.up(build_topology(num_nodes=1, accelerator="H100", accelerators_per_node=2 * at_once),
+                          home=home)
     timeout_s = max(900.0, steps * 2.0)
+    jobs: list[tuple[str, dict, float]] = []  # (run name, spec, timeout), in row order
+    if "a" in rows:
+        jobs.append(("dense fp32", make("dense", "dense", precision="fp32", seed=0,
+                                        plan={"dp": 2, "micro_batch_size": 6}), timeout_s))
+    if set(rows) & set("bd"):
+        jobs.append(("MoE fp32", make("moe", "moe", precision="fp32", seed=0, plan=moe_plan, checkpoint=snapshot),
+                     timeout_s))
+    if "d" in rows:
+        jobs.append(("MoE fp32 seed 1", make("moe-seed1", "moe", precision="fp32", seed=1, plan=moe_plan,
+                                             checkpoint=snapshot), timeout_s))
+    if "c" in rows:
+        jobs.append(("MoE bf16", make("moe-bf16", "moe", precision="bf16", seed=0, plan=moe_plan), timeout_s * 4))
+        jobs.append((f"MoE {fp8_recipe}", make("moe-fp8", "moe", precision=fp8_recipe, seed=0, plan=moe_plan),
+                     timeout_s * 4))
     curves: dict[str, dict] = {}
     try:
         fleet = connect(local.address)
-        if "a" in rows:
-            curves["dense fp32"] = run_job(fleet, make("dense", "dense", precision="fp32", seed=0,
-                                                       plan={"dp": 2, "micro_batch_size": 6}), timeout_s=timeout_s)
-        if set(rows) & set("bd"):
-            curves["MoE fp32"] = run_job(fleet, make("moe", "moe", precision="fp32", seed=0, plan=moe_plan,
-                                                     checkpoint=snapshot), timeout_s=timeout_s)
-        if "d" in rows:
-            curves["MoE fp32 seed 1"] = run_job(fleet, make("moe-seed1", "moe", precision="fp32", seed=1,
-                                                            plan=moe_plan, checkpoint=snapshot), timeout_s=timeout_s)
+        with ThreadPoolExecutor(max_workers=at_once) as pool:  # map keeps the row order
+            finished = pool.map(lambda job: run_job(fleet, job[1], timeout_s=job[2]), jobs)
+            curves.update(zip([name for name, _, _ in jobs], finished))
+        if "d" in rows:  # alone: run_with_kills picks its victim among every live Ray Train worker
             curves["MoE fp32 killed"] = run_killed(
                 fleet, local.dashboard_url, make("moe-killed", "moe", precision="fp32", seed=0, plan=moe_plan,
                                                  checkpoint=snapshot), kill_at=steps // 3, timeout_s=timeout_s)
-        if "c" in rows:
-            curves["MoE bf16"] = run_job(fleet, make("moe-bf16", "moe", precision="bf16", seed=0, plan=moe_plan),
-                                         timeout_s=timeout_s * 4)
-            curves[f"MoE {fp8_recipe}"] = run_job(fleet, make("moe-fp8", "moe", precision=fp8_recipe, seed=0,
-                                                              plan=moe_plan), timeout_s=timeout_s * 4)
     finally:
         if ray.is_initialized():
             ray.shutdown()
