@@ -77,3 +77,23 @@ class Burst:
             self.results.append({"prompt": prompt, "text": text, "chars": len(text), "error": error,
                                  "end": time.monotonic(), "ttft_s": None if first is None else first - sent})
             n += 1
+
+
+def greedy_reference(model: dict, engine: dict, *, max_tokens: int) -> Callable[..., list[int]]:
+    """``run(prompt, max_tokens=...)``: the greedy tokens one in-process engine of ``model`` and
+    ``engine`` (serve-spec dicts) gives for a completion prompt: the ground truth live apps match."""
+    from rayfleet.serving.engine.loading import load_engine
+    from rayfleet.serving.engine.sampling import SamplingParams
+    from rayfleet.serving.openai_api.app import encode_completion_prompt
+    from rayfleet.serving.spec import ServeSpec
+
+    spec = ServeSpec.parse({"model": model, "engine": engine})
+    m = spec.model
+    llm = load_engine(preset_name=m.preset, seed=m.seed, checkpoint=None, dtype=m.dtype, overrides=m.overrides,
+                      config=spec.engine_config())
+
+    def run(prompt: str, max_tokens: int = max_tokens) -> list[int]:
+        (result,) = llm.generate([encode_completion_prompt(prompt)],
+                                 SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        return list(result.output_token_ids)
+    return run

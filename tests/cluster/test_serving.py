@@ -22,6 +22,8 @@ import time
 import pytest
 import requests
 
+from live_helpers import greedy_reference
+
 from .conftest import wait_until
 
 pytestmark = pytest.mark.cluster
@@ -83,21 +85,7 @@ def apps(local_fleet):
 @pytest.fixture(scope="module")
 def reference():
     """Greedy tokens from one in-process engine with the same spec (the ground truth)."""
-    from rayfleet.serving.engine.loading import load_engine
-    from rayfleet.serving.openai_api.app import encode_completion_prompt
-    from rayfleet.serving.engine.sampling import SamplingParams
-    from rayfleet.serving.spec import ServeSpec
-
-    spec = ServeSpec.parse({"model": MODEL, "engine": ENGINE})
-    m = spec.model
-    engine = load_engine(preset_name=m.preset, seed=m.seed, checkpoint=None, dtype=m.dtype,
-                         overrides=m.overrides, config=spec.engine_config())
-
-    def run(prompt: str, max_tokens: int = MAX_TOKENS) -> list[int]:
-        (result,) = engine.generate([encode_completion_prompt(prompt)],
-                                    SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-        return list(result.output_token_ids)
-    return run
+    return greedy_reference(MODEL, ENGINE, max_tokens=MAX_TOKENS)
 
 
 def _complete(url: str, prompt: str, *, stream: bool, max_tokens: int = MAX_TOKENS, **extra) -> tuple[list[int], dict]:

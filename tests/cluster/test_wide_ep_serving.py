@@ -19,6 +19,8 @@ import threading
 import pytest
 import requests
 
+from live_helpers import greedy_reference
+
 from .conftest import wait_until
 
 pytestmark = pytest.mark.cluster
@@ -60,21 +62,7 @@ def app(local_fleet):
 
 @pytest.fixture(scope="module")
 def reference():
-    from rayfleet.serving.engine.loading import load_engine
-    from rayfleet.serving.engine.sampling import SamplingParams
-    from rayfleet.serving.openai_api.app import encode_completion_prompt
-    from rayfleet.serving.spec import ServeSpec
-
-    spec = ServeSpec.parse({"model": MODEL, "engine": ENGINE})
-    m = spec.model
-    engine = load_engine(preset_name=m.preset, seed=m.seed, checkpoint=None, dtype=m.dtype, overrides=m.overrides,
-                         config=spec.engine_config())
-
-    def run(prompt: str, max_tokens: int = MAX_TOKENS) -> list[int]:
-        (result,) = engine.generate([encode_completion_prompt(prompt)],
-                                    SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-        return list(result.output_token_ids)
-    return run
+    return greedy_reference(MODEL, ENGINE, max_tokens=MAX_TOKENS)
 
 
 def _complete(url: str, prompt: str, *, stream: bool, max_tokens: int = MAX_TOKENS, on_token=None) -> list[int]:

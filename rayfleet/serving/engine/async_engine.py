@@ -41,9 +41,28 @@ from rayfleet.serving.engine.sampling import SamplingParams
 from rayfleet.serving.errors import ReplicaUnavailableError, RequestFailedError
 
 log = logging.getLogger(__name__)
-__all__ = ["AsyncEngine"]
+__all__ = ["AsyncEngine", "handoff_reply"]
 
 _LOOP_DIED = object()  # put in every request queue when the loop dies (see ``_run``)
+
+
+def handoff_reply(request_id: str, result: PrefillResult | None, transport: KVTransport, *, now: float,
+                  queue_time_s: float, first_logprobs: tuple) -> PrefillReply:
+    """A finished prefill as the reply a prefill replica returns: its KV leased in ``transport``
+    (unless the first token already ended the request). ``None`` (aborted) raises CancelledError."""
+    if result is None:
+        raise asyncio.CancelledError(f"prefill of {request_id} was aborted")
+    handle = None
+    if result.finish_reason is None:
+        payload = KVPayload.from_tensors(prompt_token_ids=result.prompt_token_ids,
+                                         first_token_id=result.first_token_id, k=result.k, v=result.v,
+                                         generator_state=result.generator_state)
+        handle = transport.put(payload, now=now)
+    return PrefillReply(request_id=request_id, first_token_id=result.first_token_id,
+                        finish_reason=result.finish_reason.value if result.finish_reason else None,
+                        stop_reason=result.stop_reason, handle=handle, num_prompt_tokens=len(result.prompt_token_ids),
+                        num_cached_tokens=result.num_cached_tokens, queue_time_s=queue_time_s,
+                        first_logprobs=first_logprobs)
 
 
 class AsyncEngine:
@@ -261,20 +280,8 @@ class AsyncEngine:
             queue_time = self._queue_time.get(request_id, 0.0)
         finally:
             self._close(request_id, finished=finished)
-        if result is None:  # aborted
-            raise asyncio.CancelledError(f"prefill of {request_id} was aborted")
-        handle = None
-        if result.finish_reason is None:
-            payload = KVPayload.from_tensors(prompt_token_ids=result.prompt_token_ids,
-                                             first_token_id=result.first_token_id, k=result.k, v=result.v,
-                                             generator_state=result.generator_state)
-            handle = self.transport.put(payload, now=self.clock())
-        return PrefillReply(request_id=request_id, first_token_id=result.first_token_id,
-                            finish_reason=result.finish_reason.value if result.finish_reason else None,
-                            stop_reason=result.stop_reason, handle=handle,
-                            num_prompt_tokens=len(result.prompt_token_ids),
-                            num_cached_tokens=result.num_cached_tokens, queue_time_s=queue_time,
-                            first_logprobs=tuple(out.logprobs))
+        return handoff_reply(request_id, result, self.transport, now=self.clock(), queue_time_s=queue_time,
+                             first_logprobs=tuple(out.logprobs))
 
     def release_kv(self, handoff_id: HandoffId) -> bool:
         """The decode side has the KV: drop the lease now rather than at expiry."""

@@ -31,7 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rayfleet.serving.engine.kv_connector import HandoffId, KVHandle, KVPayload, KVTransferError, KVTransport
+from rayfleet.serving.engine.async_engine import handoff_reply
+from rayfleet.serving.engine.kv_connector import HandoffId, KVHandle, KVTransferError, KVTransport
 from rayfleet.serving.engine.replica_output import GenerationChunk, PrefillReply
 from rayfleet.serving.engine.replica_state import BlockUsage, ReplicaState
 from rayfleet.serving.engine.sampling import SamplingParams
@@ -302,20 +303,8 @@ class GangEngine:
             finished = True
         finally:
             self._close(request_id, finished=finished)
-        result = last.prefill
-        if result is None:
-            raise asyncio.CancelledError(f"prefill of {request_id} was aborted")
-        handle = None
-        if result.finish_reason is None:
-            payload = KVPayload.from_tensors(prompt_token_ids=result.prompt_token_ids,
-                                             first_token_id=result.first_token_id, k=result.k, v=result.v,
-                                             generator_state=result.generator_state)
-            handle = self.transport.put(payload, now=self.clock())
-        return PrefillReply(request_id=request_id, first_token_id=result.first_token_id,
-                            finish_reason=result.finish_reason.value if result.finish_reason else None,
-                            stop_reason=result.stop_reason, handle=handle,
-                            num_prompt_tokens=len(result.prompt_token_ids), num_cached_tokens=result.num_cached_tokens,
-                            queue_time_s=f.queue_time_s or 0.0, first_logprobs=tuple(last.logprobs))
+        return handoff_reply(request_id, last.prefill, self.transport, now=self.clock(),
+                             queue_time_s=f.queue_time_s or 0.0, first_logprobs=tuple(last.logprobs))
 
     async def decode(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
                      params: SamplingParams, handle: KVHandle, transport: KVTransport | None = None, *,
