@@ -25,6 +25,11 @@ Design decisions:
   ``ShrinkTraining`` decisions to the job's shell (elastic: whole DP replicas after a flash
   snapshot; opportunistic: preempted whole, back to ``QUEUED`` keeping its submission time). The
   admitted job waits (``waiting_for``) until every job it reclaimed from has let go.
+- **Growth is admission's business too.** The shared autoscaler grows admitted elastic jobs into
+  idle accelerators; :func:`growth_limits` tells its pure policy how far each may go by the same
+  rules (``Queue.ceiling_of``, ``queue_usage``, the roots' governed quota), and :func:`resized`
+  is the record after a resize it decided: ``size`` follows the job, so what it grew above its
+  quota counts as borrowed and is reclaimed like any borrowed accelerator.
 """
 
 from __future__ import annotations
@@ -35,10 +40,11 @@ from enum import Enum
 from typing import Iterable, Mapping, Sequence
 
 from rayfleet.errors import SpecError
+from rayfleet.platform.autoscaler.types import QueueGrowthLimits
 from rayfleet.platform.queues import JobClass, QueueTree, Reclaim, Workload, admission_order, admit, queue_usage
 
 __all__ = ["DEFAULT_QUEUE", "AdmissionState", "AdmissionRequest", "AdmissionRecord", "ReclaimOrder",
-           "AdmissionStep", "route", "governed_free", "admission_step", "settled"]
+           "AdmissionStep", "route", "governed_free", "admission_step", "settled", "growth_limits", "resized"]
 
 DEFAULT_QUEUE = "default"
 
@@ -158,12 +164,17 @@ def governed_free(tree: QueueTree, running: Sequence[Workload], kind: str, idle:
     """Accelerators of ``kind`` admission may hand out: the idle ones, capped by what the roots'
     quotas leave (see module doc). ``idle``: Ray's idle count minus what admitted jobs were
     promised and do not hold yet."""
+    return max(0, int(min(idle, _governed_room(tree, running, kind))))
+
+
+def _governed_room(tree: QueueTree, running: Sequence[Workload], kind: str) -> float:
+    """What the roots' quotas of ``kind`` leave to the queues' jobs (unbounded without any)."""
     roots = [q for q in tree.queues.values() if q.parent is None]
     cap = sum(q.quota_of(kind) for q in roots)
     if cap <= 0:
-        return max(0, idle)
+        return math.inf
     usage = queue_usage(tree, running, kind)
-    return max(0, min(idle, cap - sum(usage[q.name] for q in roots)))
+    return cap - sum(usage[q.name] for q in roots)
 
 
 def settled(victim: AdmissionRecord | None) -> bool:
@@ -238,6 +249,76 @@ def admission_step(tree: QueueTree, records: Iterable[AdmissionRecord], *, ray_i
     _number_lines(tree, by_id)
     return AdmissionStep(records=tuple(by_id.values()), admitted=tuple(admitted), reclaims=tuple(orders),
                          events=tuple(events))
+
+
+def growth_limits(tree: QueueTree, records: Iterable[AdmissionRecord]) -> QueueGrowthLimits:
+    """How far each admitted job may grow by the queues' rules, for the autoscaler's policy.
+
+    The rules are admission's (``queues.admit``'s first two, and ``governed_free``): no queue on
+    the job's path above its quota + borrow limit, the roots' jobs within the roots' quota of the
+    type, a guaranteed job within its leaf queue's quota. Growth only ever takes idle
+    accelerators (the policy grows into free ones), so growing above the leaf's quota is
+    borrowing: once the record follows the new size (:func:`resized`) a lender inside its quota
+    reclaims it like any borrowed accelerator. A job QUEUED (preempted whole, waiting for
+    re-admission) gets ceiling 0: only admission starts it again. Keys are the jobs' names (their
+    shells' inboxes, the autoscaler's job ids).
+
+    Example: root queues team-a and team-b, quota 2 H100 each, team-b's borrow limit 2; one job,
+    in team-b, admitted at 2 (max 8). Its ceiling is 4; its limits ``H100 in queue team-b`` (room
+    2 = 2 + 2 - 2) and ``H100 of the roots' quota`` (room 2 = 4 - 2).
+    """
+    records = list(records)
+    running = [r.workload() for r in records if r.state is AdmissionState.ADMITTED and _in_tree(tree, r)]
+    usage_of = {kind: queue_usage(tree, running, kind) for kind in {w.accelerator_type for w in running}}
+    ceiling, granted, limits, room, promised = {}, {}, {}, {}, {}
+    for record in records:
+        request, name, kind = record.request, record.request.name, record.request.accelerator_type
+        bounded: dict[str, int] = {}
+        if record.state is AdmissionState.ADMITTED:
+            promised[kind] = promised.get(kind, 0) + max(0, record.size - record.held)
+        if record.state is AdmissionState.QUEUED:
+            top = 0  # preempted or not admitted yet: only admission starts it
+        elif not _in_tree(tree, record):
+            top = record.size  # its queue is gone: it keeps what it has
+        else:
+            usage = usage_of[kind]
+            mine: dict[str, float] = {f"{kind} in queue {q}": tree.queues[q].ceiling_of(kind) - usage[q]
+                                      for q in tree.path(request.queue)}
+            mine[f"{kind} of the roots' quota"] = _governed_room(tree, running, kind)
+            if request.job_class is JobClass.GUARANTEED:
+                mine[f"{kind} in queue {request.queue}'s quota"] = (tree.queues[request.queue].quota_of(kind)
+                                                                    - usage[request.queue])
+            bounded = {key: max(0, int(value)) for key, value in mine.items() if value != math.inf}
+            alone = min(bounded.values(), default=request.max_size)
+            extra = max(0, min(request.max_size - record.size, alone))
+            top = record.size + extra // request.replica_size * request.replica_size
+        room.update(bounded)
+        ceiling[name] = min(ceiling.get(name, top), top)  # a name twice (resubmitted): the tighter
+        granted[name], limits[name] = record.size, tuple(sorted(bounded))
+    return QueueGrowthLimits(job_to_ceiling=ceiling, job_to_granted=granted, job_to_limits=limits,
+                             limit_to_room=room, promised={k: v for k, v in promised.items() if v > 0})
+
+
+def resized(tree: QueueTree, records: Iterable[AdmissionRecord], *, job_id: str, new_size: int,
+            reason: str) -> AdmissionRecord:
+    """Admitted job ``job_id``'s record once the autoscaler resized it to ``new_size`` (grown into
+    idle accelerators, or shrunk to lend them to Serve). ``borrowed`` is recomputed as ``admit``
+    computes it: what its leaf queue then holds above its quota, at most the job's own size.
+
+    Raises:
+        KeyError: no record of ``job_id``.
+    """
+    by_id = {r.job_id: r for r in records}
+    record = by_id[job_id]
+    kind, queue = record.request.accelerator_type, record.request.queue
+    borrowed = 0
+    if _in_tree(tree, record):
+        others = [r.workload() for r in by_id.values() if r.job_id != job_id and r.state is AdmissionState.ADMITTED
+                  and _in_tree(tree, r)]
+        held_by_others = queue_usage(tree, others, kind)[queue]
+        borrowed = min(new_size, max(0, held_by_others + new_size - tree.queues[queue].quota_of(kind)))
+    return replace(record, size=new_size, borrowed=borrowed,
+                   reason=f"resized {record.size}->{new_size} by the autoscaler: {reason}")
 
 
 def _waiting(record: AdmissionRecord, reason: str, events: list) -> AdmissionRecord:

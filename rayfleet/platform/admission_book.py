@@ -11,6 +11,10 @@ Design decisions:
   formation holds) and releases its record when it ends; a driver killed without a word is
   released after ``heartbeat_ttl_s``. After a controller restart every record gets a fresh
   grace period (its driver's heartbeats resume against the new controller).
+- The shared autoscaler asks the book how far each admitted job may grow (``growth_limits``)
+  and tells it every resize it decides (``resized``): a record's ``size`` follows the job
+  (admission, reclaim, the autoscaler's growth and lending), so the queues' usage, borrowing
+  and reclaim see what the job is sized to, not what it was admitted at.
 - Reclaims go out as the autoscaler's own ``ShrinkTraining`` decisions (a preempted job's
   ``new_size`` is 0: its shell pauses it), and a preempted job admitted again gets a
   ``GrowTraining`` to its new size: the job shells already carry both out.
@@ -25,9 +29,9 @@ from typing import Callable, Mapping
 
 from rayfleet.errors import SpecError
 from rayfleet.platform.admission import (
-    AdmissionRecord, AdmissionRequest, AdmissionState, admission_step, route, settled,
+    AdmissionRecord, AdmissionRequest, AdmissionState, admission_step, growth_limits, resized, route, settled,
 )
-from rayfleet.platform.autoscaler.types import Decision, GrowTraining, ShrinkTraining
+from rayfleet.platform.autoscaler.types import Decision, GrowTraining, QueueGrowthLimits, ShrinkTraining
 from rayfleet.platform.queues import QueueTree
 
 __all__ = ["AdmissionBook", "HEARTBEAT_TTL_S"]
@@ -108,6 +112,32 @@ class AdmissionBook:
             self.store.delete(_PREFIX + job_id)
             self.record(f"job:{record.request.name}", "queue_released", why,
                         {"job_id": job_id, "queue": record.request.queue, "size": record.size})
+            self.step()
+            return True
+
+    # -- the shared autoscaler's side ------------------------------------------------------------------
+    def growth_limits(self) -> QueueGrowthLimits:
+        """How far each admitted job may grow by its queue's rules (``admission.growth_limits``)."""
+        with self._lock:
+            return growth_limits(self.tree(), list(self._records.values()))
+
+    def resized(self, job_name: str, new_size: int, reason: str) -> bool:
+        """The autoscaler resized job ``job_name`` (its shell's inbox) to ``new_size``: the admitted
+        record follows, with its borrowing recomputed, and a step runs (a shrink may let a waiting
+        job in). Returns whether a record changed (False: a job outside the queues, or unchanged)."""
+        with self._lock:
+            matches = [r for r in self._records.values()
+                       if r.request.name == job_name and r.state is AdmissionState.ADMITTED and r.size != new_size]
+            if not matches:
+                return False
+            tree = self.tree()
+            for record in matches:
+                new = resized(tree, self._records.values(), job_id=record.job_id, new_size=new_size, reason=reason)
+                self._put(new)
+                self.record(f"job:{job_name}", "queue_resized", f"{record.size}->{new_size}"
+                            + (f", borrowing {new.borrowed}" if new.borrowed else "") + f": {reason}",
+                            {"job_id": record.job_id, "queue": record.request.queue, "size": new_size,
+                             "borrowed": new.borrowed})
             self.step()
             return True
 

@@ -79,6 +79,7 @@ class FleetController(QueueMethods):
         self._job_client = None  # Ray's job API, built on first use (_ended_jobs)
         self.admission = AdmissionBook(self.store, tree=self._queue_tree, ray_idle=self._idle_by_type,
                                        carry_out=self.autoscaler.carry_out, record=self._record)
+        self.autoscaler.attach_queues(self.admission)  # queue-admitted jobs grow as their queues allow
         self._event("controller", "controller_started", f"restored {len(self._records)} node record(s), "
                     f"{len(self.admission.records())} queued or admitted job(s)")
         self._stop = threading.Event()

@@ -50,6 +50,13 @@ Design decisions:
   progress yet, so admitting it first shortens mean completion time (lenders-first made the
   policy lose to whole-job preemption on JCT in the simulator). Growth of a job above what it
   was admitted at happens only when no training job waits (``pending_training_accelerators == 0``).
+- Queue-admitted jobs grow only as their queues allow (``FleetObservation.queue_limits``,
+  computed from the queue tree and the admission records by ``admission.growth_limits`` with
+  the queues' own functions): never above what their queue may hold (quota + borrow limit, the
+  roots' quota), the room shared by the jobs of a queue within one step, and never into
+  accelerators admission granted a job that does not hold them yet. A job waiting in its queue
+  is not grown: only admission starts it. Growth above the leaf's quota is borrowing, which a
+  lender inside its quota reclaims (the controller records the new size in the admission book).
 - Every decision carries a human-readable ``reason``; the controller records it as an event.
 
 Lending (which training to shrink for a Serve replica) is in :mod:`rayfleet.platform.autoscaler.lending`.
@@ -238,6 +245,8 @@ class AutoscalerPolicy:
     def _grow(self, work: FleetScratch, obs: FleetObservation, now: float, last_resize: dict, lent: dict) -> list[GrowTraining]:
         out = []
         cfg = self.config
+        queues = obs.queue_limits
+        room = dict(queues.limit_to_room)  # shared by the jobs of a queue (see QueueGrowthLimits)
         # The cooldown bounds restarts of a running job; a paused one (preempted whole) makes no
         # progress at all, and resuming is the one restart it has to pay anyway.
         candidates = [t for t in obs.training if t.job_class is JobClass.ELASTIC and not work.removed.get(t.job_id)
@@ -247,9 +256,11 @@ class AutoscalerPolicy:
         candidates.sort(key=lambda t: (-lent.get(t.job_id, 0), -t.priority, t.job_id))
         smallest = min((t.replica_size for t in candidates), default=0)
         open_nodes = [n for n, f in work.free.items() if smallest and f >= smallest]
-        # Accelerators each type may still give to growth: what is free beyond the queue's need.
+        # Accelerators each type may still give to growth: what is free beyond the queue's need and
+        # beyond what admitted jobs were granted and do not hold yet (Ray shows those idle).
         budget = {kind: sum(f for n, f in work.free.items() if obs.node_type.get(n) == kind)
                   - (obs.pending_training_accelerators.get(kind, 0) if cfg.reserve_for_queue else 0)
+                  - queues.promised.get(kind, 0)
                   for kind in {t.accelerator_type for t in candidates}}
         for t in candidates:
             if not open_nodes:
@@ -261,6 +272,11 @@ class AutoscalerPolicy:
             # first shortens mean completion time), but never beyond, which would starve the queue.
             requested = max(t.admitted_size, t.max_size if self.config.grow_to_requested else t.admitted_size)
             limit = t.max_size if waiting == 0 else min(t.max_size, max(t.size + owed, requested))
+            # A job admitted through a queue grows only as far as its queue may hold; each
+            # accelerator above its grant takes from its queues' shared room.
+            ceiling = queues.job_to_ceiling.get(t.job_id)
+            limit = limit if ceiling is None else min(limit, ceiling)
+            keys, granted = queues.job_to_limits.get(t.job_id, ()), queues.job_to_granted.get(t.job_id, math.inf)
             nodes: list[str] = []
             size = t.size
             if size + t.replica_size > limit:
@@ -272,6 +288,11 @@ class AutoscalerPolicy:
                                key=lambda n: (n not in mine, work.free[n], n)):
                 while (size + t.replica_size <= limit and work.free[node] >= t.replica_size
                        and budget[t.accelerator_type] >= t.replica_size):
+                    over = int(max(0, min(t.replica_size, size + t.replica_size - granted)))  # above its grant
+                    if any(room[k] < over for k in keys):
+                        break
+                    for k in keys:
+                        room[k] -= over
                     work.free[node] -= t.replica_size
                     budget[t.accelerator_type] -= t.replica_size
                     size += t.replica_size
@@ -282,6 +303,8 @@ class AutoscalerPolicy:
                 for node in nodes:
                     work.free[node] += t.replica_size
                     budget[t.accelerator_type] += t.replica_size
+                for k in keys:
+                    room[k] += int(max(0, size - max(granted, t.size)))
                 nodes, size = [], t.size
             open_nodes = [n for n in open_nodes if work.free[n] >= smallest]
             if not nodes:
@@ -290,5 +313,7 @@ class AutoscalerPolicy:
             lent[t.job_id] = owed - returned
             last_resize[t.job_id] = now
             why = (f"give back {returned} lent accelerator(s)" if returned else "idle accelerators, no job waiting")
+            if ceiling is not None:
+                why += f"; its queue {t.queue} allows it up to {ceiling}"
             out.append(GrowTraining(t.job_id, size, tuple(nodes), f"grown {t.size}->{size}: {why}"))
         return out

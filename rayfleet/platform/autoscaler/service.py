@@ -11,6 +11,12 @@ Design decisions:
 - Nothing here imports Ray: the controller passes in what needs it (``free_accelerators``,
   ``request_nodes``, ``record``), so this class runs as-is in unit tests and notebooks.
 - ``step`` is serialized (``_step_lock``): the loop's state threads through steps.
+- Training jobs admitted through queues are governed by the controller's admission book
+  (``attach_queues``): every observation carries how far each may grow by its queue's rules
+  (``QueueGrowthLimits``), and every resize the policy decides is told to the book, so its
+  quota accounting follows the job's size (a job grown above its quota is borrowing and can be
+  reclaimed). Lock order: ``_step_lock`` -> the book's lock -> ``_lock``; the book is never
+  called under ``_lock``.
 """
 
 from __future__ import annotations
@@ -19,16 +25,16 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Protocol
 
 from rayfleet.platform.autoscaler.loop import AutoscalerLoop
 from rayfleet.platform.autoscaler.policy import AutoscalerPolicy
 from rayfleet.platform.autoscaler.types import (
-    AutoscalerConfig, Decision, FleetObservation, InboxEntry, RequestNodes, ScaleServe, ServeObservation,
-    TrainingObservation, decision_subject,
+    AutoscalerConfig, Decision, FleetObservation, GrowTraining, InboxEntry, QueueGrowthLimits, RequestNodes,
+    ScaleServe, ServeObservation, ShrinkTraining, TrainingObservation, decision_subject,
 )
 
-__all__ = ["SharedAutoscaler", "REPORT_TTL_S"]
+__all__ = ["SharedAutoscaler", "QueueAccounts", "REPORT_TTL_S"]
 
 log = logging.getLogger(__name__)
 REPORT_TTL_S = 30.0
@@ -36,6 +42,14 @@ REPORT_TTL_S = 30.0
 # (node -> free accelerators, node -> accelerator type) of the live, uncordoned nodes
 FreeAccelerators = Callable[[], tuple[Mapping[str, int], Mapping[str, str]]]
 Record = Callable[[str, str, str, dict], None]  # (subject, kind, cause, detail)
+
+
+class QueueAccounts(Protocol):
+    """What the autoscaler needs of the queues' admission book (see module doc)."""
+
+    def growth_limits(self) -> QueueGrowthLimits: ...
+
+    def resized(self, job_name: str, new_size: int, reason: str) -> bool: ...
 
 
 class SharedAutoscaler:
@@ -54,6 +68,11 @@ class SharedAutoscaler:
         self._loop: AutoscalerLoop | None = None
         self._thread: threading.Thread | None = None
         self._halt = threading.Event()
+        self._queues: QueueAccounts | None = None
+
+    def attach_queues(self, queues: QueueAccounts) -> None:
+        """Govern the growth of queue-admitted jobs by ``queues`` (the controller's admission book)."""
+        self._queues = queues
 
     # -- the shells' side -----------------------------------------------------------------------
     def report_serve(self, observation: ServeObservation | None, deployment: str | None = None) -> None:
@@ -91,8 +110,18 @@ class SharedAutoscaler:
         with self._lock:
             serve = tuple(o for n, o in self.serve.items() if self._reported_at.get(f"serve/{n}", 0) >= fresh)
             training = tuple(o for j, o in self.training.items() if self._reported_at.get(f"train/{j}", 0) >= fresh)
+        limits = self._queues.growth_limits() if self._queues is not None else QueueGrowthLimits()
         return FleetObservation(now_s=now, free_by_node=dict(free), node_type=dict(types), serve=serve,
-                                training=training)
+                                training=training, queue_limits=limits)
+
+    def act(self, decision: Decision) -> None:
+        """Carry out one of the policy's decisions; the queues' book learns a training job's new size."""
+        self.carry_out(decision)
+        match decision:
+            case GrowTraining(job_id=job, new_size=size, reason=why) | ShrinkTraining(job_id=job, new_size=size,
+                                                                                      reason=why):
+                if self._queues is not None:
+                    self._queues.resized(job, size, why)
 
     def carry_out(self, decision: Decision) -> None:
         """Node requests go to Ray's autoscaler; every other decision to its shell's inbox."""
@@ -108,7 +137,7 @@ class SharedAutoscaler:
         with self._lock:
             if self._loop is None or config is not None:
                 policy = AutoscalerPolicy(AutoscalerConfig(**(config or {})))
-                self._loop = AutoscalerLoop(policy, gather=self.gather, act=self.carry_out, record=self.record)
+                self._loop = AutoscalerLoop(policy, gather=self.gather, act=self.act, record=self.record)
             return self._loop
 
     def step(self, now: float | None = None, *, gather=None, act=None) -> tuple[Decision, ...]:

@@ -16,8 +16,8 @@ from typing import Mapping, Union
 from rayfleet.platform.queues import JobClass
 
 __all__ = [
-    "ServeObservation", "TrainingObservation", "FleetObservation", "AutoscalerConfig", "AutoscalerState",
-    "ShrinkTraining", "GrowTraining", "ScaleServe", "RequestNodes", "Decision", "PolicyResult",
+    "ServeObservation", "TrainingObservation", "QueueGrowthLimits", "FleetObservation", "AutoscalerConfig",
+    "AutoscalerState", "ShrinkTraining", "GrowTraining", "ScaleServe", "RequestNodes", "Decision", "PolicyResult",
     "InboxEntry", "decision_detail", "decision_subject",
 ]
 
@@ -70,6 +70,34 @@ class TrainingObservation:
 
 
 @dataclass(frozen=True)
+class QueueGrowthLimits:
+    """How far the training jobs admitted through queues may grow, as the queues' rules allow.
+
+    Computed outside the policy (:func:`rayfleet.platform.admission.growth_limits`, from the queue
+    tree and the admission records, with ``queues.py``'s own functions), so the policy applies the
+    queues' rules without a copy of them. Keys are the jobs' autoscaler ids (their names).
+
+    - ``job_to_ceiling``: the most a governed job may hold if nothing else grows (0 for one that
+      waits in its queue: only admission may start it again). A job not named here runs outside
+      the queues and grows as before.
+    - ``job_to_granted``: what admission counts the job as holding now; growth above it takes
+      from the shared limits.
+    - ``job_to_limits`` / ``limit_to_room``: the limits a job's growth counts against (each queue
+      on its path with a borrow limit, the roots' governed quota, a guaranteed job's leaf quota)
+      and how many more accelerators each still allows. Shared, so two jobs of one queue growing
+      in one step do not together pass what the queue may hold.
+    - ``promised``: accelerator type -> accelerators admitted jobs were granted and do not hold
+      yet. Ray shows them idle; they are spoken for.
+    """
+
+    job_to_ceiling: Mapping[str, int] = field(default_factory=dict)
+    job_to_granted: Mapping[str, int] = field(default_factory=dict)
+    job_to_limits: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    limit_to_room: Mapping[str, int] = field(default_factory=dict)
+    promised: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class FleetObservation:
     now_s: float
     free_by_node: Mapping[str, int]
@@ -77,6 +105,7 @@ class FleetObservation:
     serve: tuple[ServeObservation, ...] = ()
     training: tuple[TrainingObservation, ...] = ()
     pending_training_accelerators: Mapping[str, int] = field(default_factory=dict)  # gang minimums waiting
+    queue_limits: QueueGrowthLimits = field(default_factory=QueueGrowthLimits)  # empty: no job in a queue
 
 
 @dataclass(frozen=True)
