@@ -327,11 +327,7 @@ class FleetController(QueueMethods):
         return ended
 
     def _idle_by_type(self) -> dict[str, int]:
-        free, types = self._free_accelerators()
-        out: dict[str, int] = defaultdict(int)
-        for node, count in free.items():
-            out[types[node]] += count
-        return dict(out)
+        return self.autoscaler.idle_by_type()  # less the room kept for Serve replicas on their way
 
     def _carry_out(self, decision: Decision) -> None:
         self.autoscaler.carry_out(decision)

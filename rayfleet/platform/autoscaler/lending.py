@@ -12,11 +12,24 @@ from __future__ import annotations
 import heapq
 import math
 from collections import defaultdict
+from typing import Iterable, Mapping
 
 from rayfleet.platform.autoscaler.types import FleetObservation, ServeObservation, ShrinkTraining, TrainingObservation
 from rayfleet.platform.queues import JobClass
 
-__all__ = ["FleetScratch", "accelerator_type_matches", "job_cost", "lend", "node_plan", "shrink_decisions"]
+__all__ = ["FleetScratch", "accelerator_type_matches", "free_beside_serve", "job_cost", "lend", "node_plan",
+           "shrink_decisions"]
+
+
+def free_beside_serve(free_by_node: Mapping[str, int], serve: Iterable[ServeObservation]) -> dict[str, int]:
+    """Free accelerators per node less the room kept for Serve replicas decided and not yet
+    running (``unplaced_nodes``): a lender's accelerators look free until the replica holds them,
+    so neither growth (the policy) nor queue admission (the controller) may take them."""
+    free = dict(free_by_node)
+    for s in serve:
+        for node in s.unplaced_nodes:
+            free[node] = max(0, free.get(node, 0) - s.accelerators_per_replica)
+    return free
 
 
 _CLASS_RANK = {JobClass.ELASTIC: 0, JobClass.OPPORTUNISTIC: 1}  # 2: elastic preempted whole
@@ -26,10 +39,7 @@ class FleetScratch:
     """Mutable scratch copy of the fleet for one ``decide`` call (never escapes it)."""
 
     def __init__(self, obs: FleetObservation) -> None:
-        self.free = dict(obs.free_by_node)
-        for serve in obs.serve:
-            for node in serve.unplaced_nodes:
-                self.free[node] = max(0, self.free.get(node, 0) - serve.accelerators_per_replica)
+        self.free = free_beside_serve(obs.free_by_node, obs.serve)
         self.node_type = obs.node_type
         self.reasons: dict[str, str] = {}
         self.jobs = {t.job_id: t for t in obs.training}

@@ -27,6 +27,7 @@ import time
 from collections import defaultdict
 from typing import Callable, Mapping, Protocol
 
+from rayfleet.platform.autoscaler.lending import free_beside_serve
 from rayfleet.platform.autoscaler.loop import AutoscalerLoop
 from rayfleet.platform.autoscaler.policy import AutoscalerPolicy
 from rayfleet.platform.autoscaler.types import (
@@ -113,6 +114,19 @@ class SharedAutoscaler:
         limits = self._queues.growth_limits() if self._queues is not None else QueueGrowthLimits()
         return FleetObservation(now_s=now, free_by_node=dict(free), node_type=dict(types), serve=serve,
                                 training=training, queue_limits=limits)
+
+    def idle_by_type(self) -> dict[str, int]:
+        """Idle accelerators per type for queue admission: free ones less the room kept for Serve
+        replicas on their way (a job shrunk to lend one holds less, and its record says so, while
+        the replica does not hold the accelerator yet)."""
+        free, types = self.free_accelerators()
+        fresh = time.time() - self.report_ttl_s
+        with self._lock:
+            serve = [o for n, o in self.serve.items() if self._reported_at.get(f"serve/{n}", 0) >= fresh]
+        out: dict[str, int] = defaultdict(int)
+        for node, count in free_beside_serve(free, serve).items():
+            out[types[node]] += count
+        return dict(out)
 
     def act(self, decision: Decision) -> None:
         """Carry out one of the policy's decisions; the queues' book learns a training job's new size."""

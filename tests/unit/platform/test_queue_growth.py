@@ -14,8 +14,8 @@ from rayfleet.platform.admission import (
     AdmissionRecord, AdmissionRequest, AdmissionState, growth_limits, resized,
 )
 from rayfleet.platform.autoscaler.policy import (
-    AutoscalerConfig, AutoscalerPolicy, AutoscalerState, FleetObservation, GrowTraining, ShrinkTraining,
-    TrainingObservation,
+    AutoscalerConfig, AutoscalerPolicy, AutoscalerState, FleetObservation, GrowTraining, ServeObservation,
+    ShrinkTraining, TrainingObservation,
 )
 from rayfleet.platform.controller import FleetController
 from rayfleet.platform.queues import JobClass, QueueTree, parse_queue_file
@@ -174,3 +174,18 @@ def test_the_book_follows_a_shrink_for_serve_and_ignores_jobs_outside_the_queues
     assert not controller.admission.resized("not-in-a-queue", 6, "idle")
     controller.autoscaler.act(GrowTraining("not-in-a-queue", 6, ("n1",), "idle"))  # no record: nothing to follow
     assert [r["request"]["job_id"] for r in controller.admissions()] == ["b1"]
+
+
+def test_admission_leaves_the_accelerator_a_serve_replica_is_on_its_way_to(controller):
+    """A job shrunk to lend to Serve holds less and its record says so, but the replica does not
+    hold the lent accelerator yet: admission must not hand it to a waiting job meanwhile."""
+    controller.admission.ray_idle = controller._idle_by_type  # the controller's own count, not the fixture's
+    controller.autoscaler.free_accelerators = lambda: ({"n0": 1, "n1": 0}, {"n0": "H100", "n1": "H100"})
+    controller.report_serve(ServeObservation("chat", "H100", 1, 1, 2, pending_replicas=1, replica_nodes=("n1", "n0"),
+                                             unplaced_nodes=("n0",)))
+    controller.request_admission(request("a1", "team-a", 1, 1, JobClass.GUARANTEED).to_json())
+    a1 = record(controller, "a1")
+    assert a1["state"] == "QUEUED" and "0 idle" in a1["reason"]
+    controller.report_serve(None, "chat")  # without the replica on its way the accelerator is idle
+    controller.admission.step()
+    assert record(controller, "a1")["state"] == "ADMITTED"
