@@ -13,6 +13,8 @@ Design decisions:
 - Token authentication stays on; workers of a non-job driver get ``RAY_AUTH_MODE=token`` passed
   on (inside a submitted job the job's runtime env already carries it, and Ray refuses a driver
   env that repeats one of its variables).
+- A loopback address stays loopback (``ray_compat.keep_loopback_node_ip``): a local fleet listens
+  on 127.0.0.1 only, and Ray's clients would otherwise dial the machine's network address.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import ray
 
 from rayfleet.errors import FleetNotFoundError
+from rayfleet.platform import ray_compat
 from rayfleet.platform.controller import ensure_controller
 from rayfleet.platform.launcher import LocalFleet, ensure_auth_token, rayfleet_home
 from rayfleet.platform.topology import build_topology
@@ -67,6 +70,7 @@ def _init_ray(address: str) -> None:
     if ray.is_initialized():
         return
     _check_reachable(address)
+    ray_compat.keep_loopback_node_ip()
     in_job = bool(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"))
     try:
         ray.init(address=address, namespace="rayfleet", log_to_driver=False,

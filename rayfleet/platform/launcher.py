@@ -11,10 +11,13 @@ Design decisions:
 - Token authentication stays on: the launcher makes sure ``~/.ray/auth_token`` exists and every
   client it configures sets ``RAY_AUTH_MODE=token``.
 - Ports are picked free per node (several raylets share one IP here).
+- Closed to the network by binding: every node's address stays 127.0.0.1, so each Ray server
+  listens on loopback only (``ray_start_command``); docs/security.md lists what that covers.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -27,11 +30,12 @@ from pathlib import Path
 
 from rayfleet.errors import FleetNotFoundError, FleetStateError, SpecError
 from rayfleet.platform import labels as L
+from rayfleet.platform import ray_compat
 from rayfleet.platform.topology import FleetTopology, NodeTopology
 
 __all__ = [
     "LaunchedNode", "LocalFleet", "ray_start_args", "rayfleet_home", "ensure_auth_token",
-    "FAST_FAILURE_DETECTION",
+    "FAST_FAILURE_DETECTION", "ray_start_command",
 ]
 
 # Node death is noticed in ~2.5-3 s instead of ~15 s (measured; docs/architecture.md). A dead
@@ -124,6 +128,17 @@ def ray_start_args(
     return args
 
 
+def ray_start_command(node_ip: str) -> list[str]:
+    """The program to run ``ray start`` with for a node at ``node_ip``: Ray's CLI, or for a
+    loopback address rayfleet's wrapper of it, which keeps the address (``loopback_ray_start``;
+    plain ``ray start`` swaps it for the machine's and its servers then listen everywhere)."""
+    try:
+        loopback = node_ip == "localhost" or ipaddress.ip_address(node_ip).is_loopback
+    except ValueError:  # a host name
+        loopback = False
+    return [sys.executable, "-m", "rayfleet.platform.loopback_ray_start"] if loopback else [_ray_executable()]
+
+
 @dataclass(frozen=True)
 class LaunchedNode:
     """A node this launcher started: its name and the process group to stop."""
@@ -210,9 +225,10 @@ class LocalFleet:
         # without an address) otherwise scan the host for GCS processes and fail with "Found
         # multiple active Ray instances" while another fleet runs on the same machine.
         env = dict(os.environ, RAY_AUTH_MODE="token", RAYFLEET_HOME=str(Path(self.home).resolve()),
-                   PATH=os.pathsep.join([bin_dir, os.environ.get("PATH", "")]), RAY_ADDRESS=self.address)
+                   PATH=os.pathsep.join([bin_dir, os.environ.get("PATH", "")]), RAY_ADDRESS=self.address,
+                   **ray_compat.LOOPBACK_FLEET_ENV)  # its processes keep 127.0.0.1 (ray_start_command)
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen([_ray_executable(), *args], stdout=log, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen([*ray_start_command("127.0.0.1"), *args], stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         launched = LaunchedNode(name=node.name, pgid=proc.pid, log_path=str(log_path))
         self.nodes.append(launched)

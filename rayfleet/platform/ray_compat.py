@@ -3,8 +3,8 @@
 Design decisions:
 - rayfleet needs a few things Ray 2.60 offers only privately: the per-node view of free
   resources, the dashboard address of the connected cluster, a placement group handle from its
-  id (to remove groups listed by the state API), token-authentication setup, and the running
-  Serve proxy's HTTP address. Each gets one small public function here, so an upgrade of Ray
+  id (to remove groups listed by the state API), token-authentication setup, the running
+  Serve proxy's HTTP address, and a ``ray start`` that keeps a loopback node address. Each gets one small public function here, so an upgrade of Ray
   breaks one file with one obvious fix, not six call sites.
 - Every import is inside its function: importing this module costs nothing and does not import
   Ray (the CLI's fast paths and the unit tests rely on that).
@@ -18,6 +18,7 @@ from typing import Any
 __all__ = [
     "dashboard_url", "available_resources_per_node", "placement_group_from_hex",
     "default_auth_token_path", "generate_auth_token", "enable_token_auth", "serve_proxy_address",
+    "keep_loopback_node_ip", "LOOPBACK_FLEET_ENV",
 ]
 
 
@@ -88,6 +89,45 @@ def enable_token_auth() -> None:
     from ray._private.authentication.authentication_token_setup import _enable_token_auth
 
     _enable_token_auth()
+
+
+# For every process a loopback fleet starts: Ray then keeps "127.0.0.1" (the head's GCS address, a
+# job's RAY_ADDRESS) as loopback instead of swapping in the machine's address (keep_loopback_node_ip).
+LOOPBACK_FLEET_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def keep_loopback_node_ip() -> None:
+    """Make Ray in this process keep a loopback address (``ray start --node-ip-address``, the
+    address of ``ray.init``) as given. Idempotent.
+
+    Ray 2.60 replaces 127.0.0.1 with the machine's routable address
+    (``services.resolve_ip_for_localhost``, called by ``ray start`` and by every client's address
+    parsing), and every Ray server binds by its node's address: the C++ gRPC servers (GCS, raylet,
+    object manager, core workers) on all interfaces unless it is 127.0.0.1, the agents on it (plus
+    loopback). Kept as 127.0.0.1, all of them bind loopback only (measured; docs/security.md), and a
+    client must then keep it too or it dials the machine's address, where nothing listens.
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (``LOOPBACK_FLEET_ENV``) has the same effect but also
+    makes ``ray start --address`` refuse to start a second node; here that check is let through.
+    """
+    import ipaddress
+
+    from ray._private import ray_constants, services
+
+    ray_constants.ENABLE_RAY_CLUSTER = True  # read by `ray start --address` only once this is patched
+    resolve = services.resolve_ip_for_localhost
+    if getattr(resolve, "keeps_loopback", False):
+        return
+
+    def keep_loopback(host: str) -> str:
+        if host == "localhost":
+            return "127.0.0.1"
+        try:
+            return host if ipaddress.ip_address(host).is_loopback else resolve(host)
+        except ValueError:  # a host name: Ray's own resolution
+            return resolve(host)
+
+    keep_loopback.keeps_loopback = True  # type: ignore[attr-defined]
+    services.resolve_ip_for_localhost = keep_loopback
 
 
 def serve_proxy_address() -> tuple[str, int]:

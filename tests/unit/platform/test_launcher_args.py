@@ -51,3 +51,33 @@ def test_every_node_process_is_told_its_own_fleets_address(tmp_path, monkeypatch
         fleet._spawn(node, head_address=None if node.role == "head" else fleet.address)
     assert [env["RAY_ADDRESS"] for env in seen] == ["127.0.0.1:41000", "127.0.0.1:41000"]
     assert all(env["RAY_AUTH_MODE"] == "token" for env in seen)
+
+
+def test_local_fleet_nodes_stay_on_loopback(tmp_path, monkeypatch):
+    """Regression: `ray start --node-ip-address=127.0.0.1` swapped in the machine's address and the
+    fleet's GCS, raylets and workers listened on every interface. A loopback node is started through
+    rayfleet's wrapper that keeps the address, and its processes are told to keep it too."""
+    import subprocess
+    import sys
+
+    from rayfleet.platform import launcher
+
+    seen = []
+
+    class FakePopen:
+        def __init__(self, argv, *, env, **_):
+            seen.append((argv, env))
+            self.pid = 12345
+
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    fleet = launcher.LocalFleet(address="127.0.0.1:41000", dashboard_url="", home=str(tmp_path), temp_dir="/tmp/x",
+                                topology_nodes=[])
+    for node in build_topology(num_nodes=2).nodes:
+        fleet._spawn(node, head_address=None if node.role == "head" else fleet.address)
+    wrapper = [sys.executable, "-m", "rayfleet.platform.loopback_ray_start", "start"]
+    assert [argv[:4] for argv, _ in seen] == [wrapper, wrapper]
+    assert all("--node-ip-address=127.0.0.1" in argv for argv, _ in seen)
+    assert all(env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0" for _, env in seen)
+    # A machine of a real cluster runs Ray's own CLI with its network address.
+    assert launcher.ray_start_command("10.0.0.5")[-1].endswith("ray")
+    assert launcher.ray_start_command("localhost") == wrapper[:3]
