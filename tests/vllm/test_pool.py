@@ -141,20 +141,22 @@ def _prompt_tokens_by_replica(uids: set[str]) -> dict[str, float]:
     return out
 
 
-def _settled_prompt_tokens(uids: set[str]) -> dict[str, float]:
-    """The counters once Ray's metrics agent has exported everything earlier tests sent (two
-    scrapes more than the fleet's export interval apart agree); a stale baseline once added 202
-    tokens to a replica."""
-    previous: dict[str, float] | None = None
+def _settled_prompt_tokens(uids: set[str], *, reads: int = 3, done=lambda counters: True,
+                           timeout_s: float = 120.0) -> dict[str, float]:
+    """The counters once ``reads`` scrapes in a row, each 1.5 of the fleet's export intervals after
+    the last, agree (and ``done(counters)`` holds): Ray's agent has then exported everything
+    earlier requests counted (a stale baseline once added 202 tokens to a replica). Three reads
+    span three exports: with exports every 2 s a single agreeing pair, 3 s apart, leaves little
+    room for an export that slips on a loaded machine."""
+    history: list[dict[str, float]] = []
 
     def settled() -> dict[str, float] | None:
-        nonlocal previous
-        now = _prompt_tokens_by_replica(uids)
-        same = now == previous
-        previous = now
-        return now if same else None
+        history.append(_prompt_tokens_by_replica(uids))
+        last = history[-reads:]
+        return last[-1] if len(last) == reads and all(c == last[-1] for c in last) and done(last[-1]) else None
 
-    return wait_until(settled, timeout_s=120, interval_s=1.5 * METRICS_EXPORT_S, what="vLLM's counters to settle")
+    return wait_until(settled, timeout_s=timeout_s, interval_s=1.5 * METRICS_EXPORT_S,
+                      what="vLLM's counters to settle")
 
 
 def test_prefix_aware_router_keeps_each_tenant_on_one_replica(pool_app, vllm_fleet):
@@ -173,12 +175,10 @@ def test_prefix_aware_router_keeps_each_tenant_on_one_replica(pool_app, vllm_fle
                                               temperature=0)
             totals[tenant] += reply.usage.prompt_tokens
 
-    def grown() -> dict[str, float] | None:
-        now = _prompt_tokens_by_replica(uids)
-        delta = {r: now.get(r, 0.0) - before.get(r, 0.0) for r in now}
-        return delta if sum(delta.values()) >= sum(totals.values()) else None
-
-    delta = wait_until(grown, timeout_s=60, interval_s=2, what="vLLM's prompt token counters to reach Prometheus")
+    # Settled again, and grown by at least what was sent: every replica's export is in.
+    after = _settled_prompt_tokens(uids, reads=2, timeout_s=60,
+                                   done=lambda now: sum(now.values()) - sum(before.values()) >= sum(totals.values()))
+    delta = {r: after.get(r, 0.0) - before.get(r, 0.0) for r in after}
     assert sorted(v for v in delta.values() if v) == sorted(totals.values()), (delta, totals)
 
 
