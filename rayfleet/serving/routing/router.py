@@ -124,7 +124,9 @@ class RouterCore:
             peers = [r for r, s in self.snapshots.items() if s.healthy]
             for ledger in (self.recent_work, self.activity):
                 ledger.join(rid, peers)
-        self.snapshots[rid] = replace(snapshot, healthy=True)
+        # Keyed and named by the caller's name for it: a replica's engine may name itself otherwise
+        # (``role/replica``), and a plan must name replicas as ``snapshots`` keys them.
+        self.snapshots[rid] = replace(snapshot, replica_id=rid, healthy=True)
         self.outlook.report(rid, snapshot.num_queued_blocks * self.block_size, now_s)
         self._learn_prefill_rate(rid, snapshot)
         if not was_healthy:  # its cache was lost with it: start its index afresh

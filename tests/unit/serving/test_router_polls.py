@@ -67,3 +67,18 @@ def test_a_failed_poll_makes_a_replica_unhealthy_at_once():
     router = Router({"dead": _Replica([RuntimeError("actor died")])}, core)
     asyncio.run(router.poll_once())
     assert core.unhealthy == ["dead"]
+
+
+def test_a_polled_snapshot_that_names_its_replica_otherwise_still_routes():
+    """A replica's engine names itself ``role/replica`` while the router knows it as ``replica``:
+    after a poll, plans must still name replicas by the router's keys (a full unit run saw a split
+    prefill plan name ``prefill/<id>`` and fail with KeyError)."""
+    from rayfleet.serving.engine.replica_state import ReplicaId, ReplicaSnapshot
+    from rayfleet.serving.routing.router import RouterCore
+
+    core = RouterCore(roles={"colocated": ["r1", "r2"]}, block_size=4, model_id="m", num_blocks_hint=64)
+    for name in ("r1", "r2"):
+        core.observe(name, ReplicaSnapshot(replica_id=ReplicaId(f"colocated/{name}"), num_total_blocks=64,
+                                           num_free_blocks=64, num_active_blocks=0))
+    plan = core.route(list(range(12)), max_tokens=4)
+    assert plan.first and plan.first[0] in {"r1", "r2"}, plan
