@@ -116,11 +116,12 @@ def test_moving_the_decode_pool_bounds_lends_and_reclaims_a_p800(mixed_app):
     wait_until(lambda: sum(n.startswith("decode/") for n in mixed_app.block_usage()) == 2, timeout_s=60,
                interval_s=1, what="the ingress's request router to see both decode replicas")
     # What the autoscaler's Serve shell reads back (its handover waits on these).
+    from rayfleet.serving.deploy.gang_units import LendUnit
     from rayfleet.serving.serve_scaling_shell import _replica_nodes, _running_replicas
 
     wait_until(lambda: _running_replicas("test-mixed", "decode") == 2, timeout_s=60, interval_s=1,
                what="Serve's status to count two RUNNING decode replicas")
-    assert _replica_nodes("test-mixed", "decode") == [P800_NODE, P800_NODE]
+    assert _replica_nodes("test-mixed", "decode", LendUnit()) == [P800_NODE, P800_NODE]  # one-rank replicas
     prompt = "lent accelerators serve too"
     for _ in range(4):  # the new replica has the most free KV, so it takes decodes at once
         assert _complete(mixed_app.url, prompt) == _reference(prompt)
