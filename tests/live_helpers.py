@@ -97,3 +97,12 @@ def greedy_reference(model: dict, engine: dict, *, max_tokens: int) -> Callable[
                                  SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
         return list(result.output_token_ids)
     return run
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (an app's HTTP port in the live tiers)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

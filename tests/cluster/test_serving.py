@@ -16,13 +16,12 @@ update (re-deploy with a changed engine setting) fails no request. One app is de
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import pytest
 import requests
 
-from live_helpers import greedy_reference
+from live_helpers import greedy_reference, free_port
 
 from .conftest import wait_until
 
@@ -43,19 +42,13 @@ def _http(port: int, route_prefix: str = "/") -> dict:
     return http
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def apps(local_fleet):
     from ray import serve
 
     from rayfleet.serving.deployer import deploy
 
-    port = _free_port()
+    port = free_port()
     common = {"model": MODEL, "engine": ENGINE, "http": _http(port), "request_timeout_s": 30}
     pool = {"replicas": 1, "accelerators_per_replica": 1, "accelerator_type": "H100"}
     colocated = deploy({**common, "name": "test-colo", "mode": "colocated", "colocated": pool,
@@ -68,7 +61,7 @@ def apps(local_fleet):
     # for another port: Serve's one proxy keeps its port, and the URL must say so (regression:
     # the URL was built from the spec, and the deploy waited on a port nobody listened on).
     colocated_nc = local_fleet.sdk.serve({**no_cache, "name": "test-colo-nocache", "mode": "colocated",
-                                          "colocated": pool, "http": _http(_free_port(), "/colo-nc")})
+                                          "colocated": pool, "http": _http(free_port(), "/colo-nc")})
     assert colocated_nc.url == colocated.url.removesuffix("/colo") + "/colo-nc", (colocated.url, colocated_nc.url)
     disagg_nc = deploy({**no_cache, "name": "test-pd-nocache", "mode": "disaggregated", "prefill": pool,
                         "decode": pool, "http": _http(port, "/pd-nc")})

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import statistics
 import time
 
 import pytest
+from live_helpers import free_port
 import requests
 
 pytestmark = pytest.mark.cluster
@@ -26,12 +26,6 @@ MODEL = {"preset": "tiny", "seed": 3, "dtype": "float32",
                        "moe_ffn_dim": 384, "max_seq_len": 2048}}
 ENGINE = {"block_size": 16, "num_blocks": 100, "max_num_seqs": 2, "max_num_batched_tokens": 2048}
 PROMPT_BYTES = 1500
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _prompt(seed: int) -> str:
@@ -66,7 +60,7 @@ def tiered_app(local_fleet):
     from rayfleet.serving.deployer import deploy
     from rayfleet.serving.spec import HttpSpec
 
-    http = {"port": _free_port(), "route_prefix": "/kv-tiers"}
+    http = {"port": free_port(), "route_prefix": "/kv-tiers"}
     if "auth" in HttpSpec.model_fields:
         http["auth"] = "disabled"
     served = deploy({"name": "test-kv-tiers", "model": MODEL, "engine": ENGINE, "mode": "colocated",

@@ -11,12 +11,11 @@ the decode pool grows onto the freed XPU, and after the burst the job gets it ba
 from __future__ import annotations
 
 import collections
-import socket
 
 import pytest
 import requests
 
-from live_helpers import Burst
+from live_helpers import Burst, free_port
 
 from .conftest import wait_until
 
@@ -26,12 +25,6 @@ MODEL = {"preset": "tiny", "seed": 5, "dtype": "float64", "overrides": {"max_seq
 ENGINE = {"block_size": 8, "num_blocks": 96, "max_num_seqs": 4, "max_num_batched_tokens": 128}
 P800_NODE = "n0100"
 P800_XPUS = 4  # one decode replica + an elastic job of 2..3 workers
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +41,7 @@ def mixed_app(local_fleet):
         local_fleet.fleet.add_node(NodeTopology(name=P800_NODE, accelerator_type="P800", num_accelerators=P800_XPUS,
                                                 rack="r09", block="b9", nvlink_domain=f"sn-{P800_NODE}"),
                                    timeout_s=300)  # a loaded 2-core machine took over 120 s to start one
-    http = {"port": _free_port(), "route_prefix": "/mixed"}
+    http = {"port": free_port(), "route_prefix": "/mixed"}
     if "auth" in HttpSpec.model_fields:
         http["auth"] = "disabled"
     served = deploy({"name": "test-mixed", "mode": "disaggregated", "model": MODEL, "engine": ENGINE,

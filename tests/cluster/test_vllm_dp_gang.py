@@ -11,10 +11,10 @@ every placement option stays the builder's. Takes ~15-30 s after the fleet is up
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import pytest
+from live_helpers import free_port
 
 from rayfleet.platform import labels as L
 
@@ -22,12 +22,6 @@ pytestmark = pytest.mark.cluster
 
 APP = "test-vllm-dp-gang"
 KV_PREFIX = "test-vllm-dp-gang/"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _import_ray_serve_llm() -> None:
@@ -112,7 +106,7 @@ def test_dp_pool_gangs_are_placed_whole_on_nodes_of_its_accelerator_type(local_f
     lo, hi = spec.colocated.serve_replica_bounds()
     assert (lo, hi) == (4, 4)  # 2 gangs x 2 ranks
     started = time.monotonic()
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": _free_port()})
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": free_port()})
     try:
         set_pool_bounds(APP, dp.name, min_replicas=lo, max_replicas=hi)  # as deploy does
         serve.run(probe, name=APP, route_prefix=None, blocking=False)

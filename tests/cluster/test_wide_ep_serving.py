@@ -13,13 +13,12 @@ and leaves no KV block, reservation or lease behind.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 
 import pytest
 import requests
 
-from live_helpers import greedy_reference
+from live_helpers import greedy_reference, free_port
 
 from .conftest import wait_until
 
@@ -30,12 +29,6 @@ MODEL = {"preset": "tiny", "seed": 7, "dtype": "float64",
 ENGINE = {"block_size": 8, "num_blocks": 96, "max_num_seqs": 8, "max_num_batched_tokens": 96}
 RANKS, PREFILL_RANKS = 4, 2
 MAX_TOKENS = 12
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +44,7 @@ def app(local_fleet):
                      # 8 experts + 4 redundant slots = 3 per rank; windows of 4 steps, re-placed every window
                      "expert_balancing": {"enabled": True, "num_redundant_experts": 4, "window_steps": 4,
                                           "history_windows": 2, "rebalance_every_windows": 1},
-                     "http": {"port": _free_port(), "route_prefix": "/wide", "auth": "disabled"},
+                     "http": {"port": free_port(), "route_prefix": "/wide", "auth": "disabled"},
                      "request_timeout_s": 60})
     try:
         yield served
