@@ -30,6 +30,9 @@ Design decisions:
   rules (``Queue.ceiling_of``, ``queue_usage``, the roots' governed quota), and :func:`resized`
   is the record after a resize it decided: ``size`` follows the job, so what it grew above its
   quota counts as borrowed and is reclaimed like any borrowed accelerator.
+- **Serve pools are records too** (``serve_pool``; built by ``serve_admission``): the same
+  steps admit them, their ``size`` counts against their queue as a training job's does, and
+  ``growth_limits`` caps how far the autoscaler's lending may grow them.
 """
 
 from __future__ import annotations
@@ -71,11 +74,13 @@ class AdmissionRequest:
     replica_size: int
     job_class: JobClass = JobClass.GUARANTEED
     priority: int = 0
+    serve_pool: bool = False  # a Serve pool (``serve_admission``): no driver heartbeats, grows by lending
 
     def to_json(self) -> dict:
         return {"job_id": self.job_id, "name": self.name, "queue": self.queue,
                 "accelerator_type": self.accelerator_type, "min_size": self.min_size, "max_size": self.max_size,
-                "replica_size": self.replica_size, "job_class": self.job_class.value, "priority": self.priority}
+                "replica_size": self.replica_size, "job_class": self.job_class.value, "priority": self.priority,
+                "serve_pool": self.serve_pool}
 
     @classmethod
     def from_json(cls, data: Mapping) -> "AdmissionRequest":
@@ -102,6 +107,16 @@ class AdmissionRecord:
     @property
     def job_id(self) -> str:
         return self.request.job_id
+
+    @classmethod
+    def running(cls, work: Workload) -> "AdmissionRecord":
+        """The record of a workload that runs at its size and holds it (the simulator's jobs)."""
+        request = AdmissionRequest(job_id=work.job_id, name=work.job_id, queue=work.queue,
+                                   accelerator_type=work.accelerator_type, min_size=work.min_size,
+                                   max_size=work.max_size, replica_size=work.replica_size,
+                                   job_class=work.job_class, priority=work.priority)
+        return cls(request=request, state=AdmissionState.ADMITTED, submitted_at=work.started_at, size=work.size,
+                   admitted_at=work.started_at, held=work.size)
 
     def workload(self) -> Workload:
         r = self.request
@@ -270,6 +285,7 @@ def growth_limits(tree: QueueTree, records: Iterable[AdmissionRecord]) -> QueueG
     records = list(records)
     running = [r.workload() for r in records if r.state is AdmissionState.ADMITTED and _in_tree(tree, r)]
     usage_of = {kind: queue_usage(tree, running, kind) for kind in {w.accelerator_type for w in running}}
+    governed_of = {kind: _governed_room(tree, running, kind) for kind in usage_of}  # once per type, not per job
     ceiling, granted, limits, room, promised = {}, {}, {}, {}, {}
     for record in records:
         request, name, kind = record.request, record.request.name, record.request.accelerator_type
@@ -284,13 +300,15 @@ def growth_limits(tree: QueueTree, records: Iterable[AdmissionRecord]) -> QueueG
             usage = usage_of[kind]
             mine: dict[str, float] = {f"{kind} in queue {q}": tree.queues[q].ceiling_of(kind) - usage[q]
                                       for q in tree.path(request.queue)}
-            mine[f"{kind} of the roots' quota"] = _governed_room(tree, running, kind)
+            mine[f"{kind} of the roots' quota"] = governed_of[kind]
             if request.job_class is JobClass.GUARANTEED:
                 mine[f"{kind} in queue {request.queue}'s quota"] = (tree.queues[request.queue].quota_of(kind)
                                                                     - usage[request.queue])
             bounded = {key: max(0, int(value)) for key, value in mine.items() if value != math.inf}
-            alone = min(bounded.values(), default=request.max_size)
-            extra = max(0, min(request.max_size - record.size, alone))
+            # A Serve pool's max_size is Serve's own range; lending grows it beyond, within its queue
+            most = (1 << 30) if request.serve_pool else request.max_size
+            alone = min(bounded.values(), default=most)
+            extra = max(0, min(most - record.size, alone))
             top = record.size + extra // request.replica_size * request.replica_size
         room.update(bounded)
         ceiling[name] = min(ceiling.get(name, top), top)  # a name twice (resubmitted): the tighter

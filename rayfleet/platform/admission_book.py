@@ -15,6 +15,8 @@ Design decisions:
   and tells it every resize it decides (``resized``): a record's ``size`` follows the job
   (admission, reclaim, the autoscaler's growth and lending), so the queues' usage, borrowing
   and reclaim see what the job is sized to, not what it was admitted at.
+- Serve pools (``serve_admission``) are admitted by ``request_pool``: at once or refused, never
+  left waiting; they have no driver, so silence does not expire them.
 - Reclaims go out as the autoscaler's own ``ShrinkTraining`` decisions (a preempted job's
   ``new_size`` is 0: its shell pauses it), and a preempted job admitted again gets a
   ``GrowTraining`` to its new size: the job shells already carry both out.
@@ -77,6 +79,32 @@ class AdmissionBook:
             self._beats[request.job_id] = self.clock()
             self.step()
             return {"outcome": "queued", "record": self._records[request.job_id].to_json()}
+
+    def request_pool(self, request: AdmissionRequest) -> dict:
+        """Admit a Serve pool now or refuse it (``serve_admission``: a deploy does not wait in line).
+
+        A record of the same pool (the app deployed again) is replaced. Returns ``request``'s
+        answers, except that a pool whose minimum does not fit is ``refused`` with the queue's
+        reason and the fix, and leaves no record."""
+        with self._lock:
+            if request.job_id in self._records:
+                self.release(request.job_id, "the Serve app is deployed again")
+            answer = self.request(request)
+            record = self._records.get(request.job_id)
+            if answer["outcome"] != "queued" or record is None or record.state is AdmissionState.ADMITTED:
+                return answer
+            self._records.pop(request.job_id)
+            self._beats.pop(request.job_id, None)
+            self.store.delete(_PREFIX + request.job_id)
+            field = f"{request.name.split('/')[-1]}.replicas"
+            message = str(SpecError(
+                field, request.min_size // request.replica_size,
+                f"Serve pool {request.name} does not fit in queue {request.queue}: {record.reason}",
+                f"lower the pool's replicas, raise queue {request.queue}'s {request.accelerator_type} quota "
+                "(`rayfleet queue apply`), or deploy again once its jobs end"))
+            self.record(f"serve:{request.name}", "queue_refused", record.reason,
+                        {"job_id": request.job_id, "queue": request.queue, "min_size": request.min_size})
+            return {"outcome": "refused", "error": [field, request.min_size // request.replica_size, message]}
 
     def status(self, job_id: str) -> dict | None:
         """The job's record and whether it may start (admitted, every job it reclaimed from has
@@ -141,6 +169,17 @@ class AdmissionBook:
             self.step()
             return True
 
+    def pool_held(self, name: str, held: int) -> bool:
+        """Serve pool ``name`` (``serve_admission.pool_key``) holds ``held`` accelerators, as its
+        Serve shell reports. Returns whether its record changed."""
+        with self._lock:
+            record = next((r for r in self._records.values() if r.request.serve_pool and r.request.name == name), None)
+            if record is None or record.held == held:
+                return False
+            self._put(replace(record, held=int(held)))
+            self.step()
+            return True
+
     # -- the controller's side -----------------------------------------------------------------------
     def expire(self, ended: Callable[[set[str]], set[str]] | None = None) -> list[str]:
         """Release jobs that ended without a word: those ``ended(job ids)`` names (Ray's job table
@@ -149,7 +188,8 @@ class AdmissionBook:
         now = self.clock()
         with self._lock:
             known = set(self._records)
-            stale = [j for j in known if now - self._beats.get(j, now) > self.heartbeat_ttl_s]
+            stale = [j for j in known if now - self._beats.get(j, now) > self.heartbeat_ttl_s
+                     and not self._records[j].request.serve_pool]  # no driver: released at shutdown
         try:
             gone = sorted(set(ended(known)) & known) if ended is not None and known else []
         except Exception:  # noqa: BLE001 - the job API not answering: the heartbeat deadline still holds

@@ -87,3 +87,8 @@ class QueueMethods:
     def admissions(self) -> list[dict]:
         """Every queued and admitted job: state, size, reason, place in line (JSON-able)."""
         return self.admission.records()
+
+    def admit_serve_pool(self, request: dict) -> dict:
+        """A Serve deploy asks its pool's queue for accelerators (``serve_admission``): admitted at
+        once, or refused with the reason and fix; ``direct`` for a pool outside the queues."""
+        return self.admission.request_pool(AdmissionRequest.from_json(request))

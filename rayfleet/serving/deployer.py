@@ -17,6 +17,10 @@ Design decisions:
 - Each pool's Serve autoscaling bounds start at the spec's ``replicas`` .. ``max_replicas``
   (``pool_scaling``), for either engine, keyed by the pool's Serve deployment
   (``pool_deployment_name``); the shared autoscaler moves them later.
+- Every pool that asks for accelerators is admitted through its ``queue`` by the fleet
+  controller first (``deploy.pool_admission``; the rules: ``platform/serve_admission.py``): a
+  refused pool fails the deploy before anything is deployed, and an admitted one's Serve bounds
+  never go above what its queue granted. ``ServeDeployment.shutdown`` gives the grant back.
 - ``deploy`` waits until the app is RUNNING and the ingress answers ``/health`` (the engines
   have loaded and published their state), so the returned URL is usable at once; a failed
   deployment raises ``ServeDeployError`` with Serve's message.
@@ -26,11 +30,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rayfleet.errors import RayfleetError
+from rayfleet.serving.deploy.pool_admission import (PoolGrant, admit_pools, controller_call, release_pools,
+                                                    report_started, serve_bounds)
 from rayfleet.serving.spec import ServeSpec, load_serve_spec
 
 __all__ = ["ServeDeployment", "ServeDeployError", "deploy", "pool_deployment_name"]
@@ -49,6 +55,7 @@ class ServeDeployment:
     spec: ServeSpec
     url: str
     api_key: str | None = None  # what clients send (``Authorization: Bearer``); None: auth disabled
+    grants: dict[str, PoolGrant] = field(default_factory=dict)  # role -> what its queue admitted
 
     @property
     def name(self) -> str:
@@ -86,6 +93,8 @@ class ServeDeployment:
         from ray import serve
 
         serve.delete(self.spec.name, _blocking=True)
+        if any(g.job_id for g in self.grants.values()):  # its queues count it no more
+            release_pools(self.grants.values(), controller_call(), "the Serve app was shut down")
 
     def __repr__(self) -> str:
         return f"ServeDeployment(name={self.spec.name!r}, mode={self.spec.mode!r}, url={self.url!r})"
@@ -163,12 +172,31 @@ def deploy(spec: ServeSpec | dict[str, Any] | str | Path, *, address: str | None
         from rayfleet.serving.vllm.app import HEALTH_PATH as health_path, build_vllm_app as build_app
     from rayfleet.serving.deploy.pool_scaling import set_pool_bounds
 
-    # HeadOnly: the local fleet's nodes share one IP, so a proxy per node would fight for the port.
-    serve.start(proxy_location="HeadOnly", http_options={"host": spec.http.host, "port": spec.http.port})
     deadline = time.monotonic() + timeout_s
-    for role, pool in spec.pools().items():  # Serve autoscales each pool within these (pool_scaling)
-        lo, hi = pool.serve_replica_bounds()  # Serve replicas: a vLLM DP pool's replica is a gang of ranks
-        set_pool_bounds(spec.name, pool_deployment_name(spec, role), min_replicas=lo, max_replicas=hi)
+    pools = spec.pools()
+    call = controller_call(pools)  # queue admission of every pool before anything is deployed
+    grants = admit_pools(spec.name, pools, call, deadline=deadline) if call is not None else {}
+    try:
+        # HeadOnly: the local fleet's nodes share one IP, so a proxy per node would fight for the port.
+        serve.start(proxy_location="HeadOnly", http_options={"host": spec.http.host, "port": spec.http.port})
+        for role, pool in pools.items():  # Serve autoscales each pool within these (pool_scaling)
+            # Serve replicas (a vLLM DP pool's replica is a gang of ranks), never above its queue's grant
+            lo, hi = serve_bounds(pool, grants.get(role))
+            set_pool_bounds(spec.name, pool_deployment_name(spec, role), min_replicas=lo, max_replicas=hi)
+        served = _run_and_wait(spec, build_app, health_path, api_key, deadline)
+    except BaseException:
+        release_pools(grants.values(), call, "the Serve app did not come up")
+        raise
+    if call is not None:
+        report_started(grants, pools, call)
+    served.grants = grants
+    return served
+
+
+def _run_and_wait(spec: ServeSpec, build_app, health_path: str, api_key: str | None,
+                  deadline: float) -> ServeDeployment:
+    from ray import serve
+
     try:
         serve.run(build_app(spec), name=spec.name, route_prefix=spec.http.route_prefix, blocking=False)
     except RuntimeError as exc:  # Serve raises RuntimeError when a deployment fails to start

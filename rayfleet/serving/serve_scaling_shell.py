@@ -41,6 +41,7 @@ from typing import Any
 from rayfleet.errors import SpecError
 from rayfleet.platform.autoscaler.shell import AutoscalerShellBase, RayChannel
 from rayfleet.platform.autoscaler.types import Decision, ScaleServe, ServeObservation
+from rayfleet.platform.serve_admission import pool_key
 from rayfleet.serving.deploy.gang_units import LendUnit
 from rayfleet.serving.deploy.serve_scaling_rules import (LentReplica, RoomWatch, ServeShellConfig,
                                                         free_accelerators_of_type, serve_observation)
@@ -112,7 +113,8 @@ class ServeShell(AutoscalerShellBase):
         observation = serve_observation(
             deployment=self.spec.name, accelerator_type=self.pool.accelerator_type,
             accelerators_per_replica=self.unit.accelerators, load=load,
-            kv_usage_by_replica=kv, base_nodes=self.base_nodes, lent=lent, config=self.config)
+            kv_usage_by_replica=kv, base_nodes=self.base_nodes, lent=lent, config=self.config,
+            pool_key=pool_key(self.spec.name, self.role))  # its queue's limits cap the lends (serve_admission)
         self.last_observation = observation
         return observation
 

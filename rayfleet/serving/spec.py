@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from rayfleet.errors import SpecError
 from rayfleet.serving.engine.engine_config import EngineConfig
 from rayfleet.serving.pool_parallelism import DataParallelPoolFields, check_pool_parallelism, check_wide_ep
+from rayfleet.serving.pool_queue import PoolQueueFields
 
 if TYPE_CHECKING:
     from rayfleet.serving.routing.long_prefill import LongPrefillPolicy
@@ -73,9 +74,9 @@ class ModelSource(_Strict):
         return str(self.preset)
 
 
-class PoolSpec(DataParallelPoolFields, _Strict):
+class PoolSpec(DataParallelPoolFields, PoolQueueFields, _Strict):
     """Engine replicas of one role and what each reserves on the fleet (a vLLM pool's replica may
-    be a gang of data-parallel ranks: ``pool_parallelism``)."""
+    be a gang of data-parallel ranks: ``pool_parallelism``; its queue: ``pool_queue``)."""
 
     replicas: int = Field(1, ge=1, le=64)  # Serve autoscaling's floor (the pool is one deployment)
     max_replicas: int | None = Field(None, ge=1, le=64)  # Serve may scale up to this alone (None: replicas)

@@ -10,6 +10,7 @@ the same place and every job still known; a1 is stopped, team-a idles and b2 bor
 admission events come in that order with those reasons. The unit twin, in milliseconds:
 tests/unit/platform/test_admission_controller.py. A job to an undeclared queue is refused by the
 SDK and, submitted with ``ray job submit``, by its driver (exit 2, the field, value and fix).
+A Serve pool in a queue is admitted by the same controller (``test_serve_pool_admitted_through_a_queue``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import yaml
 from rayfleet.cli import main
 from rayfleet.errors import SpecError
 from rayfleet.jobs.training_run import parse_metrics_lines
+from live_helpers import free_port
 
 from .conftest import wait_until
 
@@ -184,4 +186,59 @@ def test_queue_wait_borrow_reclaim_and_controller_restart(local_fleet, dataset, 
             sdk.delete_queue(TEAM_A)
             sdk.delete_queue(TEAM_B)
         except Exception:  # noqa: BLE001 - leftover queues do not affect jobs without a queue
+            pass
+
+
+SERVE_QUEUE = "qa-serve"
+
+
+def test_serve_pool_admitted_through_a_queue(local_fleet, capsys):
+    """A Serve pool in a queue of 1 H100: admitted at 1 replica although it asks for 1..2 (Serve's
+    autoscaling capped there), listed with its queue in ``rayfleet status``; a second app in the
+    full queue and one in an undeclared queue are refused before anything is deployed; shutting
+    the app down gives its grant back. One tiny colocated app on the session fleet."""
+    from ray import serve
+
+    from rayfleet.serving.deploy.pool_admission import PoolRefusedError
+
+    sdk, address = local_fleet.sdk, local_fleet.address
+    sdk.create_queue(SERVE_QUEUE, quota={"H100": 1}, borrow_limit={"H100": 0})
+    model = {"preset": "tiny", "seed": 5, "dtype": "float64", "overrides": {"max_seq_len": 256}}
+    engine = {"block_size": 8, "num_blocks": 32, "max_num_seqs": 4, "max_num_batched_tokens": 64}
+
+    def app(name, queue, replicas=1, max_replicas=None):
+        pool = {"replicas": replicas, "max_replicas": max_replicas, "accelerators_per_replica": 1,
+                "accelerator_type": "H100", "queue": queue}
+        return {"name": name, "mode": "colocated", "model": model, "engine": engine, "colocated": pool,
+                "http": {"port": free_port(), "route_prefix": f"/{name}"}}
+
+    served = None
+    try:
+        served = sdk.serve(app("qa-serve-1", SERVE_QUEUE, 1, 2), timeout_s=240)
+        grant = served.grants["colocated"]
+        assert (grant.replicas, grant.job_id) == (1, "serve:qa-serve-1/colocated"), grant
+        record = _admission(sdk, grant.job_id)
+        assert (record["state"], record["size"], record["held"], record["request"]["queue"]) == (
+            "ADMITTED", 1, 1, SERVE_QUEUE), record
+        capsys.readouterr()
+        assert main(["status", "--address", address]) == 0
+        row = next(line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(grant.job_id))
+        assert row[1:3] == [SERVE_QUEUE, "ADMITTED"], row
+
+        with pytest.raises(PoolRefusedError, match=r"colocated.replicas=1: Serve pool qa-serve-2/colocated does "
+                                                   rf"not fit in queue {SERVE_QUEUE}.*Fix: lower the pool's replicas"):
+            sdk.serve(app("qa-serve-2", SERVE_QUEUE), timeout_s=60)
+        with pytest.raises(PoolRefusedError, match=r"queue='qa-serve-nope': no such queue.*rayfleet queue apply"):
+            sdk.serve(app("qa-serve-3", "qa-serve-nope"), timeout_s=60)
+        assert not {"qa-serve-2", "qa-serve-3"} & set(serve.status().applications)  # nothing was deployed
+
+        served.shutdown()
+        served = None
+        assert _admission(sdk, grant.job_id) is None  # the grant went back with the app
+    finally:
+        if served is not None:
+            served.shutdown()
+        try:
+            sdk.delete_queue(SERVE_QUEUE)
+        except Exception:  # noqa: BLE001 - a leftover queue does not affect jobs without a queue
             pass

@@ -295,6 +295,7 @@ SERVING_RANK = {
     "engine": 1,  # one replica's engine core; owns what it publishes and the protocols it needs
     "kv": 2, "routing": 2,  # KV tiers and transfer (implement the engine's connector); the router
     "pool_parallelism": 2,  # a pool's wide-EP fields (a mixin of spec's PoolSpec) and their checks
+    "pool_queue": 2,  # a pool's queue field (a mixin of spec's PoolSpec) and its admission request
     "spec": 3,  # ServeSpec, the pydantic edge, maps onto engine/routing/experts configs
     "deploy": 4,  # engine replicas on Serve, the request path, Serve autoscaling bounds
     "openai_api": 5, "vllm": 5,  # the two HTTP faces and their Serve applications

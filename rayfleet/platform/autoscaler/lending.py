@@ -47,6 +47,9 @@ class FleetScratch:
         self.removed: dict[str, list[int]] = defaultdict(list)
         self.freed: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.whole_elastic = True  # the lend under way may preempt an elastic job whole (last resort)
+        # Room left under each queue limit (QueueGrowthLimits), shared by Serve scale-ups and
+        # training growth decided in this call
+        self.queue_room = dict(obs.queue_limits.limit_to_room)
         self._by_node: dict[str, list[tuple[str, int]]] | None = None
 
     @property

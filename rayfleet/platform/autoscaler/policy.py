@@ -57,6 +57,9 @@ Design decisions:
   accelerators admission granted a job that does not hold them yet. A job waiting in its queue
   is not grown: only admission starts it. Growth above the leaf's quota is borrowing, which a
   lender inside its quota reclaims (the controller records the new size in the admission book).
+- Serve pools admitted through a queue (``ServeObservation.pool_key``) scale up by the same
+  limits (``queue_cap``): a pool's lend never takes it above what its queues may hold, and what
+  it takes comes out of the room its queue's training jobs would grow into in the same step.
 - Every decision carries a human-readable ``reason``; the controller records it as an event.
 
 Lending (which training to shrink for a Serve replica) is in :mod:`rayfleet.platform.autoscaler.lending`.
@@ -69,8 +72,8 @@ from collections import defaultdict
 
 from rayfleet.platform.autoscaler.lending import FleetScratch, accelerator_type_matches, lend, shrink_decisions
 from rayfleet.platform.autoscaler.types import (
-    AutoscalerConfig, AutoscalerState, Decision, FleetObservation, GrowTraining, PolicyResult, RequestNodes,
-    ScaleServe, ServeObservation, ShrinkTraining, TrainingObservation,
+    AutoscalerConfig, AutoscalerState, Decision, FleetObservation, GrowTraining, PolicyResult, QueueGrowthLimits,
+    RequestNodes, ScaleServe, ServeObservation, ShrinkTraining, TrainingObservation,
 )
 from rayfleet.platform.queues import JobClass
 
@@ -112,6 +115,8 @@ class AutoscalerPolicy:
             if at_risk and want <= have and serve.pending_replicas == 0 and not unreported:
                 want = have + 1
             want = min(want, serve.max_replicas)
+            cap = queue_cap(work, obs.queue_limits, serve, have)  # a pool admitted through a queue
+            want = want if cap is None else min(want, cap)
             busy = busy or at_risk or want > have or unreported
             if want > have:
                 low_since.pop(serve.deployment, None)
@@ -120,6 +125,7 @@ class AutoscalerPolicy:
                 work.whole_elastic = cfg.preempt_elastic_last_resort and serve.deployment not in scaled_down_at
                 decision = self._scale_up(work, serve, have, want - have, now, trigger, last_resize, lent, unmet)
                 if decision is not None:
+                    take_queue_room(work, obs.queue_limits, serve, have, decision.target_replicas)
                     fresh_until[serve.deployment] = now + self._fresh_s
                     scaling_to[serve.deployment] = (decision.target_replicas, now)
             elif unreported:  # the shell has not shown the last scale-up yet: nothing to judge
@@ -246,7 +252,7 @@ class AutoscalerPolicy:
         out = []
         cfg = self.config
         queues = obs.queue_limits
-        room = dict(queues.limit_to_room)  # shared by the jobs of a queue (see QueueGrowthLimits)
+        room = work.queue_room  # shared by the jobs and pools of a queue (see QueueGrowthLimits)
         # The cooldown bounds restarts of a running job; a paused one (preempted whole) makes no
         # progress at all, and resuming is the one restart it has to pay anyway.
         candidates = [t for t in obs.training if t.job_class is JobClass.ELASTIC and not work.removed.get(t.job_id)
@@ -317,3 +323,31 @@ class AutoscalerPolicy:
                 why += f"; its queue {t.queue} allows it up to {ceiling}"
             out.append(GrowTraining(t.job_id, size, tuple(nodes), f"grown {t.size}->{size}: {why}"))
         return out
+
+
+def queue_cap(work: FleetScratch, limits: QueueGrowthLimits, serve: ServeObservation, have: int) -> int | None:
+    """Most replicas pool ``serve`` may have by its queues' limits, never below ``have`` (a lowered
+    quota does not scale a serving pool down); ``None`` for a pool outside the queues.
+
+    Example: granted 16 H100 (2 replicas of 8), ceiling 24, room 8 under its queue's limit:
+    3 replicas; another pool of the queue that took the 8 first in this step leaves 2.
+    """
+    ceiling = limits.job_to_ceiling.get(serve.pool_key) if serve.pool_key else None
+    if ceiling is None:
+        return None
+    per = max(1, serve.accelerators_per_replica)
+    granted = limits.job_to_granted.get(serve.pool_key, 0)
+    room = min((work.queue_room.get(k, 0) for k in limits.job_to_limits.get(serve.pool_key, ())), default=math.inf)
+    return max(have, int(min(ceiling, granted + room) // per))
+
+
+def take_queue_room(work: FleetScratch, limits: QueueGrowthLimits, serve: ServeObservation, have: int,
+                    target: int) -> None:
+    """Charge a pool's scale-up from ``have`` to ``target`` replicas to its queues' shared room
+    (``work.queue_room``, mutated): only accelerators above its grant count."""
+    if not serve.pool_key or serve.pool_key not in limits.job_to_ceiling:
+        return
+    per = serve.accelerators_per_replica
+    above = max(limits.job_to_granted.get(serve.pool_key, 0), have * per)
+    for key in limits.job_to_limits.get(serve.pool_key, ()):
+        work.queue_room[key] = work.queue_room.get(key, 0) - max(0, target * per - above)

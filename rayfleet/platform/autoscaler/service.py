@@ -15,7 +15,9 @@ Design decisions:
   (``attach_queues``): every observation carries how far each may grow by its queue's rules
   (``QueueGrowthLimits``), and every resize the policy decides is told to the book, so its
   quota accounting follows the job's size (a job grown above its quota is borrowing and can be
-  reclaimed). Lock order: ``_step_lock`` -> the book's lock -> ``_lock``; the book is never
+  reclaimed). Serve pools admitted through a queue (``ServeObservation.pool_key``) are told to
+  the book the same way: what their replicas hold on every report, their new size on every
+  ``ScaleServe``. Lock order: ``_step_lock`` -> the book's lock -> ``_lock``; the book is never
   called under ``_lock``.
 """
 
@@ -52,6 +54,8 @@ class QueueAccounts(Protocol):
 
     def resized(self, job_name: str, new_size: int, reason: str) -> bool: ...
 
+    def pool_held(self, name: str, held: int) -> bool: ...
+
 
 class SharedAutoscaler:
     """Reports, inboxes and the background loop of the shared autoscaler (thread-safe)."""
@@ -84,6 +88,9 @@ class SharedAutoscaler:
             else:
                 self.serve[name] = observation
             self._reported_at[f"serve/{name}"] = time.time()
+        if observation is not None and observation.pool_key and self._queues is not None:  # not under _lock
+            running = observation.running_replicas + observation.pending_replicas
+            self._queues.pool_held(observation.pool_key, running * observation.accelerators_per_replica)
 
     def report_training(self, observation: TrainingObservation | None, job_id: str | None = None) -> None:
         with self._lock:
@@ -136,6 +143,11 @@ class SharedAutoscaler:
                                                                                       reason=why):
                 if self._queues is not None:
                     self._queues.resized(job, size, why)
+            case ScaleServe(deployment=deployment, target_replicas=target, reason=why):
+                with self._lock:
+                    pool = self.serve.get(deployment)
+                if self._queues is not None and pool is not None and pool.pool_key:
+                    self._queues.resized(pool.pool_key, target * pool.accelerators_per_replica, why)
 
     def carry_out(self, decision: Decision) -> None:
         """Node requests go to Ray's autoscaler; every other decision to its shell's inbox."""

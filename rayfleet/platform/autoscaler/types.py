@@ -40,6 +40,9 @@ class ServeObservation:
     # Nodes of decided replicas that do not hold their accelerators yet (a shell starts a replica
     # once the freed accelerator is really free). Their room is kept: nothing else grows into it.
     unplaced_nodes: tuple[str, ...] = ()
+    # The pool's admission record name (``serve_admission.pool_key``) when it was admitted through
+    # a queue: its key in ``QueueGrowthLimits``. Empty: the pool runs outside the queues.
+    pool_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,8 @@ class QueueGrowthLimits:
 
     Computed outside the policy (:func:`rayfleet.platform.admission.growth_limits`, from the queue
     tree and the admission records, with ``queues.py``'s own functions), so the policy applies the
-    queues' rules without a copy of them. Keys are the jobs' autoscaler ids (their names).
+    queues' rules without a copy of them. Keys are the jobs' autoscaler ids (their names) and the
+    Serve pools' ``pool_key``.
 
     - ``job_to_ceiling``: the most a governed job may hold if nothing else grows (0 for one that
       waits in its queue: only admission may start it again). A job not named here runs outside

@@ -11,7 +11,9 @@ Design decisions:
   policy configured differently (:mod:`rayfleet.platform.sim.baselines`).
 - Training admission uses :func:`rayfleet.platform.queues.admit` on a queue tree
   ``root -> serving | training -> prod | research`` where Serve's replicas count as a
-  guaranteed workload of ``serving`` (so training borrows Serve's idle quota).
+  guaranteed workload of ``serving`` (so training borrows Serve's idle quota). The policy's
+  observation carries the queues' growth limits (``admission.growth_limits``, the function the
+  live controller gives its autoscaler), so growth obeys borrow limits in both.
 - Training progress is linear in accelerators (work in accelerator-seconds): a resize changes the
   rate, a pause (snapshot + restart) stops it, and a paused job's accelerators are held but not
   utilized. Lost work: pauses x size, and on a whole-job
@@ -25,6 +27,7 @@ import random
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from rayfleet.platform.admission import AdmissionRecord, growth_limits
 from rayfleet.platform.autoscaler.policy import (
     AutoscalerState, FleetObservation, GrowTraining, RequestNodes, ScaleServe, ServeObservation, ShrinkTraining,
 )
@@ -64,6 +67,9 @@ class SimConfig:
     size_scale: int = 8
     max_job_duration_s: float = 2 * DAY_S
     admission_attempts_per_tick: int = 24
+    # Extra accelerators the research queue may borrow above its quota (None: any idle ones, as
+    # Kueue's default cohort). Admission and the autoscaler's growth both hold to it.
+    research_borrow_limit: int | None = None
     admission_scan_per_tick: int = 400
     costs: CostModel = field(default_factory=CostModel)
     trace_dir: Path = field(default_factory=default_trace_dir)
@@ -109,7 +115,8 @@ class Simulation:
             Queue("serving", "root", {k: serve_quota}, priority=10),
             Queue("training", "root", {k: train_quota}),
             Queue("prod", "training", {k: prod_quota}, priority=1),
-            Queue("research", "training", {k: train_quota - prod_quota}),
+            Queue("research", "training", {k: train_quota - prod_quota},
+                  None if c.research_borrow_limit is None else {k: c.research_borrow_limit}),
         ])
         self.arrivals = load_philly_arrivals(
             c.trace_dir / "philly_jobs.csv", horizon_s=c.days * DAY_S, training_accelerators=train_quota,
@@ -211,9 +218,14 @@ class Simulation:
         training = tuple(j.observation(as_class=as_class if j.arrival.job_class is not JobClass.GUARANTEED else None)
                          for j in self.jobs.values())
         pending = sum(j.min_size for p in self.pending.values() for j in p[:8])
+        # Growth is capped by the queues as on the live fleet: the same growth_limits over the
+        # same records (every running job holds its size; Serve is serving's guaranteed workload)
+        records = [AdmissionRecord.running(w) for w in [j.workload() for j in self.jobs.values()]
+                   + [self._serve_workload()]]
         obs = FleetObservation(now_s=now, free_by_node=dict(self.fleet.free), node_type=self.fleet.node_type,
                                serve=(serve,), training=training,
-                               pending_training_accelerators={c.accelerator_type: pending} if pending else {})
+                               pending_training_accelerators={c.accelerator_type: pending} if pending else {},
+                               queue_limits=growth_limits(self.tree, records))
         result = self.policy.decide(self.state, obs)
         self.state = result.state
         lent_nodes: set[str] = set()
@@ -287,11 +299,15 @@ class Simulation:
             self.serve.pop(index)
             self.fleet.give(node, per)
 
+    def _serve_workload(self) -> Workload:
+        """Serve's replicas as a guaranteed workload of queue ``serving`` (module doc)."""
+        held = max(1, len(self.serve) * self.cfg.serve_replica_accelerators)
+        return Workload("serve", "serving", self.cfg.accelerator_type, held, 1, held, 1, JobClass.GUARANTEED)
+
     # -- admission --------------------------------------------------------------------------------
     def _admit(self, now: float) -> None:
         c, kind = self.cfg, self.cfg.accelerator_type
-        serve_load = Workload("serve", "serving", kind, max(1, len(self.serve) * c.serve_replica_accelerators), 1,
-                              max(1, len(self.serve) * c.serve_replica_accelerators), 1, JobClass.GUARANTEED)
+        serve_load = self._serve_workload()
         running = [j.workload() for j in self.jobs.values()] + [serve_load]
         usage = queue_usage(self.tree, running, kind)
         for queue in ("prod", "research"):
