@@ -11,6 +11,9 @@ Design decisions:
   weights for its forward and its backward; prefetched a layer ahead, they hide behind that
   micro-batch's whole compute, so only the first layer's share and the excess are on the
   critical path (:func:`_sharded_exposure`).
+- Hidden is not free: compute beside a DP/ZeRO collective or overlapped TP communication runs
+  ~19% slower (measured, ``CostParams.collective_overlap_slowdown``), so the hidden seconds still
+  cost ``s / (1 + s)`` of themselves, scaled by the carrying link's rate (:func:`overlap_slowdown_s`).
 - Compute: forward FLOPs per token from :class:`ModelSpec`, x3 for forward+backward, +1 forward
   with full recompute, +attention core forward (and MLA's q/k/v up-projections) with selective
   recompute. GEMMs run at the catalogue's peak for the model's precision (FP8 or BF16) times
@@ -44,7 +47,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
-from rayfleet.placement.cost_params import CostParams, Link, all_to_all_time, hierarchical_allreduce_time, ring_time
+from rayfleet.placement.cost_params import (CostParams, Link, all_to_all_time, hierarchical_allreduce_time,
+                                           link_rate_share, overlap_slowdown_s, ring_time)
 from rayfleet.placement.ep_overlap import (LayerHalves, cross_domain_share, ep_exposed_all_to_all,
                                            ep_overlap_possible, layer_halves)
 from rayfleet.placement.memory_model import ParamCounts, layer_param_counts, num_moe_layers
@@ -54,7 +58,8 @@ from rayfleet.placement.plan import ParallelPlan
 from rayfleet.platform.catalogue import AcceleratorSpec
 
 __all__ = ["LayerHalves", "LayerTime", "StepTimeBreakdown", "ep_exposed_all_to_all", "ep_overlap_possible",
-           "exposed_p2p", "layer_time", "layer_times", "estimate_step_time", "wgrad_accumulation_s"]
+           "exposed_p2p", "layer_time", "layer_times", "estimate_step_time", "overlap_slowdown_s",
+           "wgrad_accumulation_s"]
 
 
 @dataclass(frozen=True)
@@ -208,7 +213,9 @@ def layer_time(model: ModelSpec, plan: ParallelPlan, layer: int, accel: Accelera
     else:
         num_pairs += 1
     hidden = params.tp_overlap_fraction if plan.tp_overlap else 0.0
-    tp_comm = (1 - hidden) * num_pairs * pair if tp > 1 else 0.0
+    # the hidden share still slows the GEMMs it runs beside (on the scale-up link: full rate)
+    tp_comm = (1 - hidden) * num_pairs * pair + overlap_slowdown_s(hidden * num_pairs * pair, params) \
+        if tp > 1 else 0.0
 
     cp_comm = 0.0
     if plan.cp > 1:
@@ -278,7 +285,10 @@ def _sharded_exposure(plan: ParallelPlan, counts: ParamCounts, allreduce_s: floa
         comm += 2 * ring_time(counts.total * params.param_bytes, group,
                               link if group * plan.tp <= domain else nic)
     layers = max(1, num_layers)
-    return comm / layers + (layers - 1) / layers * max(0.0, comm - compute_s)
+    exposed = comm / layers + (layers - 1) / layers * max(0.0, comm - compute_s)
+    spans = plan.dp * plan.cp * plan.tp > domain
+    share = link_rate_share(nic if spans else link, link)
+    return exposed + overlap_slowdown_s(comm - exposed, params, rate_share=share)
 
 
 def exposed_p2p(send_s: float, vpp: int, compute_s: float, params: CostParams, *, dualpipe: bool = False) -> float:
@@ -350,6 +360,8 @@ def estimate_step_time(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorS
         dp_t += hierarchical_allreduce_time(counts.expert * params.grad_reduce_bytes, expert_group,
                                             min(expert_group, max(1, domain // (plan.ep * plan.etp))), link, nic)
         exposed = max(0.0, dp_t - params.dp_overlap_fraction * parts[s][4])
+        spans = dense_group * plan.tp > domain
+        exposed += overlap_slowdown_s(dp_t - exposed, params, rate_share=link_rate_share(nic if spans else link, link))
         if plan.zero_stage >= 2:  # never cheaper than ZeRO-1: the same bytes, more often
             exposed = max(exposed, m * _sharded_exposure(plan, counts, dp_t, parts[s][0], params, link, nic, domain,
                                                          len(ranges[s])))

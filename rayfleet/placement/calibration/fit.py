@@ -51,7 +51,9 @@ FITTED_FIELDS: dict[str, tuple[float, ...]] = {
 
 
 # The constants before calibration (issue 20's starting point): the physical guesses every
-# cold fit starts from -- no efficiency knee, no contention, no TP overlap.
+# cold fit starts from -- no efficiency knee, no EP overlap contention, no TP overlap. Measured
+# constants are not fitted and keep their CostParams values here too (BF16 GEMM efficiency,
+# NIC efficiency, the slowdown of compute beside a hidden collective).
 PRE_CALIBRATION = CostParams(gemm_efficiency=0.5, gemm_rows_at_half_efficiency=128.0, attention_efficiency=0.35,
                              ep_overlap_fraction=0.8, ep_overlap_contention=0.0, tp_overlap_fraction=0.0,
                              moe_layer_overhead_s=0.0, moe_permute_bytes=0.0)

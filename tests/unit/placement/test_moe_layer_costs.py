@@ -66,7 +66,9 @@ def test_zero3_prefetch_exposes_the_first_layer_and_the_excess() -> None:
     than 80% of the compute."""
     plan = ParallelPlan(tp=1, dp=16, zero_stage=3)
     nic = Link(bytes_per_s=1e9, latency_s=0.0)
-    params = CostParams(param_bytes=2)
+    # the prefetch's shape alone: the slowdown of the compute it hides behind is
+    # test_overlap_slowdown.py's worked example
+    params = CostParams(param_bytes=2, collective_overlap_slowdown=0.0)
     def exposed(comm_s: float, compute_s: float) -> float:
         # half the all-reduce (the reduce-scatter) and two all-gathers of a quarter each
         gather_bytes = comm_s / 4 / (15 / 16) * 1e9
