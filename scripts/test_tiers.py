@@ -41,6 +41,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from cpu_meter import CpuMeter  # noqa: E402 - scripts/cpu_meter.py, beside this script
 
 OFFLINE_VLLM = "tests/vllm/test_offline.py"
 """vLLM's offline engine in subprocesses, no Ray: it runs in the Ray-free session (module doc)."""
@@ -73,6 +75,12 @@ class SessionResult:
     skipped: int = 0
     dir_to_seconds: dict[str, float] = field(default_factory=dict)
     slowest: list[TestTime] = field(default_factory=list)
+    cpu_s: float | None = None  # CPU seconds of the session and all it started (cpu_meter.py)
+
+    @property
+    def busy(self) -> float | None:
+        """CPU seconds over wall seconds times cores: 1.0 = the machine saturated by this session."""
+        return None if self.cpu_s is None or self.wall_s <= 0 else self.cpu_s / (self.wall_s * (os.cpu_count() or 1))
 
 
 def _tier_of(classname: str, file_attr: str | None) -> str:
@@ -113,9 +121,11 @@ def run_session(name: str, paths: tuple[str, ...], *, extra: list[str], top: int
         junit = Path(tmp) / "junit.xml"
         argv = _argv(paths, junit, extra)
         print(f"\n== {name}: {' '.join(argv[1:])}", flush=True)
+        meter = CpuMeter().start()
         start = time.monotonic()
-        code = subprocess.call(argv, cwd=REPO)
-        result = SessionResult(name=name, paths=paths, exit_code=code, wall_s=time.monotonic() - start)
+        code = subprocess.call(argv, cwd=REPO, env=meter.environ())
+        result = SessionResult(name=name, paths=paths, exit_code=code, wall_s=time.monotonic() - start,
+                               cpu_s=meter.stop())
         read_junit(junit, result, top=top)
     return result
 
@@ -133,13 +143,15 @@ class BackgroundSession:
         self.log = Path(self._tmp.name) / "output.txt"
         argv = _argv(paths, self.junit, [*extra, "-p", "no:cacheprovider"])
         print(f"\n== {name} (beside the next session; output when it ends): {' '.join(argv[1:])}", flush=True)
+        self.meter = CpuMeter().start()
         self.start = time.monotonic()
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=self.meter.environ())
 
     def finish(self, *, top: int) -> SessionResult:
         code = self.proc.wait()
-        result = SessionResult(name=self.name, paths=self.paths, exit_code=code, wall_s=time.monotonic() - self.start)
+        result = SessionResult(name=self.name, paths=self.paths, exit_code=code, wall_s=time.monotonic() - self.start,
+                               cpu_s=self.meter.stop())
         print(f"\n== {self.name} (ran beside another session), its output:", flush=True)
         sys.stdout.write(self.log.read_text(errors="replace"))
         sys.stdout.flush()
@@ -166,12 +178,15 @@ def run_sessions(sessions, *, extra: list[str], top: int) -> list[SessionResult]
 
 
 def render(results: list[SessionResult], *, install_s: float | None, elapsed_s: float | None = None) -> str:
-    lines = ["", "== suite timings (wall clock, this run)", f"{'session':<20} {'tier':<12} {'minutes':>8}  result"]
+    lines = ["", "== suite timings (wall clock, this run; CPU = minutes of CPU used by the session and all it "
+             f"started, busy = CPU / (wall x {os.cpu_count()} cores))",
+             f"{'session':<20} {'tier':<12} {'minutes':>8} {'CPU':>6} {'busy':>5}  result"]
     if install_s is not None:
         lines.append(f"{'install':<20} {'':<12} {install_s / 60:>8.1f}")
     for r in results:
         verdict = "ok" if r.exit_code == 0 else f"exit {r.exit_code}"
-        lines.append(f"{r.name:<20} {'(session)':<12} {r.wall_s / 60:>8.1f}  {verdict}: "
+        cpu = f"{r.cpu_s / 60:>6.1f} {r.busy:>5.2f}" if r.cpu_s is not None else f"{'':>6} {'':>5}"
+        lines.append(f"{r.name:<20} {'(session)':<12} {r.wall_s / 60:>8.1f} {cpu}  {verdict}: "
                      f"{r.passed} passed, {r.failed} failed, {r.skipped} skipped")
         for tier, seconds in sorted(r.dir_to_seconds.items()):
             lines.append(f"{'':<20} {tier:<12} {seconds / 60:>8.1f}")

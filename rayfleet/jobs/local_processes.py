@@ -2,8 +2,14 @@
 
 Design decisions:
 - Same ``train_worker`` as under Ray Train; only the process group comes from
-  ``torch.multiprocessing`` spawn on 127.0.0.1 instead of Ray's worker group, so a run here
+  ``torch.multiprocessing`` on 127.0.0.1 instead of Ray's worker group, so a run here
   and a run on the fleet execute identical step code.
+- Ranks start from a fork server that has imported torch and the train loop once (where the
+  platform has one; spawn elsewhere): a spawned rank spends about 3 s of CPU importing them,
+  which made rank start-up most of a short multi-rank test on 2 cores. A forked rank inherits the
+  server's environment, not the caller's, so the caller's ``os.environ`` travels with the
+  arguments and replaces the rank's before it trains (fault-injection variables are set by the
+  caller right before a run).
 - Results come back through files (``torch.save`` per rank in a temp dir): spawn has no return
   values, and a file also survives a rank that raises after some steps.
 - ``world_size == 1`` runs in the calling process (a gloo group of one) unless asked
@@ -16,11 +22,12 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +39,8 @@ from rayfleet.jobs.train_job import LoopConfig, loop_config
 from rayfleet.jobs.train_state import TrainHooks, TrainSummary
 from rayfleet.placement.plan import ParallelPlan
 
-__all__ = ["LocalRunResult", "run_local", "run_local_many", "free_port", "run_script_ranks", "leave_after_barrier"]
+__all__ = ["LocalRunResult", "run_local", "run_local_many", "free_port", "run_script_ranks", "leave_after_barrier",
+           "rank_start_method"]
 
 
 @dataclass(frozen=True)
@@ -53,10 +61,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PRELOAD = ("torch", "torch.distributed", "rayfleet.jobs.loop")
+"""What the fork server imports once, so that a rank starts without importing it."""
+
+
+def rank_start_method() -> str:
+    """``forkserver`` (preloading :data:`PRELOAD`) where the platform has it, else ``spawn``.
+
+    Never plain ``fork``: the caller may hold threads (pytest, Ray, gloo) that a fork would copy
+    mid-lock; the fork server is a fresh single-threaded process.
+    """
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+    return "forkserver"
+
+
 def _worker(rank: int, world_size: int, port: int, loop: LoopConfig, runs: list[tuple[ParallelPlan, dict]],
-            out_dir: str, threads_per_rank: int, hooks: TrainHooks | None) -> None:
+            out_dir: str, threads_per_rank: int, hooks: TrainHooks | None, environ: dict[str, str]) -> None:
     from rayfleet.jobs.loop import train_worker
 
+    if environ != os.environ:
+        os.environ.clear()
+        os.environ.update(environ)
     torch.set_num_threads(threads_per_rank)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
@@ -104,7 +133,7 @@ def run_local_many(spec: TrainJobSpec, runs: Sequence[tuple[ParallelPlan, dict[s
     with tempfile.TemporaryDirectory(prefix="rayfleet-local-") as out_dir:
         # the spec is cut into the loop's slice once, here; the ranks receive it pickled
         args = (world_size, port, loop_config(spec), [(p, dict(o)) for p, o in runs], out_dir,
-                threads_per_rank, hooks)
+                threads_per_rank, hooks, dict(os.environ))
         if in_process:
             threads = torch.get_num_threads()
             try:
@@ -112,7 +141,7 @@ def run_local_many(spec: TrainJobSpec, runs: Sequence[tuple[ParallelPlan, dict[s
             finally:
                 torch.set_num_threads(threads)
         else:
-            mp.start_processes(_worker, args=args, nprocs=world_size, join=True, start_method="spawn")
+            mp.start_processes(_worker, args=args, nprocs=world_size, join=True, start_method=rank_start_method())
         results = []
         for index in range(len(runs)):
             ranks = [torch.load(os.path.join(out_dir, f"run{index}-rank{r}.pt"), weights_only=False)
@@ -122,25 +151,59 @@ def run_local_many(spec: TrainJobSpec, runs: Sequence[tuple[ParallelPlan, dict[s
     return results
 
 
+def _script_rank(script: str, argv: list[str], environ: dict[str, str], output: str) -> None:
+    """One rank of ``run_script_ranks`` in a process from the fork server: what ``python script
+    *argv`` would do (``__main__``, ``sys.argv``, the script's folder first on ``sys.path``), with
+    stdout and stderr going to ``output``."""
+    import runpy
+
+    fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(environ)
+    torch.set_num_threads(int(environ.get("OMP_NUM_THREADS", "1")))
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
 def run_script_ranks(script: str, argv: Sequence[str], world_size: int, *, timeout_s: float = 240.0) -> list[str]:
     """Run ``python script *argv`` as ``world_size`` ranks (env:// rendezvous on 127.0.0.1, one
     intra-op thread each); return each rank's output, or raise with the failed ranks' tails.
 
     For code that must own its process group from the first line (tests of checkpoint
-    resharding); ``run_local`` covers training runs.
+    resharding); ``run_local`` covers training runs. The ranks start from the same fork server
+    as ``run_local``'s (:func:`rank_start_method`), so they do not import torch again.
     """
+    import multiprocessing
+
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, script, *argv],
-                              env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                                       WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1"),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(world_size)]
-    outputs = [(p.communicate(timeout=timeout_s)[0], p.returncode) for p in procs]
-    failed = [f"rank {rank} rc={rc}:\n{out[-3000:]}" for rank, (out, rc) in enumerate(outputs) if rc != 0]
+    ctx = multiprocessing.get_context(rank_start_method())
+    with tempfile.TemporaryDirectory(prefix="rayfleet-script-ranks-") as out_dir:
+        outputs = [os.path.join(out_dir, f"rank{rank}.log") for rank in range(world_size)]
+        procs = [ctx.Process(target=_script_rank, daemon=True,
+                             args=(script, list(argv), dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                                            RANK=str(rank), WORLD_SIZE=str(world_size),
+                                                            OMP_NUM_THREADS="1"), outputs[rank]))
+                 for rank in range(world_size)]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout_s
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        late = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+        for rank in late:
+            procs[rank].kill()
+            procs[rank].join()
+        texts = [Path(path).read_text(errors="replace") if os.path.exists(path) else "" for path in outputs]
+    failed = [f"rank {rank} {'timed out after %gs' % timeout_s if rank in late else f'rc={p.exitcode}'}:\n"
+              f"{texts[rank][-3000:]}" for rank, p in enumerate(procs) if rank in late or p.exitcode != 0]
     if failed:
         raise RuntimeError(f"{os.path.basename(script)} {' '.join(argv)} at {world_size} ranks failed:\n"
                            + "\n".join(failed))
-    return [out for out, _ in outputs]
+    return texts
 
 
 def leave_after_barrier() -> None:

@@ -93,3 +93,26 @@ def test_a_background_session_runs_pytest_and_reports_its_counts(tmp_path, monke
     background = tiers.BackgroundSession("unit", ("test_tiny.py",), extra=[])
     result = background.finish(top=2)
     assert (result.passed, result.failed, result.exit_code) == (1, 1, 1)
+
+
+_BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}:\n    pass\n"
+
+
+def test_the_cpu_meter_counts_the_tagged_process_tree_and_not_the_rest():
+    import subprocess
+
+    _module()  # puts scripts/ on sys.path
+    from cpu_meter import CpuMeter
+
+    meter = CpuMeter(interval_s=0.2).start()
+    # tagged: a child that starts a grandchild (as ray start's daemons are started); untagged: a
+    # bystander burning as long as both together
+    tagged = subprocess.Popen([sys.executable, "-c", "import subprocess, sys\n"
+                               f"subprocess.run([sys.executable, '-c', {_BURN.format(s=1.0)!r}])\n"
+                               + _BURN.format(s=0.5)], env=meter.environ())
+    other = subprocess.Popen([sys.executable, "-c", _BURN.format(s=1.5)])
+    tagged.wait()
+    other.wait()
+    cpu = meter.stop()
+    # the grandchild's 1.0 s and the child's 0.5 s, less at most one sampling interval each
+    assert 1.0 <= cpu <= 2.0, cpu

@@ -1,0 +1,77 @@
+"""CPU seconds used by one test session and everything it started (what ``test_tiers.py`` prints).
+
+Why: a session's wall time alone does not say whether it waits or computes. On a 2-core machine
+the suite's budget is only cut by doing less work, or by overlapping a session that waits with
+one that computes; this meter tells the two apart. ``busy`` is the session's CPU seconds over
+its wall seconds times the machine's cores: near 1.0 the session saturates the machine (nothing
+to gain by running anything beside it), far below it the session mostly waits.
+
+How: the session's command gets ``RAYFLEET_TEST_SESSION=<tag>`` in its environment, and every
+process it starts inherits it (subprocesses, ``ray start``'s daemons, Ray's workers and job
+drivers, vLLM's engine processes). A thread samples all processes once a second and, for those
+that carry the tag, keeps the last user + system CPU time seen per (pid, start time). The tag is
+read from ``/proc/<pid>/environ`` once per process. Processes other people run on the machine
+are not counted, so the figure holds on a busy host. A process's CPU after the last sample before
+it exits (under a second) is missed, so the figure is a slight undercount.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+
+import psutil
+
+__all__ = ["TAG_VAR", "CpuMeter"]
+
+TAG_VAR = "RAYFLEET_TEST_SESSION"
+
+
+class CpuMeter:
+    """Samples the CPU time of the processes that carry ``TAG_VAR=<tag>`` until ``stop``."""
+
+    def __init__(self, *, interval_s: float = 1.0) -> None:
+        self.tag = f"tiers-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.interval_s = interval_s
+        self._tagged: dict[tuple[int, float], bool] = {}
+        self._cpu: dict[tuple[int, float], float] = {}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-meter", daemon=True)
+
+    def environ(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """``base`` (default: this process's environment) with the tag set, for the session's command."""
+        return {**(os.environ if base is None else base), TAG_VAR: self.tag}
+
+    def start(self) -> CpuMeter:
+        self._thread.start()
+        return self
+
+    def stop(self) -> float:
+        """Stop sampling (after one last sample); the CPU seconds counted."""
+        self._done.set()
+        self._thread.join()
+        return self.cpu_seconds
+
+    @property
+    def cpu_seconds(self) -> float:
+        return sum(self._cpu.values())
+
+    def sample(self) -> None:
+        for proc in psutil.process_iter(["create_time", "cpu_times"]):
+            key = (proc.pid, proc.info["create_time"] or 0.0)
+            tagged = self._tagged.get(key)
+            if tagged is None:
+                try:
+                    tagged = proc.environ().get(TAG_VAR) == self.tag
+                except (psutil.Error, OSError):
+                    tagged = False
+                self._tagged[key] = tagged
+            times = proc.info["cpu_times"]
+            if tagged and times is not None:
+                self._cpu[key] = times.user + times.system
+
+    def _run(self) -> None:
+        while not self._done.wait(self.interval_s):
+            self.sample()
+        self.sample()
