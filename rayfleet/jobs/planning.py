@@ -58,6 +58,12 @@ def model_spec_for(spec: TrainJobSpec) -> ModelSpec:
         top_k=c.top_k if c.num_moe_layers else 0, num_shared_experts=c.num_shared_experts if c.num_moe_layers else 0,
         moe_ffn_hidden_size=c.moe_ffn_dim if c.num_moe_layers else 0,
         first_k_dense_layers=c.num_dense_layers if c.num_moe_layers else 0,
+        # MLA and group-limited routing change attention's weights and activations and the
+        # dispatch's fan-out: without them a DeepSeek-V3 config was priced as GQA (issue 28)
+        q_lora_rank=c.q_lora_rank if c.kv_lora_rank else 0, kv_lora_rank=c.kv_lora_rank,
+        rope_head_dim=c.rope_head_dim if c.kv_lora_rank else 0,
+        num_expert_groups=c.router_num_groups if c.num_moe_layers else 1,
+        expert_groups_per_token=c.router_topk_groups if c.num_moe_layers and c.router_num_groups > 1 else 0,
         seq_len=spec.data.seq_len, global_batch_sequences=spec.global_batch_size,
         precision="fp8" if is_fp8_precision(spec.precision) else "bf16")
 

@@ -199,6 +199,11 @@ def _best_of(model: ModelSpec, accel: AcceleratorSpec, cand: _Candidate, space: 
             # Megatron interleaves only a full pipeline (m >= pp): see pipeline_schedule
             vpps = _vpps(model, cand.pp, space) if interleaving_possible(
                 model.global_batch_sequences // (cand.dp * mbs), cand.pp) else [1]
+            # every chunk needs a layer of the balanced split, not of an even one (the trainer
+            # refuses a rank with fewer layers than chunks: pipeline_chunks); DeepSeek-V3's 61
+            # layers at PP2 split 32/29, so VP30 is out
+            fewest = min(len(r) for r in split.stage_ranges(model.num_layers))
+            vpps = [v for v in vpps if v <= fewest] or [1]
             fits = [(vpp, rungs) for vpp, rungs in _fits_by_vpp(model, plan, vpps, ladder,
                                                                  usable, params, first_only=not exhaustive) if rungs]
             if not fits:

@@ -15,13 +15,15 @@ model at 64 tokens, 8 sequences a step, on 4 H100s.
 2. The same request on an accelerator too small for it raises ``SpecError("plan", "<plan>",
    "needs X GiB per device ... but a T has Y GiB usable", "use more accelerators (... at least N
    T ...)")``: the field, the value and the fix.
-3. No explicit plan: the search over what the trainer runs and searched jobs have run on a
-   fleet (:data:`TRAINABLE_SPACE`, the capability table's :func:`runnable_space` narrowed to
-   TP, EP, DP with ZeRO-3, 1F1B pipelines; CP, ETP, virtual stages and DualPipeV run as explicit
-   plans) ranks the shapes; the fastest that honours
-   ``grad_accum`` wins. Pipeline parallelism is tried
+3. No explicit plan: the search over what the trainer runs (:data:`TRAINABLE_SPACE`, the
+   capability table's :func:`runnable_space` with ZeRO-3 as its one rung; see there why) ranks
+   the shapes; the fastest that honours ``grad_accum`` wins. Pipeline parallelism is tried
    only when no pipeline-free plan fits: PP adds bubbles, and at small scale the cost model's
    latency terms favour it for reasons that do not hold on real hardware.
+4. An explicit pipeline whose ``pp`` does not divide the layers (DeepSeek-V3's 61 at PP4, as
+   ``rayfleet plan`` ranks it) gets the planner's own balanced ``stage_starts``
+   (:func:`balanced_plan`): the job spec has no field for them, and the split the planner
+   priced is the one the trainer then runs.
 
 An explicit plan using a kind the trainer does not run (``cp: 2``) is refused by the capability
 table (:mod:`rayfleet.placement.capabilities`) with its reason and fix.
@@ -50,16 +52,20 @@ from rayfleet.platform.catalogue import AcceleratorSpec, get_accelerator
 
 __all__ = ["RequestedPlan", "PlanRequest", "ResolvedPlan", "resolve_plan", "homogeneous_capacity"]
 
-# What the trainer runs, from the capability table; pipelines only in the fallback (see _searched).
-# ZeRO-3 as before the table: every live test and recovery path (shared-memory restore, DCP
-# reshard on an elastic resize) has run searched jobs at ZeRO-3; the table's ZeRO-1/2 rows run
-# in the parity tests but not yet behind a searched job on a fleet, so `plan: auto` keeps 3.
-# The same holds for context parallelism and virtual pipeline stages (interleaved 1F1B,
-# DualPipeV): they run in gloo parity tests and as explicit plans, but no searched job has run
-# them through Ray Train yet, so the job's own search leaves them out (rayfleet plan --runnable
-# still ranks them). Expert-tensor parallelism likewise: gloo parity tests and explicit plans only.
-TRAINABLE_SPACE = runnable_space(SearchSpace(max_pp=1, zero_stage=3, context_parallel=(1,), virtual_stages=(1,),
-                                             dualpipe=False, expert_tp_options="1"))
+# What the trainer runs, from the capability table (runnable_space): TP, CP, EP, ETP, 1F1B and
+# interleaved pipelines (pipelines in the fallback, see _searched); DualPipeV only where the
+# planner's own space has it (--dualpipe; the table refuses it with ZeRO-3 anyway).
+# One narrowing, on purpose: ZeRO-3 is the only rung. Measured (issue 28): with the table's
+# ZeRO-1/2/3 ladder the cost model moves every searched job of examples/jobs and of the tiny and
+# small presets at 1-8 workers to ZeRO-1 (less all-gather traffic), and DeepSeek-V3 on 2,048 H100
+# from TP2 DP1024 EP16 ZeRO-3 to TP8 DP256 EP64 ZeRO-2. The trainer runs ZeRO-1 as ZeRO-2
+# (parameters stay gathered from forward through backward), so every searched job would change
+# its memory and FSDP2 layout at once, while the recovery paths searched jobs take (shared-memory
+# restore, DCP reshard on an elastic resize) have run at ZeRO-3 only. Explicit plans take ZeRO-1/2
+# (plan.zero_stage) and `rayfleet plan` ranks them. Widening the other kinds (CP, ETP, virtual
+# stages) changed none of those jobs' plans (same measurement); Mixtral-8x7B on 1,024 H100 now
+# gets EP8 x ETP4 (tests/unit/cli/test_plan_train_agree.py).
+TRAINABLE_SPACE = runnable_space(SearchSpace(max_pp=1, zero_stage=3))
 
 
 @dataclass(frozen=True)
@@ -144,11 +150,12 @@ def resolve_plan(model: ModelSpec, request: PlanRequest, capacity: FleetCapacity
     if world_size < 1:
         raise SpecError("resources.num_workers", world_size, "must be at least 1", "ask for one or more workers")
     if request.explicit is not None:
-        plan = _complete(request)
+        plan = _balanced_stages(model, _complete(request), capacity, request.params)
         require_runnable(plan, precision=model.precision)
         validate_plan(plan, model, world_size=world_size, scaleup_domain_size=None)
         _check_grad_accum(request, plan)
-        if plan.pp > 1:  # the schedule's own conditions on the micro-batch count (pipeline_chunks)
+        if plan.pp > 1:  # the schedules' own conditions (pipeline_chunks): a layer a chunk, micro-batches
+            plan.virtual_stages(model.num_layers)
             for m in plan.replica_microbatches or (plan.num_microbatches(model.global_batch_sequences),):
                 check_microbatches(m, pp=plan.pp, vpp=plan.vpp, dualpipe=plan.dualpipe)
         memory, gib = _check_memory(model, plan, capacity, request.params)
@@ -182,6 +189,28 @@ def _complete(request: PlanRequest) -> ParallelPlan:
                         recompute=p.recompute, zero_stage=p.zero_stage,
                         replica_microbatches=p.replica_microbatches, replica_accelerators=p.replica_accelerators,
                         vpp=p.vpp, dualpipe=p.dualpipe)
+
+
+def _balanced_stages(model: ModelSpec, plan: ParallelPlan, capacity: FleetCapacity,
+                     params: CostParams) -> ParallelPlan:
+    """``plan`` with the planner's balanced ``stage_starts`` when its ``pp`` does not divide the
+    layers (an even split, which the trainer builds by default, does not exist there)."""
+    if plan.pp == 1 or plan.stage_starts is not None or plan.pp > model.num_layers \
+            or model.num_layers % plan.pp == 0:
+        return plan
+    slowest = min(capacity.accelerators.values(), key=lambda a: a.peak_tflops(model.precision))
+    return balanced_plan(model, plan, slowest, params)
+
+
+def _chunks_have_layers(plan: ParallelPlan, num_layers: int) -> bool:
+    """Whether every model chunk of ``plan``'s stage split holds a layer (the planner checks its
+    shapes with placeholder boundaries, so a balanced split can leave a rank fewer layers than
+    chunks: the trainer refuses that)."""
+    try:
+        plan.virtual_stages(num_layers)
+    except SpecError:
+        return False
+    return True
 
 
 def _check_grad_accum(request: PlanRequest, plan: ParallelPlan) -> None:
@@ -245,6 +274,8 @@ def _searched(model: ModelSpec, request: PlanRequest, capacity: FleetCapacity) -
     rejected = tuple(r.reason for r in result.rejected)
     for ranked in result.ranked:
         plan = replace(ranked.plan, stage_starts=None) if ranked.plan.pp == 1 else ranked.plan
+        if plan.pp > 1 and not _chunks_have_layers(plan, model.num_layers):
+            continue
         if grad_accum is not None and plan.replica_microbatches is None:
             per_replica = gbs // plan.dp
             if per_replica % grad_accum:

@@ -1,10 +1,13 @@
 """The parallelisms added for issue 28 run as live Ray Train jobs on the shared fleet.
 
-Interleaved 1F1B (PP2 x VP2), DualPipeV (PP2) and context parallelism (CP2) each train the same
-4-layer tiny MoE for a few steps from the same seed on the same data order, submitted through the
-SDK like any job, beside a plain DP2 reference. Asserted: every job SUCCEEDED with one metrics row
-per step, its log names the plan it ran, and every step's loss equals the reference's (fp32; the
-gloo parity tests in tests/unit/jobs check gradients, this checks the path users run).
+Interleaved 1F1B (PP2 x VP2), DualPipeV (PP2), context parallelism (CP2) and expert-tensor
+parallelism inside expert parallelism (EP2 x ETP2 over DP4, 4 workers: each expert's hidden units
+split over two ranks after the EP dispatch) each train the same 4-layer tiny MoE for a few steps
+from the same seed on the same data order, submitted through the SDK like any job, all at once
+beside a plain DP2 reference (one job list, so a new kind adds a job, not a fleet start).
+Asserted: every job SUCCEEDED with one metrics row per step, its log names the plan it ran, and
+every step's loss equals the reference's (fp32; the gloo parity tests in tests/unit/jobs check
+gradients, this checks the path users run).
 """
 
 from __future__ import annotations
@@ -21,18 +24,20 @@ KINDS = {
     "interleaved": ({"pp": 2, "vpp": 2, "dp": 1, "ep": 1, "micro_batch_size": 1}, "PP2 VP2"),
     "dualpipev": ({"pp": 2, "dualpipe": True, "dp": 1, "ep": 1, "micro_batch_size": 1}, "DualPipeV"),
     "cp": ({"cp": 2, "dp": 1, "ep": 1}, "CP2"),
+    "etp": ({"dp": 4, "ep": 2, "etp": 2}, "EP2 ETP2"),
 }
 
 
 def _spec(dataset: str, kind: str) -> dict:
     plan, _ = KINDS[kind]
+    workers = plan.get("tp", 1) * plan.get("cp", 1) * plan.get("pp", 1) * plan["dp"]
     return {"name": f"kinds-{kind}", "model": {"preset": "tiny", "seed": 0, "config": {"num_layers": 4}},
             "data": {"uri": dataset, "seq_len": 64}, "plan": plan, "precision": "fp32", "steps": STEPS,
             "global_batch_size": 4, "optimizer": {"lr": 1e-3}, "schedule": {"warmup_steps": 1},
-            "resources": {"accelerator": "H100", "num_workers": 2}}
+            "resources": {"accelerator": "H100", "num_workers": workers}}
 
 
-def test_interleaved_dualpipev_and_cp_jobs_train_like_the_dp_reference(local_fleet, dataset):
+def test_interleaved_dualpipev_cp_and_etp_jobs_train_like_the_dp_reference(local_fleet, dataset):
     sdk = local_fleet.sdk
     runs = {kind: sdk.train(_spec(dataset, kind)) for kind in KINDS}  # all at once: their start-ups overlap
     losses = {}
