@@ -16,7 +16,8 @@ Design decisions:
   (admission, reclaim, the autoscaler's growth and lending), so the queues' usage, borrowing
   and reclaim see what the job is sized to, not what it was admitted at.
 - Serve pools (``serve_admission``) are admitted by ``request_pool``: at once or refused, never
-  left waiting; they have no driver, so silence does not expire them.
+  left waiting; they have no driver, so silence does not expire them. ``ended`` may name a pool
+  whose app Serve no longer runs; it is released once it has served (``held`` > 0).
 - Reclaims go out as the autoscaler's own ``ShrinkTraining`` decisions (a preempted job's
   ``new_size`` is 0: its shell pauses it), and a preempted job admitted again gets a
   ``GrowTraining`` to its new size: the job shells already carry both out.
@@ -194,6 +195,9 @@ class AdmissionBook:
             gone = sorted(set(ended(known)) & known) if ended is not None and known else []
         except Exception:  # noqa: BLE001 - the job API not answering: the heartbeat deadline still holds
             gone = []
+        with self._lock:  # a Serve pool not yet serving (held 0) may be a deploy on its way, its app not created
+            gone = [j for j in gone if j in self._records
+                    and not (self._records[j].request.serve_pool and self._records[j].held == 0)]
         for job_id in gone:
             self.release(job_id, "its Ray job ended")
         for job_id in stale:

@@ -47,6 +47,7 @@ from rayfleet.platform.autoscaler.types import (
     Decision, InboxEntry, RequestNodes, ServeObservation, TrainingObservation,
 )
 from rayfleet.platform.admission_book import AdmissionBook
+from rayfleet.platform.serve_admission import SERVE_JOB_PREFIX
 from rayfleet.platform.controller_queues import QueueMethods
 from rayfleet.platform.ray_compat import available_resources_per_node
 
@@ -316,15 +317,26 @@ class FleetController(QueueMethods):
         from rayfleet.platform.launcher import ensure_auth_token
         from rayfleet.platform.ray_compat import dashboard_url
 
+        serve_pools = {j for j in job_ids if j.startswith(SERVE_JOB_PREFIX)}
+        ended, job_ids = self._ended_serve_pools(serve_pools) if serve_pools else set(), set(job_ids) - serve_pools
+        if not job_ids:
+            return ended
         if self._job_client is None:
             ensure_auth_token()
             self._job_client = JobSubmissionClient(dashboard_url())
-        ended = set()
         for details in self._job_client.list_jobs():
             status = str(getattr(details.status, "value", details.status))
             if details.submission_id in job_ids and status in ("SUCCEEDED", "FAILED", "STOPPED"):
                 ended.add(details.submission_id)
         return ended
+
+    def _ended_serve_pools(self, job_ids: set[str]) -> set[str]:
+        """Which of these Serve pools' apps Serve no longer runs (deleted by ``serve delete``, not
+        ``ServeDeployment.shutdown``); the book releases only pools that served (``held`` > 0)."""
+        from ray import serve
+
+        apps = set(serve.status().applications)  # empty when Serve is not running; never starts it
+        return {j for j in job_ids if j.removeprefix(SERVE_JOB_PREFIX).rsplit("/", 1)[0] not in apps}
 
     def _idle_by_type(self) -> dict[str, int]:
         return self.autoscaler.idle_by_type()  # less the room kept for Serve replicas on their way

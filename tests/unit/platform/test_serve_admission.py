@@ -176,3 +176,30 @@ def test_the_book_follows_what_a_pool_holds_and_the_lends_it_gets(controller):
     controller.autoscaler.act(ScaleServe("chat", 3, ("n1",), (), "TTFT at risk: +1 replica(s)"))
     assert record(controller, "serve:chat/decode")["size"] == 24  # the lend counts against inference
     assert controller.request_admission(training("t1", "inference", 8).to_json())["record"]["state"] == "QUEUED"
+
+
+def test_a_pool_whose_app_serve_no_longer_runs_is_released_once_it_has_served(controller, monkeypatch):
+    """``serve delete chat`` (not ``ServeDeployment.shutdown``) leaves the record to the reconcile:
+    released once Serve no longer lists the app, but not while a deploy is on its way (held 0:
+    the app may not exist yet)."""
+    apps = set()
+    monkeypatch.setattr(controller, "_ended_serve_pools", lambda ids: {
+        j for j in ids if j.removeprefix("serve:").rsplit("/", 1)[0] not in apps})
+    controller.admit_serve_pool(pool(replicas=1).to_json())
+    assert controller.admission.expire(controller._ended_jobs) == []  # deploying: app not created yet
+    apps.add("chat")
+    controller.admission_heartbeat("serve:chat/decode", 8)  # the deploy saw it healthy
+    assert controller.admission.expire(controller._ended_jobs) == []  # Serve runs it
+    apps.clear()  # `serve delete chat`
+    assert controller.admission.expire(controller._ended_jobs) == ["serve:chat/decode"]
+    assert controller.admissions() == []
+
+
+def test_ended_serve_pools_reads_serves_application_names(controller, monkeypatch):
+    from types import SimpleNamespace
+
+    from ray import serve
+
+    monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications={"chat": object()}))
+    ids = {"serve:chat/decode", "serve:chat/prefill", "serve:gone/decode", "serve:a/b/decode"}
+    assert FleetController._ended_serve_pools(controller, ids) == {"serve:gone/decode", "serve:a/b/decode"}
