@@ -331,11 +331,12 @@ class FleetController(QueueMethods):
         return ended
 
     def _ended_serve_pools(self, job_ids: set[str]) -> set[str]:
-        """Which of these Serve pools' apps Serve no longer runs (deleted by ``serve delete``, not
-        ``ServeDeployment.shutdown``); the book releases only pools that served (``held`` > 0)."""
-        from ray import serve
-
-        apps = set(serve.status().applications)  # empty when Serve is not running; never starts it
+        """Serve pools whose app Serve no longer runs (``serve delete``); the book keeps unserved ones."""
+        try:  # empty when Serve is not running (it never starts it); an error must not hold back the jobs' check
+            from ray import serve
+            apps = set(serve.status().applications)
+        except Exception:  # noqa: BLE001 - the Serve controller restarting: ask again next reconcile
+            return set()
         return {j for j in job_ids if j.removeprefix(SERVE_JOB_PREFIX).rsplit("/", 1)[0] not in apps}
 
     def _idle_by_type(self) -> dict[str, int]:
