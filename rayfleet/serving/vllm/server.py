@@ -7,16 +7,28 @@ served; it only keeps what the router reads through Serve's ``record_routing_sta
 (``text_blocks.ServedBlocks``, capped at the engine's KV capacity) and its load (requests in
 flight, the blocks they occupy: queued until their first chunk, active after). Serve LLM's own stats (its KV-events endpoint) are kept beside.
 
+Exact cache state: when the pool's engine arguments carry ``kv_events_config`` (``config`` sets it
+for rayfleet-routed colocated pools), the replica gives its engine a private ipc endpoint before
+the engine starts and subscribes to it (``kv_event_subscriber``): what it publishes is then what
+vLLM cached and evicted, in rayfleet's token-block hashes (``kv_event_feed``), through the same
+bounded log the built-in engine's replicas publish (``routing.hash_log.HashLogPublisher``), with
+``block_hash_kind: "tokens"`` and the subscriber's counters (``kv_events``). Without events (a
+data-parallel pool, prefix caching off) it publishes the text-block estimate, ``block_hash_kind:
+"text"``; the router hashes prompts the same way as its pool's replicas (``routing``).
+
 Prefill/decode apps keep Serve LLM's PD server classes (its builder fixes them), hence
 ``config`` allows this router for colocated pools only.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, AsyncGenerator
 
 from ray.serve.llm.deployment import LLMServer
 
+from rayfleet.serving.routing.hash_log import HashLogPublisher
+from rayfleet.serving.vllm.kv_event_subscriber import KV_EVENTS_TOPIC, KVEventSubscriber, private_ipc_endpoint
 from rayfleet.serving.vllm.text_blocks import DEFAULT_CHARS_PER_TOKEN, ServedBlocks, request_text, text_block_hashes
 
 __all__ = ["RayfleetLLMServer", "DEFAULT_KV_CAPACITY_BLOCKS"]
@@ -32,6 +44,25 @@ class RayfleetLLMServer(LLMServer):
     _rf_active_blocks = 0  # blocks of requests that have streamed their first chunk (decoding)
     _rf_queued_blocks = 0  # blocks of requests that have not yet (their prefill is ahead)
     _rf_version = 0
+    _rf_events: KVEventSubscriber | None = None
+    _rf_hash_log: HashLogPublisher | None = None
+
+    async def start(self) -> None:
+        self._rf_subscribe()
+        await super().start()
+
+    def _rf_subscribe(self) -> None:
+        """Before the engine starts: a private endpoint for its KV events, and our subscriber."""
+        config = self._llm_config
+        events = dict(config.engine_kwargs.get("kv_events_config") or {})
+        if not events.get("enable_kv_cache_events") or self._rf_events is not None:
+            return
+        endpoint = private_ipc_endpoint()
+        events.update(publisher="zmq", endpoint=endpoint, topic=KV_EVENTS_TOPIC, replay_endpoint=None)
+        config.update_engine_kwargs(kv_events_config=events)
+        self._rf_events = KVEventSubscriber(endpoint, model_id=config.model_id,
+                                            block_size=int(config.engine_kwargs.get("block_size", 16)))
+        self._rf_hash_log = HashLogPublisher()
 
     def _rf_init(self) -> ServedBlocks:
         if self._rf_served is None:
@@ -58,6 +89,8 @@ class RayfleetLLMServer(LLMServer):
     def _rf_track(self, request: Any, stream: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
         served = self._rf_init()
         text = request_text(request) or ""
+        if self._rf_events is not None:  # the engine's events say what is cached; count blocks only
+            return self._rf_counted(stream, len(text.encode("utf-8", errors="replace")) // self._rf_block_chars + 1)
         hashes = text_block_hashes(text, block_chars=self._rf_block_chars)
         served.add(hashes)
         return self._rf_counted(stream, len(hashes) + 1)
@@ -92,9 +125,19 @@ class RayfleetLLMServer(LLMServer):
         capacity = self._rf_capacity
         active = min(self._rf_active_blocks, capacity)
         queued = min(self._rf_queued_blocks, capacity - active)
-        stats.update({"version": (self._rf_version, len(served)), "num_total_blocks": capacity,
+        stats.update({"num_total_blocks": capacity,
                       "num_free_blocks": capacity - active - queued, "num_active_blocks": active,
                       "num_queued_blocks": queued,
-                      "num_running_requests": self._rf_running, "max_num_seqs": self._rf_max_num_seqs,
-                      "block_hashes": served.hashes()})
+                      "num_running_requests": self._rf_running, "max_num_seqs": self._rf_max_num_seqs})
+        if self._rf_events is None or self._rf_hash_log is None:
+            stats.update({"version": (self._rf_version, len(served)), "block_hash_kind": "text",
+                          "block_hashes": served.hashes()})
+            return stats
+        log, sub = self._rf_hash_log, self._rf_events
+        log.apply(sub.drain())
+        stats.update(log.fields(time.monotonic()))
+        stats.update({"version": (self._rf_version, log.epoch, log.seq, "block_hashes" in stats),
+                      "block_hash_kind": "tokens",
+                      "kv_events": {"batches": sub.num_batches, "events": sub.num_events, "gaps": sub.num_gaps,
+                                    "errors": sub.num_errors, "cached_blocks": len(log.cached)}})
         return stats

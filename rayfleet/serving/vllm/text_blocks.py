@@ -9,11 +9,12 @@ so a block's hash names its whole prefix). The replica publishes the hashes of t
 served (``ServedBlocks``, LRU, capped at its KV capacity), the router computes the same hashes
 for a new request; equal text prefixes give equal hashes on both sides.
 
-Rejected: vLLM's own block hashes from its KV events. They are salted per engine process (its
-``NONE_HASH`` is random unless ``PYTHONHASHSEED`` is set), so a router cannot compute them for a
-new prompt; and tokenizing every prompt in the ingress to rebuild token blocks doubles the
-tokenization work. Text blocks approximate the engine's cache (an evicted block may still be
-listed until the LRU cap pushes it out), which is what Serve LLM's ``PrefixCacheAffinityRouter``
+Text blocks are now the fallback: a pool whose engines publish KV events routes on exact token
+blocks instead (``kv_event_feed``: vLLM's events rehashed from their token ids, which the router
+computes from the prompt with the model's tokenizer, ``prompt_tokens``). vLLM's own hashes are
+unusable by a router (salted per engine process: its ``NONE_HASH`` is random unless
+``PYTHONHASHSEED`` is set). Text blocks approximate the engine's cache (an evicted block may still
+be listed until the LRU cap pushes it out), which is what Serve LLM's ``PrefixCacheAffinityRouter``
 approximates too, but per replica and shared by every ingress replica through routing stats.
 """
 

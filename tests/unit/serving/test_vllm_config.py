@@ -180,7 +180,10 @@ def test_rayfleet_router_is_the_colocated_default_with_its_stats_publishing_serv
     assert cfg["deployment_config"]["request_router_config"] == {
         "request_router_class": "rayfleet.serving.vllm.routing.VLLMPrefixLoadRequestRouter",
         "request_router_kwargs": {"role": "colocated", "mode": "prefix_aware", "load_weight": 0.25,
-                                  "cost": "prefix_load", "tokens_per_block": 32, "block_chars": 32 * 4},
+                                  "cost": "prefix_load", "tokens_per_block": 32, "block_chars": 32 * 4,
+                                  # KV events on: the router hashes prompt tokens as the replicas hash vLLM's blocks
+                                  "token_blocks": {"tokenizer": spec.model.hf, "model_id": spec.model.served_name,
+                                                   "block_size": 32}},
         "request_routing_stats_period_s": 1.0}
     # vLLM pools keep the block-unit cost unless the spec names one (vllm_router_cost says why)
     chosen = llm_config_fields(_spec(router={"cost": "predicted_ttft"}), "colocated")
