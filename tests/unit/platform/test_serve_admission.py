@@ -203,3 +203,17 @@ def test_ended_serve_pools_reads_serves_application_names(controller, monkeypatc
     monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications={"chat": object()}))
     ids = {"serve:chat/decode", "serve:chat/prefill", "serve:gone/decode", "serve:a/b/decode"}
     assert FleetController._ended_serve_pools(controller, ids) == {"serve:gone/decode", "serve:a/b/decode"}
+
+
+def test_ended_jobs_answers_for_ray_jobs_and_serve_pools_together(controller, monkeypatch):
+    from types import SimpleNamespace
+
+    from ray import serve
+
+    monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications={}))
+    jobs = [SimpleNamespace(submission_id="t1", status="STOPPED"), SimpleNamespace(submission_id="t2", status="RUNNING")]
+    controller._job_client = SimpleNamespace(list_jobs=lambda: jobs)
+    assert controller._ended_jobs({"t1", "t2", "serve:chat/decode"}) == {"t1", "serve:chat/decode"}
+    assert controller._ended_jobs({"t1", "t2"}) == {"t1"}
+    monkeypatch.setattr(serve, "status", lambda: 1 / 0)  # Serve not answering: the Ray jobs still are
+    assert controller._ended_jobs({"t1", "serve:chat/decode"}) == {"t1"}
