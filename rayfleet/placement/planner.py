@@ -113,7 +113,10 @@ def _configurations(model: ModelSpec, plan: ParallelPlan, fits: list[tuple[int, 
     stages when ``dualpipe`` allows it (same memory as 1F1B; priced directly)."""
     out = _virtual_stage_choices(model, plan, fits, ladder, accel, params, exhaustive)
     m = plan.num_microbatches(model.global_batch_sequences)
-    if dualpipe and dualpipe_possible(m, plan.pp) and 2 * plan.pp <= model.num_layers:
+    # two chunks a rank: every rank of the balanced split needs two layers (the trainer refuses
+    # fewer; DeepSeek-V3's 61 layers at PP16 leave the head's rank one)
+    if dualpipe and dualpipe_possible(m, plan.pp) and 2 * plan.pp <= model.num_layers \
+            and min(len(r) for r in plan.stage_ranges(model.num_layers)) >= 2:
         plain = [rungs for v, rungs in fits if v == 1]
         if plain:
             out += [_with_rung(plan, ladder[r], dualpipe=True) for r in (plain[0] if exhaustive else plain[0][:1])]

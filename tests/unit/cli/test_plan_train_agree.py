@@ -73,16 +73,16 @@ def _cli(argv: list[str]) -> tuple[int, str]:
     return code, out.getvalue() + err.getvalue()
 
 
-def _disagreements(path: Path, size: int, tmp_path: Path) -> tuple[int, list[str]]:
+def _disagreements(path: Path, size: int, tmp_path: Path, *flags: str) -> tuple[int, list[str]]:
     """(plans ``rayfleet plan`` printed, those ``rayfleet train --dry-run`` did not accept as printed)."""
     model = load_model_spec(path)
-    code, text = _cli(["plan", str(path), "--fleet", f"H100:{size}", "--json"])
+    code, text = _cli(["plan", str(path), "--fleet", f"H100:{size}", "--json", *flags])
     ranked = json.loads(text)["ranked"]
     assert code == (0 if ranked else 1), text[-2000:]
     bad = []
     for r in ranked:
         job = _job(model, r["fields"])
-        job_path = tmp_path / f"{model.name}-{size}-{r['rank']}.yaml"
+        job_path = tmp_path / f"{model.name}-{size}{''.join(flags)}-{r['rank']}.yaml"
         job_path.write_text(yaml.safe_dump(job))
         code, text = _cli(["train", str(job_path), "--dry-run"])
         if code != 0 or f"plan:     {r['plan']} [explicit]" not in text or "runs:     yes" not in text:
@@ -107,6 +107,20 @@ def test_every_plan_rayfleet_plan_prints_dry_runs_as_printed(path: Path, tmp_pat
         printed += count
         assert not bad, "\n".join(bad)
     assert printed >= 5  # each model gets plans at 64 and 1,024 (Mixtral none at 8: it does not fit)
+
+
+def test_dualpipe_plans_dry_run_as_printed(tmp_path: Path) -> None:
+    """``rayfleet plan --dualpipe`` (DeepSeek's schedule, searched only when asked) on 1,024 H100:
+    its DualPipeV plans dry-run as printed too. Checked by hand against the planner before it asked
+    the balanced split for two layers a rank: DeepSeek-V3 PP16 DualPipeV was printed and refused
+    (the head's rank held one layer)."""
+    dualpipe = 0
+    for path in EXAMPLES:
+        _, bad = _disagreements(path, 1024, tmp_path, "--dualpipe")
+        assert not bad, "\n".join(bad)
+        code, text = _cli(["plan", str(path), "--fleet", "H100:1024", "--json", "--dualpipe"])
+        dualpipe += sum(r["fields"]["dualpipe"] for r in json.loads(text)["ranked"])
+    assert dualpipe >= 1
 
 
 def test_a_kind_the_trainer_refused_would_show(monkeypatch, tmp_path: Path) -> None:
