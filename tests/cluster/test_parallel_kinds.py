@@ -7,7 +7,9 @@ from the same seed on the same data order, submitted through the SDK like any jo
 beside a plain DP2 reference (one job list, so a new kind adds a job, not a fleet start).
 Asserted: every job SUCCEEDED with one metrics row per step, its log names the plan it ran, and
 every step's loss equals the reference's (fp32; the gloo parity tests in tests/unit/jobs check
-gradients, this checks the path users run).
+gradients, this checks the path users run). Checked against a broken ETP (the reduce-scatter of
+partial expert outputs left out, ``etp_control="no_reduce"`` made the default): the etp job's
+step-2 loss was 6.0282 against the reference's 6.0199 and the test failed.
 """
 
 from __future__ import annotations
