@@ -179,7 +179,18 @@ def test_prefix_aware_router_keeps_each_tenant_on_one_replica(pool_app, vllm_fle
     after = _settled_prompt_tokens(uids, reads=2, timeout_s=60,
                                    done=lambda now: sum(now.values()) - sum(before.values()) >= sum(totals.values()))
     delta = {r: after.get(r, 0.0) - before.get(r, 0.0) for r in after}
-    assert sorted(v for v in delta.values() if v) == sorted(totals.values()), (delta, totals)
+    assert sorted(v for v in delta.values() if v) == sorted(totals.values()), (delta, totals, _stats_seen())
+
+
+def _stats_seen(calls: int = 6) -> list:
+    """What the replicas publish (for a failure message): hash kind, KV-event counters, load."""
+    from ray import serve
+
+    (name,) = [d for d in serve.status().applications[APP].deployments if "Server" in d]
+    handle = serve.get_deployment_handle(name, APP)
+    keep = ("block_hash_kind", "kv_events", "hash_seq", "num_queued_blocks", "num_active_blocks")
+    return [{k: s.get(k) for k in keep} for s in
+            (handle.record_routing_stats.remote().result(timeout_s=60) for _ in range(calls))]
 
 
 def test_replicas_publish_rayfleets_routing_stats(pool_app):

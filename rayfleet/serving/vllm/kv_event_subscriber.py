@@ -24,9 +24,11 @@ Design decisions:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
+import shutil
 import tempfile
 import threading
 
@@ -41,9 +43,11 @@ KV_EVENTS_TOPIC = "kv"
 
 
 def private_ipc_endpoint() -> str:
-    """A fresh ``ipc://`` endpoint in a new directory only this user can enter (mode 0700)."""
+    """A fresh ``ipc://`` endpoint in a new directory only this user can enter (mode 0700),
+    removed when this process exits."""
     directory = tempfile.mkdtemp(prefix="rayfleet-kv-")
     os.chmod(directory, 0o700)
+    atexit.register(shutil.rmtree, directory, True)
     return f"ipc://{directory}/events.sock"
 
 
