@@ -8,7 +8,7 @@ first test that needs it). The slowest tests are listed too.
 
 Sessions, in this order (why they are separate: see the Makefile):
 
-1. ``tests/unit`` and ``tests/vllm/test_offline.py`` (no Ray);
+1. ``tests/unit``, ``tests/vllm/test_offline.py`` and ``tests/vllm/test_kv_events.py`` (no Ray);
 2. ``tests/cluster tests/gpu`` (the cluster tier's fleet is session-scoped);
 3. the rest of ``tests/vllm`` (a small fleet of its own, after the first one is gone);
 4. ``tests/integration`` (each test owns a Ray cluster; ``ray up`` takes the head's fixed ports).
@@ -44,13 +44,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 from cpu_meter import CpuMeter  # noqa: E402 - scripts/cpu_meter.py, beside this script
 
-OFFLINE_VLLM = "tests/vllm/test_offline.py"
-"""vLLM's offline engine in subprocesses, no Ray: it runs in the Ray-free session (module doc)."""
+OFFLINE_VLLM = ("tests/vllm/test_offline.py", "tests/vllm/test_kv_events.py")
+"""vLLM's offline engine in subprocesses, no Ray: they run in the Ray-free session (module doc)."""
 
 SESSIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("unit", ("tests/unit", OFFLINE_VLLM)),
+    ("unit", ("tests/unit", *OFFLINE_VLLM)),
     ("cluster+gpu", ("tests/cluster", "tests/gpu")),
-    ("vllm", ("tests/vllm", f"--ignore={OFFLINE_VLLM}")),
+    ("vllm", ("tests/vllm", *(f"--ignore={path}" for path in OFFLINE_VLLM))),
     ("integration", ("tests/integration",)),
 )
 BESIDE: dict[str, str] = {}
