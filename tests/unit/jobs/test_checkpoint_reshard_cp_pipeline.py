@@ -30,39 +30,14 @@ from rayfleet.jobs.spec import TrainJobSpec
 from rayfleet.jobs.train_state import TrainHooks
 from rayfleet.placement.plan import ParallelPlan
 
+from run_hooks import PerRun, StopAfter
+
 LOSS_RTOL = 2e-6
 RESUMED_RTOL = 1e-5  # FSDP2's reduce-scatter and CP's gradient sum add in another order than one process
 
 
-class _StopAfter:
-    """``should_stop`` that asks to stop after ``steps`` steps (pickles to the ranks)."""
-
-    def __init__(self, steps: int) -> None:
-        self.steps, self.calls = steps, 0
-
-    def __call__(self) -> bool:
-        self.calls += 1
-        return self.calls >= self.steps
 
 
-class _PerRun(TrainHooks):
-    """The ``index``-th run of ``run_local_many`` gets ``hooks[index]``."""
-
-    def __init__(self, hooks: list[TrainHooks]) -> None:
-        self.hooks, self.run = hooks, -1
-
-    def on_start(self, **kwargs) -> None:
-        self.run += 1
-        self.hooks[self.run].on_start(**kwargs)
-
-    def before_step(self, step: int) -> None:
-        self.hooks[self.run].before_step(step)
-
-    def after_step(self, step: int, **kwargs) -> None:
-        self.hooks[self.run].after_step(step, **kwargs)
-
-    def on_end(self, summary, **kwargs) -> None:
-        self.hooks[self.run].on_end(summary, **kwargs)
 
 
 def _checkpoint(uri: str, job: str) -> FlashCheckpointHook:
@@ -155,12 +130,12 @@ def test_pp2_vp2_cp2_checkpoint_restores_into_dp4_and_back(token_dataset, tmp_pa
     dp4 = ParallelPlan(dp=4, micro_batch_size=2, zero_stage=3)
     assert pipelined.world_size == dp4.world_size == 4
     from_pipelined, from_dp = str(tmp_path / "from-pp-vp-cp"), str(tmp_path / "from-dp4")
-    hooks = _PerRun([_Chain(_checkpoint(from_pipelined, "a"), _Capture(str(tmp_path), "pipelined-step2", at=1)),
+    hooks = PerRun([_Chain(_checkpoint(from_pipelined, "a"), _Capture(str(tmp_path), "pipelined-step2", at=1)),
                      _Chain(_checkpoint(from_pipelined, "b"), _Capture(str(tmp_path), "dp4-restored", at=None)),
                      _Chain(_checkpoint(from_dp, "c"), _Capture(str(tmp_path), "dp4-step2", at=1)),
                      _Chain(_checkpoint(from_dp, "d"), _Capture(str(tmp_path), "pipelined-restored", at=None))])
-    results = run_local_many(spec, [(pipelined, {"should_stop": _StopAfter(2)}), (dp4, {}),
-                                    (dp4, {"should_stop": _StopAfter(2)}), (pipelined, {})], hooks=hooks)
+    results = run_local_many(spec, [(pipelined, {"should_stop": StopAfter(2)}), (dp4, {}),
+                                    (dp4, {"should_stop": StopAfter(2)}), (pipelined, {})], hooks=hooks)
 
     for stopped, resumed in ((results[0], results[1]), (results[2], results[3])):
         assert all(s.stopped and len(s.losses) == 2 for s in stopped.summaries), stopped.summaries

@@ -20,6 +20,8 @@ from rayfleet.jobs.spec import TrainJobSpec
 from rayfleet.models.expert_tensor_parallel import expert_major_order
 from rayfleet.placement.plan import ParallelPlan
 
+from run_hooks import StopAfter
+
 W2 = "layers.1.feed_forward.experts.w2"  # row-parallel under ETP
 W1 = "layers.2.feed_forward.experts.w1"  # column-parallel under ETP
 ROUTER = "layers.2.feed_forward.router.weight"
@@ -115,15 +117,6 @@ def test_fp8_ep2_etp2_stays_close_to_the_fp8_reference(spec) -> None:
     assert _loss_gap(etp, ref) < 0.01
 
 
-class _StopAfter:
-    """``should_stop`` that asks to stop after ``steps`` steps (pickles to the spawned ranks)."""
-
-    def __init__(self, steps: int) -> None:
-        self.steps, self.calls = steps, 0
-
-    def __call__(self) -> bool:
-        self.calls += 1
-        return self.calls >= self.steps
 
 
 def _storage_hook(job: str, uri: str) -> FlashCheckpointHook:
@@ -137,7 +130,7 @@ def test_ep2_etp2_checkpoints_reshard_to_one_process_and_back(spec, references, 
     ref = torch.tensor(references[W2].losses[1:], dtype=torch.float64)
     for first, then, name in ((etp_plan, one, "from-etp"), (one, etp_plan, "into-etp")):
         uri = str(tmp_path / name)
-        (stopped,) = run_local_many(spec, [(first, {"should_stop": _StopAfter(1)})], hooks=_storage_hook(name, uri))
+        (stopped,) = run_local_many(spec, [(first, {"should_stop": StopAfter(1)})], hooks=_storage_hook(name, uri))
         assert stopped.summaries[0].stopped and stopped.summaries[0].steps_completed == 1
         (resumed,) = run_local_many(spec, [(then, {})], hooks=_storage_hook(f"{name}-resumed", uri))
         assert resumed.summaries[0].first_step == 1

@@ -15,49 +15,16 @@ import torch
 from rayfleet.jobs.checkpoint.hook import FlashCheckpointHook
 from rayfleet.jobs.local_processes import run_local, run_local_many
 from rayfleet.jobs.spec import TrainJobSpec
-from rayfleet.jobs.train_state import TrainHooks
 from rayfleet.placement.plan import ParallelPlan
+
+from run_hooks import PerRun, StopAfter
 
 LOSS_RTOL = 2e-6
 RESUMED_RTOL = 1e-5  # DP2's FSDP reduce-scatter sums in another order than one process
 
 
-class _StopAfter:
-    """``should_stop`` that asks to stop after ``steps`` steps (pickles to the ranks)."""
-
-    def __init__(self, steps: int) -> None:
-        self.steps, self.calls = steps, 0
-
-    def __call__(self) -> bool:
-        self.calls += 1
-        return self.calls >= self.steps
 
 
-class _PerRun(TrainHooks):
-    """The ``index``-th run of ``run_local_many`` gets ``hooks[index]`` (``None``: no hook)."""
-
-    def __init__(self, hooks: list[TrainHooks | None]) -> None:
-        self.hooks, self.run = hooks, -1
-
-    def _current(self) -> TrainHooks | None:
-        return self.hooks[self.run] if 0 <= self.run < len(self.hooks) else None
-
-    def on_start(self, **kwargs) -> None:
-        self.run += 1
-        if self._current():
-            self._current().on_start(**kwargs)
-
-    def before_step(self, step: int) -> None:
-        if self._current():
-            self._current().before_step(step)
-
-    def after_step(self, step: int, **kwargs) -> None:
-        if self._current():
-            self._current().after_step(step, **kwargs)
-
-    def on_end(self, summary, **kwargs) -> None:
-        if self._current():
-            self._current().on_end(summary, **kwargs)
 
 
 def _checkpoint(uri: str, job: str) -> FlashCheckpointHook:
@@ -74,12 +41,12 @@ def test_virtual_stage_runs_match_and_checkpoints_move_between_pp2_vp2_and_dp2(t
     vpp, dualpipe = ParallelPlan(pp=2, vpp=2, micro_batch_size=2), ParallelPlan(pp=2, dualpipe=True, micro_batch_size=2)
     dp2 = ParallelPlan(dp=2, micro_batch_size=2, zero_stage=3)
     from_vpp, from_dp = str(tmp_path / "from-vpp"), str(tmp_path / "from-dp")
-    hooks = _PerRun([None, None, None, _checkpoint(from_vpp, "a"), _checkpoint(from_vpp, "b"),
+    hooks = PerRun([None, None, None, _checkpoint(from_vpp, "a"), _checkpoint(from_vpp, "b"),
                      _checkpoint(from_dp, "c"), _checkpoint(from_dp, "d")])
     results = run_local_many(spec, [
         (vpp, {}), (dualpipe, {}), (dualpipe.but(recompute="full"), {}),  # recompute in the split backward
-        (vpp, {"should_stop": _StopAfter(2)}), (dp2, {}),  # PP2 x VP2 -> DP2
-        (dp2, {"should_stop": _StopAfter(2)}), (vpp, {}),  # DP2 -> PP2 x VP2
+        (vpp, {"should_stop": StopAfter(2)}), (dp2, {}),  # PP2 x VP2 -> DP2
+        (dp2, {"should_stop": StopAfter(2)}), (vpp, {}),  # DP2 -> PP2 x VP2
     ], hooks=hooks)
 
     def losses(result) -> list[torch.Tensor]:  # every rank reports the global loss
