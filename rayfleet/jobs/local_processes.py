@@ -39,7 +39,7 @@ from rayfleet.jobs.train_job import LoopConfig, loop_config
 from rayfleet.jobs.train_state import TrainHooks, TrainSummary
 from rayfleet.placement.plan import ParallelPlan
 
-__all__ = ["LocalRunResult", "run_local", "run_local_many", "free_port", "run_script_ranks", "leave_after_barrier",
+__all__ = ["LocalRunResult", "run_local", "run_local_many", "run_local_jobs", "free_port", "run_script_ranks", "leave_after_barrier",
            "rank_start_method"]
 
 
@@ -79,7 +79,7 @@ def rank_start_method() -> str:
     return "forkserver"
 
 
-def _worker(rank: int, world_size: int, port: int, loop: LoopConfig, runs: list[tuple[ParallelPlan, dict]],
+def _worker(rank: int, world_size: int, port: int, runs: list[tuple[LoopConfig, ParallelPlan, dict]],
             out_dir: str, threads_per_rank: int, hooks: TrainHooks | None, environ: dict[str, str]) -> None:
     from rayfleet.jobs.loop import train_worker
 
@@ -89,7 +89,7 @@ def _worker(rank: int, world_size: int, port: int, loop: LoopConfig, runs: list[
     torch.set_num_threads(threads_per_rank)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        for index, (plan, options) in enumerate(runs):
+        for index, (loop, plan, options) in enumerate(runs):
             collected: list[dict[str, Any]] = []
             options = {"device": "cpu", **options}
             summary = train_worker(loop, plan, report=collected.append, hooks=hooks, **options)
@@ -120,7 +120,15 @@ def run_local_many(spec: TrainJobSpec, runs: Sequence[tuple[ParallelPlan, dict[s
     All plans must have the same world size; starting processes once saves their start-up
     (seconds each on a small machine).
     """
-    sizes = {plan.world_size for plan, _ in runs}
+    return run_local_jobs([(spec, plan, options) for plan, options in runs], threads_per_rank=threads_per_rank,
+                          in_process=in_process, hooks=hooks)
+
+
+def run_local_jobs(runs: Sequence[tuple[TrainJobSpec, ParallelPlan, dict[str, Any]]], *,
+                   threads_per_rank: int = 1, in_process: bool | None = None,
+                   hooks: TrainHooks | None = None) -> list[LocalRunResult]:
+    """:func:`run_local_many` for runs of different jobs (models, precisions) in the same processes."""
+    sizes = {plan.world_size for _, plan, _ in runs}
     if len(sizes) != 1:
         raise ValueError(f"runs need one world size, got {sorted(sizes)}")
     world_size = sizes.pop()
@@ -131,8 +139,8 @@ def run_local_many(spec: TrainJobSpec, runs: Sequence[tuple[ParallelPlan, dict[s
         raise RuntimeError("a default process group already exists in this process")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="rayfleet-local-") as out_dir:
-        # the spec is cut into the loop's slice once, here; the ranks receive it pickled
-        args = (world_size, port, loop_config(spec), [(p, dict(o)) for p, o in runs], out_dir,
+        # each spec is cut into the loop's slice here; the ranks receive it pickled
+        args = (world_size, port, [(loop_config(spec), p, dict(o)) for spec, p, o in runs], out_dir,
                 threads_per_rank, hooks, dict(os.environ))
         if in_process:
             threads = torch.get_num_threads()

@@ -63,9 +63,15 @@ class Fp8Linear(nn.Linear):
         weight = self.weight
         if weight.device_mesh.ndim != 1 or not isinstance(weight.placements[0], Shard) or self.bias is not None:
             raise NotImplementedError("Fp8Linear supports 1-D column/row tensor parallelism without bias")
-        local_x = x.to_local() if isinstance(x, DTensor) else x
+        column = weight.placements[0].dim == 0
+        # A column split's replicated input gets a partial gradient from each shard's GEMM: say
+        # so, or to_local's backward takes it as replicated and the TP sum over shards is lost
+        # (FP8 TP2 input gradients were missing the peer's half; a q-projection gradient 3x
+        # further from FP32 than one FP8 process's, found by tests/unit/jobs/test_hf_parity_matrix.py).
+        grad_placements = (Partial(),) if column and isinstance(x, DTensor) and x.placements[0].is_replicate() else None
+        local_x = x.to_local(grad_placements=grad_placements) if isinstance(x, DTensor) else x
         out = self._gemm(local_x, weight.to_local())
-        placement = Shard(out.dim() - 1) if weight.placements[0].dim == 0 else Partial()
+        placement = Shard(out.dim() - 1) if column else Partial()
         return DTensor.from_local(out, weight.device_mesh, (placement,), run_check=False)
 
     def extra_repr(self) -> str:
