@@ -6,6 +6,12 @@
 
 Without ``--detach`` the command stays in the foreground and deletes the app on Ctrl-C;
 with it, the app keeps running (delete it with ``serve shutdown`` or ``serve delete NAME``).
+
+Both ways admit the spec's pools through their queues the same way
+(``serving/deploy/pool_admission.admit_app``): ``rayfleet serve`` before it starts the app, and
+the printed config's ``import_path`` (the engine's ``app_builder``) inside the cluster before Serve
+builds it. A pool its queue refuses fails ``rayfleet serve`` with the field, value and fix; under
+``serve deploy`` the same message is the app's ``DEPLOY_FAILED`` status (``serve status``).
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ import argparse
 import time
 
 __all__ = ["register", "handle_serve"]
+
+_ADMISSION_NOTE = ("# rayfleet serve --serve-config: app_builder admits each pool through its queue before Serve\n"
+                   "# builds the app; a refused pool shows as DEPLOY_FAILED in `serve status` (field, value, fix).\n")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -45,7 +54,7 @@ def handle_serve(args: argparse.Namespace) -> int:
         else:
             from rayfleet.serving.openai_api.serve_app import serve_config
 
-        print(yaml.safe_dump(serve_config(spec), sort_keys=False), end="")
+        print(_ADMISSION_NOTE + yaml.safe_dump(serve_config(spec), sort_keys=False), end="")
         return 0
     started = time.monotonic()
     served = deploy(spec, address=args.address, timeout_s=args.timeout)

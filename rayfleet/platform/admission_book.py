@@ -36,6 +36,7 @@ from rayfleet.platform.admission import (
 )
 from rayfleet.platform.autoscaler.types import Decision, GrowTraining, QueueGrowthLimits, ShrinkTraining
 from rayfleet.platform.queues import QueueTree
+from rayfleet.platform.serve_admission import pool_refusal
 
 __all__ = ["AdmissionBook", "HEARTBEAT_TTL_S"]
 
@@ -86,7 +87,12 @@ class AdmissionBook:
 
         A record of the same pool (the app deployed again) is replaced. Returns ``request``'s
         answers, except that a pool whose minimum does not fit is ``refused`` with the queue's
-        reason and the fix, and leaves no record."""
+        reason and the fix, and leaves no record; a refusal names the pool's own field
+        (``decode.queue``, ``decode.replicas``: ``serve_admission.pool_refusal``)."""
+        try:  # before a running app's record is touched: a bad queue leaves it as it is
+            route(self.tree(), request.queue)
+        except SpecError as err:  # named as the serve spec spells it (``decode.queue``)
+            return {"outcome": "refused", "error": pool_refusal(request, queue_error=err)}
         with self._lock:
             if request.job_id in self._records:
                 self.release(request.job_id, "the Serve app is deployed again")
@@ -97,15 +103,9 @@ class AdmissionBook:
             self._records.pop(request.job_id)
             self._beats.pop(request.job_id, None)
             self.store.delete(_PREFIX + request.job_id)
-            field = f"{request.name.split('/')[-1]}.replicas"
-            message = str(SpecError(
-                field, request.min_size // request.replica_size,
-                f"Serve pool {request.name} does not fit in queue {request.queue}: {record.reason}",
-                f"lower the pool's replicas, raise queue {request.queue}'s {request.accelerator_type} quota "
-                "(`rayfleet queue apply`), or deploy again once its jobs end"))
             self.record(f"serve:{request.name}", "queue_refused", record.reason,
                         {"job_id": request.job_id, "queue": request.queue, "min_size": request.min_size})
-            return {"outcome": "refused", "error": [field, request.min_size // request.replica_size, message]}
+            return {"outcome": "refused", "error": pool_refusal(request, reason=record.reason)}
 
     def status(self, job_id: str) -> dict | None:
         """The job's record and whether it may start (admitted, every job it reclaimed from has

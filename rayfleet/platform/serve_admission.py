@@ -40,7 +40,7 @@ from rayfleet.errors import SpecError
 from rayfleet.platform.admission import DEFAULT_QUEUE, AdmissionRequest
 from rayfleet.platform.queues import JobClass
 
-__all__ = ["SERVE_JOB_PREFIX", "pool_key", "serve_pool_job_id", "serve_pool_request"]
+__all__ = ["SERVE_JOB_PREFIX", "pool_key", "serve_pool_job_id", "serve_pool_request", "pool_refusal"]
 
 SERVE_JOB_PREFIX = "serve:"
 
@@ -79,3 +79,28 @@ def serve_pool_request(*, app: str, role: str, queue: str, accelerator_type: str
                             accelerator_type=accelerator_type, min_size=replicas * per,
                             max_size=(max_replicas or replicas) * per, replica_size=per,
                             job_class=JobClass.GUARANTEED, priority=priority, serve_pool=True)
+
+
+def pool_refusal(request: AdmissionRequest, *, reason: str | None = None,
+                 queue_error: SpecError | None = None) -> list:
+    """``[field, value, message]`` of a refused pool, the field named as the serve spec spells it.
+
+    ``queue_error``: its queue is unknown (or a parent), as ``admission.route`` said: the field is
+    ``<role>.queue``. Else ``reason``: its minimum does not fit (``queues.admit``'s reason): the
+    field is ``<role>.replicas``. Plain values: the answer crosses Ray as it is.
+
+    >>> r = serve_pool_request(app="chat", role="decode", queue="inference", accelerator_type="H100",
+    ...                        accelerators_per_replica=8, replicas=2, max_replicas=None)
+    >>> pool_refusal(r, reason="quota full")[:2]
+    ['decode.replicas', 2]
+    """
+    role = request.name.rsplit("/", 1)[-1]
+    if queue_error is not None:
+        # route's message is ``queue='x': why. Fix: ...``: the same, with the pool's own field
+        message = f"{role}.{queue_error}".replace("leave `queue` unset", f"leave `{role}.queue` unset")
+        return [f"{role}.{queue_error.field}", queue_error.value, message]
+    replicas = request.min_size // request.replica_size
+    return [f"{role}.replicas", replicas, str(SpecError(
+        f"{role}.replicas", replicas, f"Serve pool {request.name} does not fit in queue {request.queue}: {reason}",
+        f"lower the pool's replicas, raise queue {request.queue}'s {request.accelerator_type} quota "
+        "(`rayfleet queue apply`), or deploy again once its jobs end"))]

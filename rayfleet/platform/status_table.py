@@ -12,7 +12,7 @@ from typing import Sequence
 from rayfleet.platform.inventory import FleetStatus
 from rayfleet.platform.topology import FleetTopology
 
-__all__ = ["format_table", "render_status", "render_topology", "render_admissions"]
+__all__ = ["format_table", "render_status", "render_topology", "render_admissions", "render_pool_grants"]
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -53,8 +53,12 @@ def render_status(status: FleetStatus, *, show_events: bool = True) -> str:
          "health", "cordon", "heartbeat"), rows)
     out += (f"\ntotal: {tot.free}/{tot.total} free, {tot.training} training, {tot.inference} inference, "
             f"{tot.cordoned} cordoned, {tot.other} other")
-    if status.admissions:
-        out += "\n\ntraining jobs in queues:\n" + render_admissions(status.admissions)
+    jobs = [r for r in status.admissions if not r["request"].get("serve_pool")]
+    pools = [r for r in status.admissions if r["request"].get("serve_pool")]
+    if jobs:
+        out += "\n\ntraining jobs in queues:\n" + render_admissions(jobs)
+    if pools:
+        out += "\n\nServe pools in queues:\n" + render_pool_grants(pools)
     if show_events and status.decisions:
         out += "\n\nautoscaler decisions:\n" + format_table(
             ("time", "subject", "decision", "reason"),
@@ -77,3 +81,16 @@ def render_admissions(records: Sequence[dict]) -> str:
         rows.append((req["job_id"], req["queue"], r["state"], line, size, f"{req['min_size']}..{req['max_size']}",
                      req["accelerator_type"], req["job_class"], _clip(r["reason"], 90)))
     return format_table(("job", "queue", "state", "place", "size", "wants", "type", "class", "reason"), rows)
+
+
+def render_pool_grants(records: Sequence[dict]) -> str:
+    """One row per Serve pool admitted through a queue (``AdmissionRecord`` JSON of a
+    ``serve_admission`` request): the accelerators its replicas hold of what its queue granted
+    (``held/granted``; Serve's autoscaling stays within the grant), in whole replicas of ``per``."""
+    rows = []
+    for r in records:
+        req = r["request"]
+        wants = f"{req['min_size']}..{req['max_size']}"
+        rows.append((req["job_id"], req["queue"], r["state"], f"{r['held']}/{r['size']}", wants,
+                     req["replica_size"], req["accelerator_type"], _clip(r["reason"], 90)))
+    return format_table(("pool", "queue", "state", "held/granted", "wants", "per", "type", "reason"), rows)

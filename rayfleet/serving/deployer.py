@@ -18,7 +18,8 @@ Design decisions:
   (``pool_scaling``), for either engine, keyed by the pool's Serve deployment
   (``pool_deployment_name``); the shared autoscaler moves them later.
 - Every pool that asks for accelerators is admitted through its ``queue`` by the fleet
-  controller first (``deploy.pool_admission``; the rules: ``platform/serve_admission.py``): a
+  controller first (``deploy.pool_admission.admit_app``, which the engines' ``app_builder`` for
+  ``serve deploy`` runs too; the rules: ``platform/serve_admission.py``): a
   refused pool fails the deploy before anything is deployed, and an admitted one's Serve bounds
   never go above what its queue granted. ``ServeDeployment.shutdown`` gives the grant back.
 - ``deploy`` waits until the app is RUNNING and the ingress answers ``/health`` (the engines
@@ -35,8 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from rayfleet.errors import RayfleetError
-from rayfleet.serving.deploy.pool_admission import (PoolGrant, admit_pools, controller_call, release_pools,
-                                                    report_started, serve_bounds)
+from rayfleet.serving.deploy.pool_admission import PoolGrant, admit_app, controller_call, release_pools
 from rayfleet.serving.spec import ServeSpec, load_serve_spec
 
 __all__ = ["ServeDeployment", "ServeDeployError", "deploy", "pool_deployment_name"]
@@ -170,26 +170,21 @@ def deploy(spec: ServeSpec | dict[str, Any] | str | Path, *, address: str | None
     health_path = "/health"
     if spec.engine.kind == "vllm":  # Ray Serve LLM's app (rayfleet.serving.vllm), same deploy path
         from rayfleet.serving.vllm.app import HEALTH_PATH as health_path, build_vllm_app as build_app
-    from rayfleet.serving.deploy.pool_scaling import set_pool_bounds
-
     deadline = time.monotonic() + timeout_s
     pools = spec.pools()
-    call = controller_call(pools)  # queue admission of every pool before anything is deployed
-    grants = admit_pools(spec.name, pools, call, deadline=deadline) if call is not None else {}
+    # queue admission of every pool and its Serve bounds, before anything is deployed (the same
+    # admit_app as Serve's own deploy of the app_builder config)
+    admission = admit_app(spec.name, pools, deployment_name=lambda role: pool_deployment_name(spec, role),
+                          deadline=deadline)
     try:
         # HeadOnly: the local fleet's nodes share one IP, so a proxy per node would fight for the port.
         serve.start(proxy_location="HeadOnly", http_options={"host": spec.http.host, "port": spec.http.port})
-        for role, pool in pools.items():  # Serve autoscales each pool within these (pool_scaling)
-            # Serve replicas (a vLLM DP pool's replica is a gang of ranks), never above its queue's grant
-            lo, hi = serve_bounds(pool, grants.get(role))
-            set_pool_bounds(spec.name, pool_deployment_name(spec, role), min_replicas=lo, max_replicas=hi)
         served = _run_and_wait(spec, build_app, health_path, api_key, deadline)
     except BaseException:
-        release_pools(grants.values(), call, "the Serve app did not come up")
+        admission.release("the Serve app did not come up")
         raise
-    if call is not None:
-        report_started(grants, pools, call)
-    served.grants = grants
+    admission.report_started(pools)
+    served.grants = dict(admission.grants)
     return served
 
 

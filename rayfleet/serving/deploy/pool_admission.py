@@ -1,6 +1,11 @@
 """The deploy's side of queue admission: ask for every pool, cap Serve at what was granted, release.
 
-``deployer.deploy`` calls :func:`admit_pools` before it sets a single Serve bound. The fleet
+Every way a serve spec is deployed goes through :func:`admit_app`, one sequence: ``deployer.deploy``
+(``rayfleet serve``, ``fleet.serve(spec)``) calls it before Serve starts; Serve's own deploy of the
+config ``rayfleet serve --serve-config`` prints (``serve deploy``/``serve run``) imports the
+engines' ``app_builder``, which calls it through :func:`build_admitted` inside the cluster before
+the app is built. :func:`admit_app` asks for every pool (:func:`admit_pools`) before it writes a
+single Serve bound. The fleet
 controller decides (``platform/admission_book.py``'s ``request_pool`` around the same
 ``admission_step`` -> ``queues.admit`` that admits training jobs; the rules for pools are in
 ``platform/serve_admission.py``); this module only carries the app's side, as
@@ -16,8 +21,13 @@ controller decides (``platform/admission_book.py``'s ``request_pool`` around the
   deploy's deadline;
 - on a plain Ray cluster without a controller nothing is enforced (a warning names the queue).
 
-``call(method, *args)`` is the controller's method, called and waited for: the deployer passes
-:func:`controller_call`'s Ray-backed one, tests an in-process controller's.
+``call(method, *args)`` is the controller's method, called and waited for: :func:`controller_call`'s
+Ray-backed one (looked up when :func:`admit_app` runs), tests an in-process controller's.
+
+Under ``serve deploy`` nothing waits for the app to serve, so :func:`build_admitted` counts the
+pools as started once built (``report_started``); the controller releases the grant when Serve no
+longer runs the app (``serve delete``: the controller's ended check). A refused pool raises in the
+builder: Serve marks the app ``DEPLOY_FAILED`` with the controller's message (``serve status``).
 """
 
 from __future__ import annotations
@@ -25,17 +35,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 from rayfleet.errors import RayfleetError
 from rayfleet.platform.admission import DEFAULT_QUEUE
+from rayfleet.serving.deploy import pool_scaling
 
-__all__ = ["PoolGrant", "PoolRefusedError", "admit_pools", "release_pools", "report_started", "serve_bounds",
-           "controller_call"]
+__all__ = ["PoolGrant", "PoolRefusedError", "AppAdmission", "admit_app", "build_admitted", "admit_pools",
+           "release_pools", "report_started", "serve_bounds", "controller_call", "ray_connected"]
 
 log = logging.getLogger(__name__)
 Call = Callable[..., Any]
+App = TypeVar("App")
 CALL_TIMEOUT_S = 30.0
+BUILD_ADMISSION_TIMEOUT_S = 300.0  # `serve deploy` has no --timeout: a reclaim the builder waits for
 
 
 class PoolRefusedError(RayfleetError):
@@ -52,6 +65,75 @@ class PoolGrant:
     accelerators_per_replica: int
     job_id: str | None = None
     reason: str = "outside the queues"
+
+
+@dataclass(frozen=True)
+class AppAdmission:
+    """What app ``app``'s pools were admitted at (``grants``, by role) and the controller that
+    admitted them (``call``; ``None`` on a plain Ray cluster: nothing to report or release)."""
+
+    app: str
+    grants: Mapping[str, PoolGrant]
+    call: Call | None = None
+
+    def report_started(self, pools: Mapping[str, Any]) -> None:
+        if self.call is not None:
+            report_started(self.grants, pools, self.call)
+
+    def release(self, why: str) -> None:
+        release_pools(self.grants.values(), self.call, why)
+
+
+def admit_app(app: str, pools: Mapping[str, Any], *, deployment_name: Callable[[str], str], deadline: float,
+              connect: Callable[[Mapping[str, Any]], Call | None] | None = None) -> AppAdmission:
+    """Admit every pool of app ``app`` through its queue, then write each pool's Serve autoscaling
+    bounds (``pool_scaling``, keyed by ``deployment_name(role)``) capped at its grant: the one
+    admission of every deploy path (module doc). ``connect(pools)``: the controller's ``call``
+    (default :func:`controller_call`; ``None`` from it: no controller, the spec's bounds).
+
+    Raises:
+        SpecError, PoolRefusedError: as :func:`admit_pools`; nothing stays admitted then.
+    """
+    call = (connect or controller_call)(pools)
+    admission = AppAdmission(app, admit_pools(app, pools, call, deadline=deadline) if call is not None else {}, call)
+    try:
+        for role, pool in pools.items():  # Serve autoscales each pool within these, never above its grant
+            lo, hi = serve_bounds(pool, admission.grants.get(role))
+            pool_scaling.set_pool_bounds(app, deployment_name(role), min_replicas=lo, max_replicas=hi)
+    except BaseException:
+        admission.release("the deploy did not go ahead")
+        raise
+    return admission
+
+
+def build_admitted(spec: Any, build: Callable[[Any], App], *, deployment_name: Callable[[str], str],
+                   timeout_s: float = BUILD_ADMISSION_TIMEOUT_S,
+                   connect: Callable[[Mapping[str, Any]], Call | None] | None = None) -> App:
+    """``build(spec)`` (a ``ServeSpec``'s Serve application) once :func:`admit_app` admitted its
+    pools: an engine's ``app_builder``, which Serve runs for ``serve deploy``/``serve run`` of the
+    config ``rayfleet serve --serve-config`` prints. Admission is the deployer's, not a copy; the
+    pools count as started once built (module doc).
+
+    Outside a Ray cluster (``serve build`` calls the builder to write a config) there is nothing
+    to admit on and no KV for the bounds, and asking would start a local Ray: it only builds.
+    Serve calls the builder again inside the cluster when the config is deployed.
+
+    Raises:
+        SpecError, PoolRefusedError: a pool was refused (nothing is built, nothing stays admitted).
+    """
+    if not ray_connected():  # ``serve build``, a test building the graph: no queues, no bounds to write
+        log.info("serve %r: built outside a Ray cluster, so its pools are not admitted here", spec.name)
+        return build(spec)
+    pools = spec.pools()
+    admission = admit_app(spec.name, pools, deployment_name=deployment_name,
+                          deadline=time.monotonic() + timeout_s, connect=connect)
+    try:
+        app = build(spec)
+    except BaseException:
+        admission.release("the Serve app could not be built")
+        raise
+    admission.report_started(pools)
+    return app
 
 
 def admit_pools(app: str, pools: Mapping[str, Any], call: Call, *, deadline: float,
@@ -137,11 +219,21 @@ def release_pools(grants, call: Call | None, why: str) -> None:
                 log.warning("could not release %s: %r", grant.job_id, exc)
 
 
-def controller_call(pools: Mapping[str, Any] | None = None) -> Call | None:
-    """The fleet controller's methods as ``call(method, *args)``, or ``None`` on a plain Ray
-    cluster (then a pool's named queue is not enforced: a warning says so)."""
+def ray_connected() -> bool:
+    """Whether this process is connected to a Ray cluster (Ray's own calls would start one)."""
     import ray
 
+    return ray.is_initialized()
+
+
+def controller_call(pools: Mapping[str, Any] | None = None) -> Call | None:
+    """The fleet controller's methods as ``call(method, *args)``, or ``None`` on a plain Ray
+    cluster (then a pool's named queue is not enforced: a warning says so) or without a
+    connection to one (nothing to ask; ``ray.get_actor`` would start a local Ray)."""
+    import ray
+
+    if not ray_connected():
+        return None
     try:
         from rayfleet.platform.controller import get_controller
 

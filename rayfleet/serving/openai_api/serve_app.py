@@ -8,8 +8,9 @@ Design decisions:
 - It sits in ``openai_api``, above ``deploy``, as ``vllm.app`` does for Ray Serve LLM: each
   engine's application is built in the room of its HTTP face, and ``deploy`` only knows engine
   replicas and the request path.
-- ``app_builder`` is Serve's import path (``serve run``/``serve deploy`` of a spec);
-  ``serve_config`` writes the equivalent Serve config file.
+- ``app_builder`` is Serve's import path (``serve run``/``serve deploy`` of a spec), which
+  admits the pools through their queues first (``deploy.pool_admission.build_admitted``, the
+  deployer's admission); ``serve_config`` writes the equivalent Serve config file.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ray import serve
 from rayfleet.errors import SpecError
 from rayfleet.serving.deploy.deployments import bind_pool
 from rayfleet.serving.deploy.inference_service import InferenceService
+from rayfleet.serving.deploy.pool_admission import build_admitted
 from rayfleet.serving.deploy.pool_client import FailedReplicas, PoolClient, PoolRouter
 from rayfleet.serving.deploy.serving_metrics import ServingMetrics
 from rayfleet.serving.engine.replica_state import ReplicaState
@@ -97,8 +99,9 @@ def build_app(spec: ServeSpec) -> Any:
 
 def app_builder(args: dict[str, Any]) -> Any:
     """Serve application builder (``import_path: rayfleet.serving.openai_api.serve_app:app_builder``):
-    ``args`` is a ``ServeSpec`` as a dict. Lets ``serve run``/``serve deploy`` deploy a spec."""
-    return build_app(ServeSpec.parse(dict(args)))
+    ``args`` is a ``ServeSpec`` as a dict. Lets ``serve run``/``serve deploy`` deploy a spec, its
+    pools admitted through their queues and bounded as ``deploy`` does (``build_admitted``)."""
+    return build_admitted(ServeSpec.parse(dict(args)), build_app, deployment_name=lambda role: role)
 
 
 def serve_config(spec: ServeSpec) -> dict[str, Any]:

@@ -66,17 +66,15 @@ def build_vllm_app(spec: ServeSpec):
 
 def app_builder(args: dict[str, Any]):
     """Serve application builder (``import_path: rayfleet.serving.vllm.app:app_builder``):
-    ``args`` is a ``ServeSpec`` as a dict. Like ``deploy``, it writes each pool's autoscaling
-    bounds from the spec (``pool_scaling``; Serve runs it inside the cluster)."""
-    from rayfleet.serving.deploy.pool_scaling import set_pool_bounds
+    ``args`` is a ``ServeSpec`` as a dict. Like ``deploy`` (the same ``admit_app``), it admits each
+    pool through its queue and writes its autoscaling bounds capped at the grant (``pool_scaling``;
+    a DP pool's replica is a gang of Serve replicas) before the app is built; Serve runs it inside
+    the cluster."""
+    from rayfleet.serving.deploy.pool_admission import build_admitted
     from rayfleet.serving.vllm.config import llm_deployment_name
 
     spec = ServeSpec.parse(dict(args))
-    app = build_vllm_app(spec)
-    for role, pool in spec.pools().items():
-        lo, hi = pool.serve_replica_bounds()  # a DP pool's replica is a gang of Serve replicas
-        set_pool_bounds(spec.name, llm_deployment_name(spec, role), min_replicas=lo, max_replicas=hi)
-    return app
+    return build_admitted(spec, build_vllm_app, deployment_name=lambda role: llm_deployment_name(spec, role))
 
 
 def serve_config(spec: ServeSpec) -> dict[str, Any]:

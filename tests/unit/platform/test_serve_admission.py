@@ -78,9 +78,16 @@ def test_unknown_queue_is_refused_naming_field_value_and_fix(controller):
     answer = controller.admit_serve_pool(pool(queue="nope").to_json())
     assert answer["outcome"] == "refused"
     field, value, message = answer["error"]
-    assert (field, value) == ("queue", "nope")
-    assert "no such queue" in message and "rayfleet queue apply" in message
+    assert (field, value) == ("decode.queue", "nope")  # the pool's own field, as the serve spec spells it
+    assert message.startswith("decode.queue='nope': no such queue on this fleet (queues: inference, research)")
+    assert "rayfleet queue apply" in message and "leave `decode.queue` unset" in message
     assert controller.admissions() == []
+
+
+def test_a_redeploy_to_an_unknown_queue_leaves_the_running_apps_grant(controller):
+    controller.admit_serve_pool(pool().to_json())
+    assert controller.admit_serve_pool(pool(queue="nope").to_json())["outcome"] == "refused"
+    assert record(controller, "serve:chat/decode")["state"] == "ADMITTED"  # not released by the bad request
 
 
 def test_pool_over_its_quota_is_refused_with_the_reason_and_leaves_no_record(controller):
@@ -217,3 +224,28 @@ def test_ended_jobs_answers_for_ray_jobs_and_serve_pools_together(controller, mo
     assert controller._ended_jobs({"t1", "t2"}) == {"t1"}
     monkeypatch.setattr(serve, "status", lambda: 1 / 0)  # Serve not answering: the Ray jobs still are
     assert controller._ended_jobs({"t1", "serve:chat/decode"}) == {"t1"}
+
+
+def test_status_lists_serve_pools_with_their_grants_apart_from_training_jobs(controller):
+    """``rayfleet status``: training jobs under their own heading, Serve pools under theirs with the
+    accelerators held of those granted (the cluster twin reads a pool's row by its job id)."""
+    from rayfleet.platform.inventory import FleetStatus
+    from rayfleet.platform.status_table import render_status
+
+    controller.admit_serve_pool(pool(replicas=1, max_replicas=2).to_json())  # granted 16 of inference's 24
+    controller.admission_heartbeat("serve:chat/decode", 8)  # one replica runs so far
+    controller.request_admission(training("t1", "research", 8).to_json())
+    text = render_status(FleetStatus(nodes=(), events=(), admissions=tuple(controller.admissions())))
+    jobs, _, pools = text.partition("\n\nServe pools in queues:\n")
+    assert "training jobs in queues:" in jobs and "serve:chat/decode" not in jobs  # the old table mixed them
+    assert "t1" in jobs.split("training jobs in queues:")[1] and "t1 " not in pools
+    header, _, row = pools.splitlines()[:3]
+    assert header.split() == ["pool", "queue", "state", "held/granted", "wants", "per", "type", "reason"]
+    assert row.split()[:7] == ["serve:chat/decode", "inference", "ADMITTED", "8/16", "8..16", "8", "H100"]
+    # no pools, no heading; no training jobs, no training heading
+    controller.release_admission("serve:chat/decode")
+    assert "Serve pools" not in render_status(FleetStatus(nodes=(), events=(), admissions=tuple(controller.admissions())))
+    controller.release_admission("t1")
+    controller.admit_serve_pool(pool().to_json())
+    only_pools = render_status(FleetStatus(nodes=(), events=(), admissions=tuple(controller.admissions())))
+    assert "training jobs" not in only_pools and "Serve pools in queues:" in only_pools
