@@ -334,7 +334,6 @@ def run_benchmark(args: argparse.Namespace, *, kill_at: list[int], work: str) ->
     import ray
 
     from rayfleet.platform.launcher import LocalFleet
-    from rayfleet.platform.snapshot import DEFAULT_SNAPSHOT_ROOT
     from rayfleet.platform.topology import build_topology
     from rayfleet.sdk import connect
     from rayfleet.storage.tokens import prepare_token_dataset
@@ -363,7 +362,6 @@ def run_benchmark(args: argparse.Namespace, *, kill_at: list[int], work: str) ->
         s_per_gib_src = "--snapshot-s-per-gib"
     t0 = time.monotonic()
     home = tempfile.mkdtemp(prefix="rayfleet-recovery-home-")
-    snapshots_before = set(os.listdir(DEFAULT_SNAPSHOT_ROOT)) if os.path.isdir(DEFAULT_SNAPSHOT_ROOT) else set()
     local = LocalFleet.up(build_topology(num_nodes=2, accelerator="H100", accelerators_per_node=8), home=home)
     try:
         fleet = connect(local.address)
@@ -388,12 +386,7 @@ def run_benchmark(args: argparse.Namespace, *, kill_at: list[int], work: str) ->
     finally:
         if ray.is_initialized():
             ray.shutdown()
-        local.down()
-        # Finished jobs leave their node snapshots in /dev/shm: free this benchmark's two jobs'.
-        snapshots_now = set(os.listdir(DEFAULT_SNAPSHOT_ROOT)) if os.path.isdir(DEFAULT_SNAPSHOT_ROOT) else set()
-        for name in snapshots_now - snapshots_before:
-            if name.startswith(("recovery-baseline-", "recovery-kills-")):
-                shutil.rmtree(os.path.join(DEFAULT_SNAPSHOT_ROOT, name), ignore_errors=True)
+        local.down()  # frees what its jobs left in /dev/shm (each formation frees its own as it ends)
         shutil.rmtree(home, ignore_errors=True)
         shutil.rmtree(local.temp_dir, ignore_errors=True)  # this fleet's private Ray temp dir (session logs)
 

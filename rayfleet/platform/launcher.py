@@ -31,6 +31,7 @@ from pathlib import Path
 from rayfleet.errors import FleetNotFoundError, FleetStateError, SpecError
 from rayfleet.platform import labels as L
 from rayfleet.platform import ray_compat
+from rayfleet.platform.snapshot_node import remove_session_snapshots
 from rayfleet.platform.topology import FleetTopology, NodeTopology
 
 __all__ = [
@@ -297,6 +298,9 @@ class LocalFleet:
             time.sleep(0.2)
         for launched in self.nodes:
             _signal_group(launched.pgid, signal.SIGKILL)
+        # Snapshots of jobs that died with the fleet: tmpfs, i.e. memory, until someone frees it.
+        sessions = [p.name for p in Path(self.temp_dir).glob("session_*") if p.name != "session_latest"]
+        remove_session_snapshots(sessions)
         record = Path(self.home) / "fleet.json"
         if record.exists():
             record.unlink()

@@ -1,7 +1,8 @@
 """Node-local shared-memory snapshots of a training rank's state (flash checkpoints).
 
-Layout, per (job, rank), under a tmpfs root (``/dev/shm/rayfleet-<uid>/snapshots`` by default: one
-private directory per user, mode 0700, so users sharing a node cannot read or plant snapshots)::
+Layout, per (job, rank), under a tmpfs root (``/dev/shm/rayfleet-<uid>/snapshots/<ray session>`` in a
+fleet: one private directory per user, mode 0700, so users sharing a node cannot read or plant
+snapshots; one per Ray session, so a fleet frees its own: :mod:`rayfleet.platform.snapshot_paths`)::
 
     {root}/{job}/rank_{r:05d}/slot_{k}.data      tensors packed back to back (64-byte aligned)
     {root}/{job}/rank_{r:05d}/slot_{k}.objects   small non-tensor state (torch.save bytes)
@@ -43,26 +44,17 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from rayfleet.platform.snapshot_node import (DEFAULT_SNAPSHOT_ROOT, SnapshotStoreActor, _make_private_dirs,
+                                             get_or_create_snapshot_actor, list_snapshots,
+                                             release_job_snapshots, snapshot_actor_name)
+
 __all__ = [
     "DEFAULT_SNAPSHOT_ROOT", "SnapshotStore", "PendingSnapshot", "SnapshotInfo", "RestoredSnapshot",
     "TensorEntry", "list_snapshots", "SnapshotStoreActor", "snapshot_actor_name",
-    "get_or_create_snapshot_actor", "open_node_snapshot_store",
+    "get_or_create_snapshot_actor", "open_node_snapshot_store", "release_job_snapshots",
 ]
 
-DEFAULT_SNAPSHOT_ROOT = f"/dev/shm/rayfleet-{os.getuid()}/snapshots"
 
-
-def _make_private_dirs(path: Path) -> None:
-    """``mkdir -p path`` where a ``rayfleet-<uid>`` component is created mode 0700 and must be
-    ours: a directory another user created there first (to read or plant snapshots) is refused."""
-    for parent in reversed((path, *path.parents)):
-        if parent.name.startswith("rayfleet-") and parent.name.removeprefix("rayfleet-").isdigit():
-            parent.mkdir(mode=0o700, exist_ok=True)
-            st = parent.lstat()
-            if parent.is_symlink() or st.st_uid != os.getuid() or st.st_mode & 0o077:
-                raise PermissionError(f"{parent} is not a private directory of this user (uid {os.getuid()}); "
-                                      "remove it or pass another snapshot root")
-    path.mkdir(parents=True, exist_ok=True)
 _ALIGN = 64
 _FORMAT = "rayfleet-snapshot/1"
 
@@ -316,66 +308,6 @@ class SnapshotStore:
         """Delete this rank's slots (the job finished; frees the shared memory)."""
         self._buffers.clear()
         shutil.rmtree(self.directory, ignore_errors=True)
-
-
-def list_snapshots(root: str | os.PathLike, job: str | None = None) -> dict[str, dict[int, list[int]]]:
-    """``{job: {rank: [committed steps, newest first]}}`` from commit records (no data read)."""
-    out: dict[str, dict[int, list[int]]] = {}
-    base = Path(root)
-    jobs = [base / job] if job else (sorted(p for p in base.iterdir() if p.is_dir()) if base.exists() else [])
-    for job_dir in jobs:
-        for rank_dir in sorted(job_dir.glob("rank_*")):
-            steps = []
-            for record_path in rank_dir.glob("slot_*.json"):
-                with contextlib.suppress(ValueError, OSError):
-                    steps.append(int(json.loads(record_path.read_text())["step"]))
-            out.setdefault(job_dir.name, {})[int(rank_dir.name.split("_")[1])] = sorted(steps, reverse=True)
-    return out
-
-
-class SnapshotStoreActor:
-    """Per-node owner of the snapshot directory (a detached Ray actor; see
-    :func:`get_or_create_snapshot_actor`). Training processes on the node read and write the files
-    directly through :class:`SnapshotStore`; this actor hands out the root, lists what is there,
-    and frees a job's memory when it ends. It outlives worker restarts, and so does the data."""
-
-    def __init__(self, root: str = DEFAULT_SNAPSHOT_ROOT) -> None:
-        self._root = Path(root)
-        _make_private_dirs(self._root)
-
-    def root(self) -> str:
-        return str(self._root)
-
-    def list(self, job: str | None = None) -> dict[str, dict[int, list[int]]]:
-        return list_snapshots(self._root, job)
-
-    def usage_bytes(self, job: str | None = None) -> int:
-        base = self._root / job if job else self._root
-        return sum(p.stat().st_size for p in base.rglob("*") if p.is_file()) if base.exists() else 0
-
-    def release(self, job: str) -> int:
-        """Delete a job's snapshots on this node; returns the bytes freed."""
-        freed = self.usage_bytes(job)
-        shutil.rmtree(self._root / job, ignore_errors=True)
-        return freed
-
-
-def snapshot_actor_name(node_id: str) -> str:
-    return f"rayfleet_snapshots:{node_id}"
-
-
-def get_or_create_snapshot_actor(node_id: str | None = None, *, root: str = DEFAULT_SNAPSHOT_ROOT):
-    """The snapshot actor of ``node_id`` (default: this process's node), created if absent:
-    detached, named per node, ``num_cpus=0``, hard-pinned to the node."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    node_id = node_id or ray.get_runtime_context().get_node_id()
-    return ray.remote(SnapshotStoreActor).options(
-        name=snapshot_actor_name(node_id), namespace="rayfleet", lifetime="detached",
-        get_if_exists=True, num_cpus=0, max_restarts=-1,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-    ).remote(root)
 
 
 def open_node_snapshot_store(job: str, rank: int, *, num_slots: int = 2) -> SnapshotStore:

@@ -6,6 +6,7 @@ tokenized by the byte tokenizer). Bad specs must fail in the driver, before any 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -172,6 +173,17 @@ def test_killed_worker_resumes_from_its_shared_memory_snapshot(local_fleet, data
     hashes = {int(r["step"]): r["sample_ids_hash"] for r in run.metrics().rows}
     assert hashes == {int(r["step"]): r["sample_ids_hash"] for r in clean.metrics().rows}
     assert ray.is_initialized()
+    # The finished jobs' node snapshots (tmpfs, i.e. memory) are freed, not left for the host to hold.
+    assert "MiB of tiny-flash-" in logs and "node snapshots" in logs, logs[-3000:]
+    from rayfleet.platform.snapshot_node import snapshot_actor_name
+    left = {}
+    for node in ray.nodes():
+        if node["Alive"]:
+            with contextlib.suppress(ValueError):
+                actor = ray.get_actor(snapshot_actor_name(node["NodeID"]), namespace="rayfleet")
+                left.update({job: ranks for job, ranks in ray.get(actor.list.remote()).items()
+                             if job.startswith("tiny-flash-")})
+    assert left == {}, left
 
 
 def test_elastic_job_shrinks_on_node_loss_and_grows_back(local_fleet, dataset, tmp_path):

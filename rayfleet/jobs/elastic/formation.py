@@ -214,7 +214,21 @@ class RayFormations:
         finally:
             if ticket is not None:
                 ticket.holding(0)
+            self._free_snapshots(os.path.basename(run_dir.rstrip("/")))
         return FormationOutcome(metrics=metrics, end=self._stop(watcher))
+
+    def _free_snapshots(self, run_name: str) -> None:
+        """The formation's node snapshots (tmpfs, i.e. memory) once its ``fit`` returned: its
+        worker restarts are over and the next formation restores from the persisted checkpoint."""
+        from rayfleet.platform.snapshot_node import release_job_snapshots
+
+        try:
+            freed = release_job_snapshots(run_name)
+        except Exception as exc:  # noqa: BLE001 - the job's outcome does not depend on it; the fleet's teardown frees them
+            self.log(f"rayfleet checkpoint: could not free the snapshots of {run_name}: {exc!r}")
+            return
+        if freed:
+            self.log(f"rayfleet checkpoint: freed {freed / 2**20:.1f} MiB of {run_name}'s node snapshots")
 
     @staticmethod
     def _stop(watcher: _Watcher | None) -> FormationEnd | None:
