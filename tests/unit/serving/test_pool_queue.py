@@ -98,3 +98,34 @@ def test_a_pool_waiting_for_a_reclaim_gives_up_at_the_deadline(controller):
         admit_pools("chat", spec(decode={"queue": "inference"}).pools(), never_ready, deadline=2.0,
                     clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
     assert calls.count("admission_status") == 5 and calls[-1] == "release_admission"  # 0, .5, .., 2.0
+
+
+def test_a_pool_within_its_quota_reclaims_from_a_borrower_and_deploys_once_it_lets_go(controller):
+    """The deploy's side of a reclaim (the live tier shows a reclaim only between training jobs):
+    ``research`` borrows inference's idle 16; a pool within inference's quota is admitted at once,
+    the borrower gets a ShrinkTraining, and ``admit_pools`` waits until the borrower holds its new
+    size, then grants. The broken variant, granting before the borrower let go, would hand Serve
+    accelerators a training job still holds: the grant appears only after the shrink is reported."""
+    from rayfleet.platform.admission import AdmissionRequest
+    from rayfleet.platform.autoscaler.types import ShrinkTraining
+    from rayfleet.platform.queues import JobClass
+
+    controller.create_queue({"name": "research", "quota": {"H100": 8}})  # may borrow any idle accelerator
+    borrower = AdmissionRequest(job_id="r1", name="name-r1", queue="research", accelerator_type="H100",
+                                min_size=8, max_size=32, replica_size=8, job_class=JobClass.ELASTIC)
+    assert controller.request_admission(borrower.to_json())["record"]["borrowed"] == 16  # all the roots' 24
+    controller.admission_heartbeat("r1", 24)
+    polls = []
+
+    def wait(seconds):  # the borrower re-forms at its new size while the deploy polls
+        polls.append(seconds)
+        [entry] = controller.take_decisions("name-r1")
+        assert isinstance(entry.decision, ShrinkTraining) and entry.decision.new_size == 16
+        controller.admission_heartbeat("r1", 16)
+
+    grants = admit_pools("chat", spec(decode={"queue": "inference"}).pools(), direct(controller), deadline=1e18,
+                         sleep=wait)
+    assert polls == [0.5] and grants["decode"].replicas == 1  # granted only after one poll saw r1 let go
+    assert "reclaiming 8" in grants["decode"].reason, grants["decode"].reason
+    assert {r["request"]["job_id"]: (r["size"], r["borrowed"]) for r in controller.admissions()} == {
+        "r1": (16, 8), "serve:chat/decode": (8, 0)}
