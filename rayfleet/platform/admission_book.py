@@ -105,7 +105,11 @@ class AdmissionBook:
             self.store.delete(_PREFIX + request.job_id)
             self.record(f"serve:{request.name}", "queue_refused", record.reason,
                         {"job_id": request.job_id, "queue": request.queue, "min_size": request.min_size})
-            return {"outcome": "refused", "error": pool_refusal(request, reason=record.reason)}
+            kind, leaf = request.accelerator_type, request.queue
+            in_use = sum(r.size for r in self._records.values() if r.state is AdmissionState.ADMITTED
+                         and r.request.queue == leaf and r.request.accelerator_type == kind)
+            return {"outcome": "refused", "error": pool_refusal(
+                request, reason=record.reason, quota=self.tree().queues[leaf].quota_of(kind), in_use=in_use)}
 
     def status(self, job_id: str) -> dict | None:
         """The job's record and whether it may start (admitted, every job it reclaimed from has

@@ -81,26 +81,30 @@ def serve_pool_request(*, app: str, role: str, queue: str, accelerator_type: str
                             job_class=JobClass.GUARANTEED, priority=priority, serve_pool=True)
 
 
-def pool_refusal(request: AdmissionRequest, *, reason: str | None = None,
-                 queue_error: SpecError | None = None) -> list:
+def pool_refusal(request: AdmissionRequest, *, reason: str | None = None, quota: int | None = None,
+                 in_use: int = 0, queue_error: SpecError | None = None) -> list:
     """``[field, value, message]`` of a refused pool, the field named as the serve spec spells it.
 
     ``queue_error``: its queue is unknown (or a parent), as ``admission.route`` said: the field is
-    ``<role>.queue``. Else ``reason``: its minimum does not fit (``queues.admit``'s reason): the
+    ``<role>.queue``. Else ``reason``: its minimum does not fit (``queues.admit``'s reason), with
+    its queue's ``quota`` of the pool's type and what its admitted jobs use of it (``in_use``): the
     field is ``<role>.replicas``. Plain values: the answer crosses Ray as it is.
 
     >>> r = serve_pool_request(app="chat", role="decode", queue="inference", accelerator_type="H100",
     ...                        accelerators_per_replica=8, replicas=2, max_replicas=None)
-    >>> pool_refusal(r, reason="quota full")[:2]
-    ['decode.replicas', 2]
+    >>> field, value, message = pool_refusal(r, reason="quota full", quota=8)
+    >>> (field, value), message.split(". Fix")[0]
+    (('decode.replicas', 2), 'decode.replicas=2: Serve pool chat/decode does not fit in queue inference: it asks for 16 H100 (2 x 8); its H100 quota is 8, 0 in use (quota full)')
     """
     role = request.name.rsplit("/", 1)[-1]
     if queue_error is not None:
         # route's message is ``queue='x': why. Fix: ...``: the same, with the pool's own field
         message = f"{role}.{queue_error}".replace("leave `queue` unset", f"leave `{role}.queue` unset")
         return [f"{role}.{queue_error.field}", queue_error.value, message]
-    replicas = request.min_size // request.replica_size
+    replicas, kind = request.min_size // request.replica_size, request.accelerator_type
+    room = "" if quota is None else f"; its {kind} quota is {quota}, {in_use} in use"
     return [f"{role}.replicas", replicas, str(SpecError(
-        f"{role}.replicas", replicas, f"Serve pool {request.name} does not fit in queue {request.queue}: {reason}",
+        f"{role}.replicas", replicas, f"Serve pool {request.name} does not fit in queue {request.queue}: it asks for "
+        f"{request.min_size} {kind} ({replicas} x {request.replica_size}){room} ({reason})",
         f"lower the pool's replicas, raise queue {request.queue}'s {request.accelerator_type} quota "
         "(`rayfleet queue apply`), or deploy again once its jobs end"))]

@@ -81,7 +81,8 @@ def test_rayfleet_serve_admits_the_pools_before_it_runs_the_app(controller, tmp_
     capsys.readouterr()
     assert main(["serve", write(tmp_path, serve_spec("full")), "--detach"]) == 2
     err = capsys.readouterr().err
-    assert "colocated.replicas=1: Serve pool full/colocated does not fit in queue inference" in err, err
+    assert ("colocated.replicas=1: Serve pool full/colocated does not fit in queue inference: it asks for 8 H100 "
+            "(1 x 8); its H100 quota is 8, 8 in use") in err, err
     assert "Fix: lower the pool's replicas, raise queue inference's H100 quota" in err
     assert main(["serve", write(tmp_path, serve_spec("lost", queue="nope")), "--detach"]) == 2
     err = capsys.readouterr().err

@@ -95,7 +95,8 @@ def test_pool_over_its_quota_is_refused_with_the_reason_and_leaves_no_record(con
     assert answer["outcome"] == "refused"
     field, value, message = answer["error"]
     assert (field, value) == ("decode.replicas", 4)
-    assert "does not fit in queue inference" in message and "guaranteed jobs run only inside their queue's quota" in message
+    assert "does not fit in queue inference: it asks for 32 H100 (4 x 8); its H100 quota is 24, 0 in use" in message
+    assert "guaranteed jobs run only inside their queue's quota" in message
     assert "Fix: lower the pool's replicas, raise queue inference's H100 quota" in message
     assert controller.admissions() == []
     # the broken variant is the training path: the same request waits in line instead
