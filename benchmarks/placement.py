@@ -179,6 +179,19 @@ CALIBRATION_COLUMNS = ["run", "set", "routing", "GPUs", "published plan", "measu
                        "planner's top"]
 
 
+def routing_pairs() -> Table:
+    """Each forced-balance / dropless pair's measured step-time ratio, the cv matching it, the model's ratio."""
+    from rayfleet.placement.calibration.routing_pairs import ROUTING_PAIRS, measured_dropless_cv, model_ratio
+
+    median, values = measured_dropless_cv()
+    rows = [[f"{p.seq_len:,}", f"CP{p.cp}", f"{p.forced_balance_tflops:g} / {p.dropless_tflops:g}",
+             f"{p.measured_ratio:.4f}", f"{cv:.4f}", f"{model_ratio(p, CostParams()):.4f}"]
+            for p, cv in zip(ROUTING_PAIRS, values)]
+    cols = ["seq len", "plan", "TFLOP/s forced / dropless", "measured ratio", "cv matching it", "model ratio"]
+    return Table(cols, rows, note=f"median cv {median:.4f}; model ratio at CostParams.dropless_expert_load_cv "
+                 f"{CostParams().dropless_expert_load_cv:g}")
+
+
 def calibration_table(rows: list[dict]) -> Table:
     """The calibration rows as the docs show them (tokens/s per GPU; errors = predicted / measured - 1)."""
     cells = [[r["id"], "fit" if r["fit"] else "held out", r["routing"], str(r["gpus"]), r["plan"],
@@ -314,6 +327,8 @@ def main() -> int:
               f"{own['reported_tok_s_gpu']:,.0f} reported (with DualPipe; "
               f"{own['plain_1f1b_tok_s_gpu'] or 0:,.0f} as plain 1F1B); rank {own['rank'] or '-'} "
               f"(top 10), {own['gap_to_top']:+.1%} to the top {own['top_plan']}")
+        pairs = routing_pairs()
+        print("\ndropless vs forced balance (" + pairs.note + "):\n" + _table(pairs.columns, pairs.rows))
         gaps = gap_breakdowns() if args.breakdown else None
         # the goals go in as a table: the entry's own `goals` would replace the planner-scaling
         # goals that docs/benchmarks.md renders as placement.goals (the newest entry with goals)
@@ -326,7 +341,8 @@ def main() -> int:
         record_run(name="placement", quick=False, params={"part": "calibration", "refit": args.refit},
                    figures={"calibration": rows, "deepseek_own_plan": own,
                             "calibration_goals": [g.as_dict() for g in goals]},
-                   tables={"calibration": calibration_table(rows), "calibration_goals": goal_table})
+                   tables={"calibration": calibration_table(rows), "calibration_goals": goal_table,
+                           "routing_pairs": pairs})
         if args.json:
             Path(args.json).write_text(json.dumps({"machine": machine, "calibration": rows,
                                                    "deepseek_own_plan": own, "gap_breakdowns": gaps}, indent=2))

@@ -19,6 +19,10 @@ from dataclasses import dataclass
 
 from rayfleet.platform.catalogue import AcceleratorSpec
 
+# Measured (docs/planner-calibration.md, calibration/routing_pairs.py): relative spread of per-expert
+# loads under a learned dropless router, from runs that differ only in their routing.
+DROPLESS_EXPERT_LOAD_CV = 1.82
+
 __all__ = ["CostParams", "Link", "ring_time", "hierarchical_allreduce_time", "all_to_all_time", "overlap_slowdown_s",
            "link_rate_share"]
 
@@ -96,6 +100,10 @@ class CostParams:
             Distributed Deep Learning", max 0.40). A collective hidden for ``p`` seconds behind
             compute therefore adds ``p x s / (1 + s)`` seconds to it
             (:func:`overlap_slowdown_s`).
+        dropless_expert_load_cv: relative spread of per-expert loads under a trained dropless
+            router, which sets how much busier than the mean the busiest EP rank is
+            (:mod:`rayfleet.placement.moe_load`). Measured, not fitted: the median over published
+            forced-balance / dropless pairs of one plan (``calibration/routing_pairs.py``).
         ep_overlap_fraction: share of the compute piece (of another micro-batch) that Megatron-
             Core's combined 1F1B schedule (or DualPipe) pairs with each EP all-to-all, behind which
             that all-to-all hides: 1 = the schedule as built (each all-to-all shows only its excess
@@ -140,8 +148,9 @@ class CostParams:
     inter_latency_s: float = 25e-6
     dp_overlap_fraction: float = 0.8
     collective_overlap_slowdown: float = 0.19
+    dropless_expert_load_cv: float = DROPLESS_EXPERT_LOAD_CV
     ep_overlap_fraction: float = 1.0
-    ep_overlap_contention: float = 0.5
+    ep_overlap_contention: float = 0.45
     cp_overlap_fraction: float = 0.5
     p2p_overlap_fraction: float = 0.8
     tp_overlap_fraction: float = 0.9

@@ -29,6 +29,7 @@ from rayfleet.errors import SpecError
 __all__ = ["ModelSpec", "ModelSpecInput", "PRESETS", "preset", "load_model_spec", "Precision"]
 
 Precision = Literal["bf16", "fp8"]
+MoeRouting = Literal["forced_balance", "token_drop", "dropless"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class ModelSpec:
         seq_len: tokens per sequence.
         global_batch_sequences: sequences per optimizer step (global batch).
         precision: "bf16" or "fp8" GEMMs (FP8 also halves some communication bytes).
+        moe_routing / moe_capacity_factor: how the router places tokens (forced_balance, token_drop
+            padded to capacity_factor x the balanced load, dropless): ``rayfleet.placement.moe_load``.
     """
 
     name: str
@@ -79,6 +82,8 @@ class ModelSpec:
     seq_len: int = 4096
     global_batch_sequences: int = 512
     precision: Precision = "bf16"
+    moe_routing: MoeRouting = "forced_balance"
+    moe_capacity_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.head_dim == 0 and self.num_heads > 0:
@@ -238,6 +243,9 @@ def _check_spec(spec: ModelSpec) -> None:
                         "use a kv head count that divides the head count (GQA groups)")
     if spec.precision not in ("bf16", "fp8"):
         raise SpecError("model.precision", spec.precision, "unknown precision", "use 'bf16' or 'fp8'")
+    if spec.moe_routing not in ("forced_balance", "token_drop", "dropless") or spec.moe_capacity_factor < 1:
+        raise SpecError("model.moe_routing", (spec.moe_routing, spec.moe_capacity_factor), "unknown routing or a "
+                        "capacity factor below 1", "use forced_balance, token_drop or dropless, capacity >= 1")
     if not 0 <= spec.first_k_dense_layers <= spec.num_layers:
         raise SpecError("model.first_k_dense_layers", spec.first_k_dense_layers,
                         f"must lie in [0, num_layers={spec.num_layers}]", "lower first_k_dense_layers")
@@ -328,6 +336,8 @@ class ModelSpecInput(BaseModel):
     global_batch_sequences: int | None = None
     global_batch_tokens: int | None = None
     precision: Precision | None = None
+    moe_routing: MoeRouting | None = None
+    moe_capacity_factor: float | None = None
 
     @model_validator(mode="after")
     def _batch_given_once(self) -> "ModelSpecInput":

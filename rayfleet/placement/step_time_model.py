@@ -19,8 +19,9 @@ Design decisions:
   recompute. GEMMs run at the catalogue's peak for the model's precision (FP8 or BF16) times
   ``gemm_efficiency``; fused attention and the output head stay BF16. Backward also pays the
   HBM traffic of folding each micro-batch's weight gradient into the FP32 main grads
-  (:func:`wgrad_accumulation_s`), per local parameter whatever the token count. Balanced routing is
-  assumed: each device computes ``1/(tp*cp)`` of a replica's tokens in every layer, in both grids.
+  (:func:`wgrad_accumulation_s`), per local parameter whatever the token count. Each device
+  computes ``1/(tp*cp)`` of a replica's tokens in every layer; an MoE layer's routed work and
+  all-to-all run at the busiest EP rank's load (:func:`moe_load_factor`, by the model's routing).
 - Communication per layer and micro-batch (sequence-parallel Megatron layout):
   TP all-gather + reduce-scatter pairs around attention, the dense MLP and the shared experts on
   the scale-up link (exposed in full when the run has no TP overlap); EP dispatch/combine
@@ -53,6 +54,7 @@ from rayfleet.placement.ep_overlap import (LayerHalves, cross_domain_share, ep_e
                                            ep_overlap_possible, layer_halves)
 from rayfleet.placement.memory_model import ParamCounts, layer_param_counts, num_moe_layers
 from rayfleet.placement.model_spec import ModelSpec
+from rayfleet.placement.moe_load import expert_load_factor
 from rayfleet.placement.pipeline_schedule import pipeline_seconds
 from rayfleet.placement.plan import ParallelPlan
 from rayfleet.platform.catalogue import AcceleratorSpec
@@ -137,6 +139,17 @@ def wgrad_accumulation_s(model: ModelSpec, plan: ParallelPlan, layer: int, accel
     return params.wgrad_accumulation_bytes * counts.total / (accel.hbm_bandwidth_gbps * 1e9)
 
 
+def moe_load_factor(model: ModelSpec, plan: ParallelPlan, tokens_per_rank: float,
+                    params: CostParams = CostParams()) -> float:
+    """The busiest EP rank's routed copies over the mean, under ``model.moe_routing``
+    (:func:`rayfleet.placement.moe_load.expert_load_factor`); ``tokens_per_rank`` is one
+    micro-batch's tokens a rank routes (after the TP sequence split)."""
+    return expert_load_factor(routing=model.moe_routing, num_experts=model.num_experts, ep=plan.ep,
+                              copies_per_rank=tokens_per_rank * model.top_k,
+                              capacity_factor=model.moe_capacity_factor,
+                              dropless_load_cv=params.dropless_expert_load_cv)
+
+
 def _gemm_precision(model: ModelSpec, accel: AcceleratorSpec) -> str:
     """The precision the GEMMs really run in: FP8 training falls back to BF16 without FP8 units."""
     return "fp8" if model.precision == "fp8" and accel.peak_fp8_tflops is not None else "bf16"
@@ -157,18 +170,21 @@ def layer_time(model: ModelSpec, plan: ParallelPlan, layer: int, accel: Accelera
     # its local experts -- small grouped GEMMs run well below peak.
     dense_eff = tokens / (tokens + params.gemm_rows_at_half_efficiency)
     fwd_gemm = tokens * gemm / plan.tp / (gemm_peak * dense_eff)
+    load = moe_load_factor(model, plan, tokens / tp, params) if model.is_moe_layer(layer) else 1.0
     if model.is_moe_layer(layer):
+        # the busiest EP rank's copies (x load: moe_load) set the routed GEMMs, permutes and casts
         routed = 2.0 * model.top_k * model.expert_params()
-        rows = tokens / tp * model.top_k * plan.etp / (model.num_experts / plan.ep)
+        rows = load * tokens / tp * model.top_k * plan.etp / (model.num_experts / plan.ep)
         expert_eff = rows / (rows + params.gemm_rows_at_half_efficiency)
-        fwd_gemm += tokens * routed / plan.tp / gemm_peak * (1 / expert_eff - 1 / dense_eff)
+        fwd_gemm += tokens * routed / plan.tp / gemm_peak * (load / expert_eff - 1 / dense_eff)
         # permute / unpermute / probability scaling of every routed copy: HBM-bound, fwd + bwd
-        fwd_gemm += tokens / tp * model.top_k * h * params.moe_permute_bytes / 3 / (accel.hbm_bandwidth_gbps * 1e9)
+        copies = load * tokens / tp * model.top_k
+        fwd_gemm += copies * h * params.moe_permute_bytes / 3 / (accel.hbm_bandwidth_gbps * 1e9)
         if _gemm_precision(model, accel) == "fp8":
             # current scaling quantises each expert GEMM's activation input per routed copy: fc1's
             # and fc2's inputs forward (hidden, width), their output gradients backward (hidden,
             # 2 x width), each read for its amax, read again and written row- and column-wise
-            fwd_gemm += tokens / tp * model.top_k * (2 * h + 3 * model.moe_ffn_hidden_size / plan.etp) * \
+            fwd_gemm += copies * (2 * h + 3 * model.moe_ffn_hidden_size / plan.etp) * \
                 params.fp8_cast_bytes / 3 / (accel.hbm_bandwidth_gbps * 1e9)
         # the dispatch's host synchronisation (token counts) and the layer's kernel launches: a
         # fixed cost per MoE layer and micro-batch, whatever its token count
@@ -200,7 +216,7 @@ def layer_time(model: ModelSpec, plan: ParallelPlan, layer: int, accel: Accelera
     ep_comm = 0.0
     if model.is_moe_layer(layer):
         num_pairs += 1 if model.num_shared_experts else 0
-        local = tokens / tp * model.top_k * h  # dispatched elements leaving this device
+        local = load * tokens / tp * model.top_k * h  # elements the busiest rank receives (and sends back)
         in_domain = min(plan.ep, max(1, _domain(accel) // plan.etp))
         cross = cross_domain_share(model, plan.ep, in_domain) if plan.ep_dedup else 1.0
         dispatch = all_to_all_time(local * ag_bytes, plan.ep, in_domain, link, nic, cross)

@@ -97,7 +97,8 @@ def load_published_runs(path: str | Path = PUBLISHED_RUNS_PATH) -> tuple[Publish
             raise SpecError(f"runs[{i}]." + ".".join(str(p) for p in first["loc"]), first.get("input"), first["msg"],
                             f"fix {Path(path).name}") from None
         model = preset(run.model, seq_len=run.seq_len, global_batch_sequences=run.global_batch_sequences,
-                       precision=run.precision)
+                       precision=run.precision,
+                       **({"moe_routing": run.routing} if run.routing != "n/a" else {}))
         p = run.plan
         width = p.tp * p.cp * p.pp
         if p.num_gpus % width:
