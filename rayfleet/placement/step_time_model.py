@@ -60,7 +60,7 @@ from rayfleet.placement.plan import ParallelPlan
 from rayfleet.platform.catalogue import AcceleratorSpec
 
 __all__ = ["LayerHalves", "LayerTime", "StepTimeBreakdown", "ep_exposed_all_to_all", "ep_overlap_possible",
-           "exposed_p2p", "layer_time", "layer_times", "estimate_step_time", "overlap_slowdown_s",
+           "exposed_p2p", "layer_time", "layer_times", "estimate_step_time", "moe_load_factor", "overlap_slowdown_s",
            "wgrad_accumulation_s"]
 
 
