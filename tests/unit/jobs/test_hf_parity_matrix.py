@@ -15,10 +15,11 @@ is compared with the same job in one process (same data order):
   from the FP32 gradient at most ``FP8_MARGIN`` times the single FP8 process's distance, measured
   in the same test. The rounding errors are sums over many elements of rounding steps no larger
   than one process's (a shard's or a subset's amax is at most the whole tensor's), so their norm
-  concentrates near one process's; 1.5x is headroom for a different draw, not for a bug. The
-  broken variants below land 2.7x-6x out. The gradient is the sharp check: step-1 losses at
-  initialization barely depend on the layers (measured FP8 loss error 0.3%), so losses get the
-  looser ``FP8_LOSS_MARGIN``.
+  concentrates near one process's; 1.5x is headroom for a different draw, not for a bug
+  (measured 0.94-1.07x). The broken variants below land 2.7-5.4x out (the test asks for more
+  than 2.25x). The gradient is the sharp check: the losses (one FP8 process 0.26-0.36% from FP32)
+  separate less (working cells up to 1.5x, broken ones 1.6-2.0x), so they get a loose
+  ``FP8_LOSS_MARGIN`` that only catches gross errors.
 - Where the multi-rank run quantizes exactly the same tensors (ZeRO-2 over DP4 of the dense
   model: each rank's micro-batch is one of the reference's, FSDP gathers whole weights), FP8 must
   equal the single FP8 process at the FP32 tolerance.
