@@ -8,7 +8,8 @@ first test that needs it). The slowest tests are listed too.
 
 Sessions, in this order (why they are separate: see the Makefile):
 
-1. ``tests/unit``, ``tests/vllm/test_offline.py`` and ``tests/vllm/test_kv_events.py`` (no Ray);
+1. ``tests/unit``, ``tests/vllm/test_offline.py`` and ``tests/vllm/test_kv_events.py`` (no Ray; in
+   pytest-xdist workers, one per core: ``UNIT_WORKERS``);
 2. ``tests/cluster tests/gpu`` (the cluster tier's fleet is session-scoped);
 3. the rest of ``tests/vllm`` (a small fleet of its own, after the first one is gone);
 4. ``tests/integration`` (each test owns a Ray cluster; ``ray up`` takes the head's fixed ports).
@@ -47,8 +48,13 @@ from cpu_meter import CpuMeter  # noqa: E402 - scripts/cpu_meter.py, beside this
 OFFLINE_VLLM = ("tests/vllm/test_offline.py", "tests/vllm/test_kv_events.py")
 """vLLM's offline engine in subprocesses, no Ray: they run in the Ray-free session (module doc)."""
 
+UNIT_WORKERS = ("-n", str(min(4, os.cpu_count() or 1)), "--dist", "loadfile")
+"""The Ray-free session runs in pytest-xdist workers, one per core (at most 4), a file per worker:
+alone it kept about half of this 2-core machine busy (busy 0.55). Live sessions do not: their
+fleets and engines are session fixtures and their tests share them in order."""
+
 SESSIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("unit", ("tests/unit", *OFFLINE_VLLM)),
+    ("unit", ("tests/unit", *OFFLINE_VLLM, *UNIT_WORKERS)),
     ("cluster+gpu", ("tests/cluster", "tests/gpu")),
     ("vllm", ("tests/vllm", *(f"--ignore={path}" for path in OFFLINE_VLLM))),
     ("integration", ("tests/integration",)),
@@ -116,16 +122,35 @@ def _argv(paths: tuple[str, ...], junit: Path, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "pytest", *paths, "-q", f"--junitxml={junit}", "-o", "junit_family=xunit1", *extra]
 
 
+def host_state() -> str:
+    """Memory available, what tmpfs holds (it is memory too) and the load: a session that fails
+    on a host starved by something left behind (e.g. snapshots in /dev/shm) says so."""
+    parts = []
+    try:
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        parts.append(f"MemAvailable {int(meminfo['MemAvailable'].split()[0]) / 2**20:.1f} GiB")
+    except (OSError, KeyError, ValueError):
+        pass
+    try:
+        shm = os.statvfs("/dev/shm")
+        parts.append(f"/dev/shm holds {(shm.f_blocks - shm.f_bfree) * shm.f_frsize / 2**30:.2f} GiB")
+    except OSError:
+        pass
+    parts.append(f"load {os.getloadavg()[0]:.1f}")
+    return ", ".join(parts)
+
+
 def run_session(name: str, paths: tuple[str, ...], *, extra: list[str], top: int) -> SessionResult:
     with tempfile.TemporaryDirectory(prefix="rayfleet-junit-") as tmp:
         junit = Path(tmp) / "junit.xml"
         argv = _argv(paths, junit, extra)
-        print(f"\n== {name}: {' '.join(argv[1:])}", flush=True)
+        print(f"\n== {name}: {' '.join(argv[1:])}\n   host before: {host_state()}", flush=True)
         meter = CpuMeter().start()
         start = time.monotonic()
         code = subprocess.call(argv, cwd=REPO, env=meter.environ())
         result = SessionResult(name=name, paths=paths, exit_code=code, wall_s=time.monotonic() - start,
                                cpu_s=meter.stop())
+        print(f"   host after {name}: {host_state()}", flush=True)
         read_junit(junit, result, top=top)
     return result
 
