@@ -3,8 +3,8 @@
 Virtual stages (``placement/pipeline_chunks.py``) are checked against torch's own stage-to-rank
 mappings. Then two ranks, each a process running this file, build the same 4-layer tiny MoE,
 run one step's 4 micro-batches through the whole model (the reference) and through
-``parallelize_model`` + ``PipelineRunner`` (PP2 x VP2 interleaved, PP2 DualPipeV), FP32, FP8 and
-BF16 autocast (also PP2 1F1B),
+``parallelize_model`` + ``PipelineRunner`` (PP2 x VP2 interleaved, PP2 DualPipeV), FP32, FP8 (its
+GEMMs under BF16 autocast, as the loop runs FP8 recipes) and BF16 autocast (also PP2 1F1B),
 and the same in FP32 and FP8 for a Hugging Face dense Llama and Qwen3-MoE mapped onto our
 transformer (the config dicts map to the same ``MoEConfig`` as transformers' ``LlamaConfig`` /
 ``Qwen3MoeConfig`` built from them); the loss of every micro-batch and the gradient of every
@@ -117,8 +117,9 @@ def _rank_main(out_dir: str) -> None:
             return m
 
         reference, ref_losses = model(), []
-        # as the loop runs them: forward under autocast, loss and backward outside it
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant.endswith("bf16"))
+        # as the loop runs them: forward under autocast, loss and backward outside it; FP8 recipes
+        # run BF16 around their FP8 GEMMs
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant.endswith(("bf16", "fp8")))
         for x, y in zip(inputs, targets):
             with autocast:
                 logits = reference(x)
@@ -194,8 +195,9 @@ def test_fp8_was_on(report) -> None:
     """The FP8 variants ran FP8 GEMMs: their reference losses are not the FP32 ones."""
     for kind in ("interleaved", "dualpipev"):
         assert report[f"{kind}-fp8"]["ref_losses"] != pytest.approx(report[kind]["ref_losses"], rel=1e-5)
-    # The HF models start at init_std 0.02, where the layers barely move the loss (FP8 changes it by
-    # ~1e-5 relative); one process computes the FP32 reference bit for bit, so any change is FP8's.
+    # The HF models start at init_std 0.02, where the layers barely move the loss (FP8 GEMMs alone
+    # changed it by ~1e-5 relative); one process computes the FP32 reference bit for bit, so any
+    # change is the recipe's.
     for kind in ("llama-interleaved", "llama-dualpipev", "qwen3moe-interleaved", "qwen3moe-dualpipev"):
         assert report[f"{kind}-fp8"]["ref_losses"] != report[kind]["ref_losses"]
 
