@@ -133,11 +133,12 @@ def get_or_create_snapshot_actor(node_id: str | None = None, *, root: str | None
     ).remote(root)
 
 
-def release_job_snapshots(job: str, *, timeout_s: float = 30.0) -> int:
+def release_job_snapshots(job: str, *, timeout_s: float = 5.0) -> int:
     """Free ``job``'s snapshots on every live node that has a snapshot actor; returns the bytes
-    freed. Called when nothing will restore from them (a formation's ``fit`` returned). Best
-    effort: a node whose actor fails or does not answer in ``timeout_s`` keeps its files (its
-    fleet's teardown frees them)."""
+    freed by the actors that answered within ``timeout_s``. Called when nothing will restore from
+    them (a formation's ``fit`` returned), on the path to the next formation, hence the short wait:
+    a node that just died may still be listed alive for seconds. The calls are not cancelled, so a
+    slow actor still frees its files; a failed one leaves them to its fleet's teardown."""
     import ray
 
     refs = []
