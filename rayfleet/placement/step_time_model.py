@@ -211,7 +211,10 @@ def layer_time(model: ModelSpec, plan: ParallelPlan, layer: int, accel: Accelera
     rs_bytes = params.comm_bytes_bf16
     # One "TP pair" = all-gather before a column-parallel GEMM + reduce-scatter after the row-
     # parallel one, forward; the backward mirrors both in BF16.
-    pair = ring_time(tokens * h * ag_bytes, tp, link) + 3 * ring_time(tokens * h * rs_bytes, tp, link)
+    # Full recompute reruns the layer's forward collectives too (TP pair, EP dispatch/combine,
+    # ETP gathers; no EP overlap then): Megatron-Bridge, "Activation Recomputation".
+    rerun = 1 if plan.recompute == "full" else 0
+    pair = (1 + rerun) * ring_time(tokens * h * ag_bytes, tp, link) + (3 + rerun) * ring_time(tokens * h * rs_bytes, tp, link)
     num_pairs = 1  # attention
     ep_comm = 0.0
     if model.is_moe_layer(layer):
@@ -222,10 +225,11 @@ def layer_time(model: ModelSpec, plan: ParallelPlan, layer: int, accel: Accelera
         dispatch = all_to_all_time(local * ag_bytes, plan.ep, in_domain, link, nic, cross)
         rest = all_to_all_time(local * rs_bytes, plan.ep, in_domain, link, nic, cross)
         ep_comm = ep_exposed_all_to_all(dispatch, rest, halves, params) if ep_overlap_possible(plan) \
-            else dispatch + 3 * rest
+            else dispatch + 3 * rest + rerun * (dispatch + rest)
         if plan.etp > 1:
             gathered = local * plan.etp
-            ep_comm += ring_time(gathered * ag_bytes, plan.etp, link) + 3 * ring_time(gathered * rs_bytes, plan.etp, link)
+            ep_comm += (1 + rerun) * ring_time(gathered * ag_bytes, plan.etp, link) \
+                + (3 + rerun) * ring_time(gathered * rs_bytes, plan.etp, link)
     else:
         num_pairs += 1
     hidden = params.tp_overlap_fraction if plan.tp_overlap else 0.0
