@@ -15,7 +15,8 @@ and thread CPU for route) against round robin's decision time (the baseline). Go
 Indexing the routed prompt (``flush_bookings``, run by the live shell after answering) and hashing
 the prompt's uncached part are timed apart (the ingress hashes once per request, ``routing.prompt_hashes``).
 With ``--trace`` it also runs the bounded-cache replay (``_bounded_replay``): rayfleet's router beside
-Ray's PrefixCacheAffinityRouter with per-replica KV a share of the working set.
+Ray's PrefixCacheAffinityRouter with per-replica KV a share of the working set, on two conversation
+traces and on the ``--trace`` file itself (published, not tuned on).
 
 Part 2 (trace load): arrivals and lengths from ``traces/azure2023_conv.csv`` (``--load-trace`` or
 ``RAYFLEET_TRACE_DIR`` for another; Azure LLM inference trace, conversation service, 2023; CC BY 4.0), scaled to a 2-core CPU machine and the
@@ -523,7 +524,7 @@ def main() -> None:
         router = router_decision_time(trials=200 if args.quick else 2000)
         from _bounded_replay import bounded_record, bounded_replay, print_bounded  # beside this script
 
-        bounded = bounded_replay(quick=args.quick)
+        bounded = bounded_replay(quick=args.quick, published=args.trace)
         result = {**replay, "router_decision": router, "conversation_traces": replays[1:], "bounded_replay": bounded}
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
