@@ -143,6 +143,10 @@ def _stage_param_counts(model: ModelSpec, plan: ParallelPlan, stage: int) -> Par
         dense += vocab_rows * model.hidden_size
     if stage == plan.pp - 1:
         dense += vocab_rows * model.hidden_size + model.hidden_size
+        if model.mtp_depth:  # each MTP module: one more last-layer block and a 2h -> h projection
+            block = layer_param_counts(model, plan, model.num_layers - 1)
+            dense += model.mtp_depth * (block.dense + 2 * model.hidden_size ** 2 // plan.tp)
+            expert += model.mtp_depth * block.expert
     return ParamCounts(dense, expert)
 
 
@@ -239,7 +243,8 @@ def stage_activation_bytes(model: ModelSpec, plan: ParallelPlan, stage: int, *, 
         acts = in_flight * sum(b * n for b, n in zip(per_layer, counts))
     if stage == plan.pp - 1:
         # logits and their gradient for the micro-batch being finished (vocab-parallel)
-        acts += 2 * tokens * _ceil_div(model.vocab_size, plan.tp) * params.logits_bytes
+        acts += (1 + model.mtp_depth) * 2 * tokens * _ceil_div(model.vocab_size, plan.tp) * params.logits_bytes
+        acts += model.mtp_depth * in_flight * (checkpoint if plan.recompute == "full" else per_layer[-1])
     return acts
 
 
@@ -276,13 +281,14 @@ def _stage_acts(model: ModelSpec, tp: int, cp: int, mbs: int, recompute: str, vp
     tokens = mbs * model.seq_len / cp
     kinds = _layer_kinds(model, start, stop)
     per_layer = [_layer_acts(model, tp, cp, mbs, recompute, moe, params, act_dtype) for moe, _ in kinds]
+    mtp = model.mtp_depth if last else 0  # each MTP module holds one more last-layer block
     if recompute == "full":
-        acts = in_flight * scale * (stop - start) * tokens * model.hidden_size / tp * params.activation_bytes \
+        acts = in_flight * scale * (stop - start + mtp) * tokens * model.hidden_size / tp * params.activation_bytes \
             + max(per_layer)
     else:
-        acts = in_flight * scale * sum(b * n for b, (_, n) in zip(per_layer, kinds))
+        acts = in_flight * scale * (sum(b * n for b, (_, n) in zip(per_layer, kinds)) + mtp * per_layer[-1])
     if last:
-        acts += 2 * tokens * _ceil_div(model.vocab_size, tp) * params.logits_bytes
+        acts += (1 + model.mtp_depth) * 2 * tokens * _ceil_div(model.vocab_size, tp) * params.logits_bytes
     return acts
 
 

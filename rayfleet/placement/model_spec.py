@@ -8,9 +8,7 @@ Design decisions:
   SwiGLU MLPs (three ``hidden x ffn`` matrices), GQA attention (``q``/``o`` of ``heads*head_dim``,
   ``k``/``v`` of ``kv_heads*head_dim``) or, when ``kv_lora_rank > 0``, DeepSeek's multi-head
   latent attention (MLA), two RMSNorms per layer, an untied embedding and output head.
-- Layers ``[0, first_k_dense_layers)`` are dense, the rest are MoE when ``num_experts > 0``
-  (DeepSeek's layout; Mixtral has ``first_k_dense_layers = 0``).
-
+- Layers ``[0, first_k_dense_layers)`` are dense, the rest MoE (DeepSeek's layout; Mixtral: 0).
 Units: counts are elements (parameters), FLOPs are per token, sequence lengths in tokens.
 """
 
@@ -59,6 +57,7 @@ class ModelSpec:
         precision: "bf16" or "fp8" GEMMs (FP8 also halves some communication bytes).
         moe_routing / moe_capacity_factor: how the router places tokens (forced_balance, token_drop
             padded to capacity_factor x the balanced load, dropless): ``rayfleet.placement.moe_load``.
+        mtp_depth: multi-token-prediction modules on the last stage (DeepSeek-V3: 1).
     """
 
     name: str
@@ -84,6 +83,7 @@ class ModelSpec:
     precision: Precision = "bf16"
     moe_routing: MoeRouting = "forced_balance"
     moe_capacity_factor: float = 1.0
+    mtp_depth: int = 0
 
     def __post_init__(self) -> None:
         if self.head_dim == 0 and self.num_heads > 0:
@@ -291,7 +291,7 @@ PRESETS: dict[str, ModelSpec] = {
                   num_shared_experts=1, moe_ffn_hidden_size=2048, first_k_dense_layers=3, num_expert_groups=8,
                   expert_groups_per_token=4, q_lora_rank=1536,
                   kv_lora_rank=512, rope_head_dim=64, seq_len=4096, global_batch_sequences=8192,
-                  precision="fp8"),
+                  precision="fp8", mtp_depth=1),
     )
 }
 
@@ -338,6 +338,7 @@ class ModelSpecInput(BaseModel):
     precision: Precision | None = None
     moe_routing: MoeRouting | None = None
     moe_capacity_factor: float | None = None
+    mtp_depth: int | None = None
 
     @model_validator(mode="after")
     def _batch_given_once(self) -> "ModelSpecInput":

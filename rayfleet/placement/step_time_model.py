@@ -32,14 +32,10 @@ Design decisions:
   (:func:`ep_exposed_all_to_all`);
   ETP gathers of dispatched tokens; CP ring K/V exchange; PP activation send/recv, on the NIC
   when stage peers sit on different nodes.
-- Ranks fill scale-up domains consecutively in the ``tp, cp, dp, pp`` order (as the layout
-  does), which fixes how much of each group shares a domain.
+- Ranks fill scale-up domains in the ``tp, cp, dp, pp`` order (as the layout does).
 
-The EP all-to-all overlap model (which schedules pair micro-batches, what an overlapped
-all-to-all still costs, the deduplicating dispatcher's cross-domain share) lives in
-:mod:`rayfleet.placement.ep_overlap` and is re-exported here; this module assembles the step.
-
-Units: seconds per step unless a name says "per micro-batch".
+The EP all-to-all overlap model lives in :mod:`rayfleet.placement.ep_overlap` (re-exported
+here). Units: seconds per step unless a name says "per micro-batch".
 """
 
 from __future__ import annotations
@@ -283,6 +279,10 @@ def edge_times(model: ModelSpec, plan: ParallelPlan, accel: AcceleratorSpec,
     tokens = plan.micro_batch_size * model.seq_len / plan.cp
     peak = accel.peak_bf16_tflops * 1e12 * params.gemm_efficiency_for(_gemm_precision(model, accel))
     head = 3 * tokens * model.head_forward_flops_per_token() / plan.tp / peak
+    if model.mtp_depth:  # DeepSeek-V3 sec. 2.2: an MTP module = one more block, a 2h->h projection, a head pass
+        block = layer_time(model, plan, model.num_layers - 1, accel, params)
+        head += model.mtp_depth * (head + 12 * tokens * model.hidden_size ** 2 / plan.tp / peak + block.compute
+                                   + block.tp_comm + block.ep_comm + block.cp_comm)
     embed = tokens * model.hidden_size * params.activation_bytes * 2 / plan.tp / (accel.hbm_bandwidth_gbps * 1e9)
     return embed, head
 
