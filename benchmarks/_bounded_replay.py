@@ -67,6 +67,8 @@ def bounded_replay(*, quick: bool, published: Path | None = None) -> list[dict]:
                 rows.append({"capacity": frac, "cache_blocks": cache, "router": router, "ttft_mean_s": r.ttft_mean_s,
                              "ttft_p99_s": r.ttft_p99_s, "hit_rate": r.hit_rate,
                              "requests_max_mean": r.requests_max_mean, "decision_cpu_p99_ms": r.decision_p99_ms,
+                             "moved_share": r.moved_share, "forgone_share": r.forgone_share,
+                             "evicted_queued_share": r.evicted_queued_share,
                              "replay_s": time.perf_counter() - t0})
         out.append({"trace": role, "label": label, "num_requests": len(requests), "working_set_blocks": ws,
                     "num_replicas": NUM_REPLICAS, "rows": rows})
@@ -119,16 +121,21 @@ def bounded_record(traces: list[dict]) -> tuple[list[Goal], dict[str, Table]]:
 
 
 def print_bounded(traces: list[dict]) -> None:
+    """One table per trace. Where hits go (``BoundedReplayResult``): moved, the share of requests
+    sent past a longer prefix the router knew of; forgone, the prompt tokens of those prefixes;
+    evicted queued, the prompt tokens of a known prefix on the chosen replica evicted while the
+    request waited (both as shares of all prompt tokens)."""
     for trace in traces:
         print(f"\nbounded-cache replay, {trace['trace']} trace: {_source(trace['label'])}, "
               f"{trace['num_requests']} requests, working set {trace['working_set_blocks']} blocks, "
               f"{trace['num_replicas']} replicas")
         header = ["KV/replica", "blocks", "router", "TTFT mean s", "TTFT p99 s", "hit rate", "req max/mean",
-                  "decision CPU p99 ms", "replay s"]
+                  "moved", "forgone", "evicted queued", "decision CPU p99 ms", "replay s"]
         lines = [header]
         for row in trace["rows"]:
             lines.append([_cap(row["capacity"]), str(row["cache_blocks"]), row["router"], f"{row['ttft_mean_s']:.3f}",
                           f"{row['ttft_p99_s']:.3f}", f"{row['hit_rate']:.3f}", f"{row['requests_max_mean']:.2f}",
+                          f"{row['moved_share']:.3f}", f"{row['forgone_share']:.3f}", f"{row['evicted_queued_share']:.3f}",
                           f"{row['decision_cpu_p99_ms']:.3f}", f"{row['replay_s']:.1f}"])
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
         for line in lines:

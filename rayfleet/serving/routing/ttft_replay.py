@@ -62,6 +62,14 @@ class BoundedReplayResult:
     hit_rate: float  # prompt tokens found cached / prompt tokens
     requests_max_mean: float  # requests per replica, max over mean
     decision_p99_ms: float  # thread CPU per routing decision (0 without a timer)
+    # Where hits go (prompt tokens / all prompt tokens): ``forgone_share`` the longer prefixes the
+    # router knew of on another replica than the one it chose; ``evicted_queued_share`` the prefix it
+    # knew of on its choice but that was evicted before the prefill started. ``moved_share``:
+    # requests sent past a longer known prefix. The router's knowledge: its index (rayfleet,
+    # prefix_load) or its tree (pca); 0 for round robin.
+    moved_share: float = 0.0
+    forgone_share: float = 0.0
+    evicted_queued_share: float = 0.0
 
 
 def working_set_blocks(requests: Sequence[TraceRequest]) -> int:
@@ -170,6 +178,8 @@ def replay_bounded(requests: Sequence[TraceRequest], *, router: str, num_replica
         pca = _PrefixAffinity(names)
     ttft = [0.0] * len(requests)
     hit_tokens = 0
+    known_hit = [0] * len(requests)  # blocks of each prompt the router knew cached on its choice
+    num_moved = forgone_blocks = evicted_queued_tokens = 0
     decisions: list[float] = []
     # Events: (time, order, kind, replica index or -1, request index; a decode's blocks for kind 2).
     # Kinds: 0 arrival, 1 prefill done, 2 decode done, 3 publication tick.
@@ -184,7 +194,7 @@ def replay_bounded(requests: Sequence[TraceRequest], *, router: str, num_replica
     pending = len(requests)
 
     def start_next(rep: _Replica, now: float) -> None:
-        nonlocal seq, hit_tokens
+        nonlocal seq, hit_tokens, evicted_queued_tokens
         if rep.prefilling is not None or not rep.waiting:
             return
         j = rep.waiting.popleft()
@@ -192,6 +202,7 @@ def replay_bounded(requests: Sequence[TraceRequest], *, router: str, num_replica
         rep.touch(chains[j][:hit])
         uncached = max(0, requests[j].input_tokens - hit * TRACE_BLOCK_TOKENS)
         hit_tokens += requests[j].input_tokens - uncached
+        evicted_queued_tokens += max(0, known_hit[j] - hit) * TRACE_BLOCK_TOKENS
         running = min(rep.num_decoding, step_token_budget - 1)
         seconds = (uncached + running * max(1.0, uncached / (step_token_budget - running))) / rate
         rep.prefilling, rep.prefill_start, rep.prefill_end, rep.prefill_tokens = j, now, now + seconds, uncached
@@ -204,6 +215,8 @@ def replay_bounded(requests: Sequence[TraceRequest], *, router: str, num_replica
         now, _, kind, ri, j = heapq.heappop(heap)
         if kind == 0:  # arrival: route
             req, chain = requests[j], chains[j]
+            known = (core.index.match_prefix(chain) if core is not None
+                     else pca.tree.match_prefix(chain) if pca is not None else {})
             start = timer() if timer else 0.0
             if core is not None:
                 chosen = ReplicaId(core.route(range(req.input_tokens), max_tokens=req.output_tokens,
@@ -215,6 +228,11 @@ def replay_bounded(requests: Sequence[TraceRequest], *, router: str, num_replica
             if timer:
                 decisions.append(timer() - start)
             rep = replicas[chosen]
+            known_hit[j] = min(known.get(chosen, 0), rep.cached_prefix(chain))  # what it knew and was there
+            best = max(known.values(), default=0)
+            if best > known.get(chosen, 0):
+                num_moved += 1
+                forgone_blocks += best - known.get(chosen, 0)
             rep.num_requests += 1
             rep.waiting.append(j)
             start_next(rep, now)
@@ -253,9 +271,12 @@ def replay_bounded(requests: Sequence[TraceRequest], *, router: str, num_replica
     counts = [rep.num_requests for rep in replicas.values()]
     ordered = sorted(ttft)
     decisions.sort()
+    prompt_tokens = max(1, sum(r.input_tokens for r in requests))
     return BoundedReplayResult(
         router, num_replicas, cache_blocks, len(requests), sum(ttft) / len(ttft),
         ordered[min(len(ordered) - 1, int(0.99 * (len(ordered) - 1)))],
         hit_tokens / max(1, sum(r.input_tokens for r in requests)),
         max(counts) * num_replicas / max(1, sum(counts)),
-        decisions[min(len(decisions) - 1, int(0.99 * (len(decisions) - 1)))] * 1e3 if decisions else 0.0)
+        decisions[min(len(decisions) - 1, int(0.99 * (len(decisions) - 1)))] * 1e3 if decisions else 0.0,
+        num_moved / len(requests), forgone_blocks * TRACE_BLOCK_TOKENS / prompt_tokens,
+        evicted_queued_tokens / prompt_tokens)
