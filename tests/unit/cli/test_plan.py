@@ -56,15 +56,16 @@ def _column(out: str, name: str) -> list[str]:
 
 
 def test_bf16_moments_and_fp8_activations_are_opt_in(capsys) -> None:
-    """DeepSeek-V3 on 256 H100 is memory-bound: BF16 moments win once allowed; the table shows
-    the moment and activation dtypes of every plan."""
+    """DeepSeek-V3 on 256 H100 is memory-bound: BF16 moments reach the top 3 once allowed (since
+    the MTP module is priced, 0.1% behind an FP32-moment plan at the top), never before; the table
+    shows the moment and activation dtypes of every plan."""
     assert _run(["plan", "deepseek-v3", "--fleet", "H100:256", "--exact", "256", "--top", "3"]) == 0
     plain = capsys.readouterr().out
     assert set(_column(plain, "adam")) == {"fp32"} and set(_column(plain, "acts")) == {"bf16"}
     assert _run(["plan", "deepseek-v3", "--fleet", "H100:256", "--exact", "256", "--top", "3",
                  "--fp8-activations", "--bf16-moments"]) == 0
     opened = capsys.readouterr().out
-    assert _column(opened, "adam")[0] == "bf16"
+    assert "bf16" in _column(opened, "adam"), opened
 
 
 def test_dualpipe_is_opt_in_and_shown(capsys) -> None:
