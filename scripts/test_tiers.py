@@ -19,7 +19,10 @@ printed when it ends). It is empty: measured on this 2-core machine (2026-11-27)
 session and the vLLM session beside the cluster session drove the load average to 40 with 45% of
 the CPU in the kernel (vLLM's workers and the gloo ranks spinning against each other), and after
 11 minutes the unit session had run 5% of its tests, so the three together were slower than one
-after another, and the live tests' deadlines were at risk. Two fleets on one host do work
+after another, and the live tests' deadlines were at risk. Tried again (2026-11-27, the unit session
+in 2 xdist workers beside the integration session, nothing else running): both ended after 20.2 min,
+the integration session's alone time was 15.4 min and the unit session's 5-8, so nothing was won
+(load 28; the quality benchmark's quick run took 340 s instead of 195). Two fleets on one host do work
 (``RAY_ADDRESS`` names each fleet to its processes; the auth token is created atomically).
 
 Every session runs even if an earlier one failed (a red tier should not hide the others' times);
