@@ -169,7 +169,7 @@ def route(tree: QueueTree, queue: str) -> str | None:
                         f"declare it (`rayfleet queue apply queues.yaml`, or `rayfleet queue create {queue} "
                         "--quota H100=8`), name a declared leaf queue, or leave `queue` unset to run outside the queues")
     if not tree.is_leaf(queue):
-        leaves = sorted(q for q in tree.queues if tree.is_leaf(q))
+        leaves = sorted(q for q in tree.queues if tree.is_leaf(q) and queue in tree.path(q))  # under this parent
         raise SpecError("queue", queue, "is a parent queue; jobs wait in leaf queues",
                         f"name one of its leaves: {', '.join(leaves)}")
     return queue

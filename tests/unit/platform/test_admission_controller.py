@@ -188,9 +188,11 @@ def test_route_and_governed_capacity():
     with pytest.raises(SpecError, match="queue='nope'"):
         route(tree, "nope")
     parent = QueueTree.build([parse_queue_spec({"name": "org", "quota": {"H100": 4}}),
-                              parse_queue_spec({"name": "kid", "parent": "org", "quota": {"H100": 4}})])
-    with pytest.raises(SpecError, match="is a parent queue"):
+                              parse_queue_spec({"name": "kid", "parent": "org", "quota": {"H100": 4}}),
+                              parse_queue_spec({"name": "other", "quota": {"H100": 2}})])
+    with pytest.raises(SpecError, match="is a parent queue") as refused:
         route(parent, "org")
+    assert "name one of its leaves: kid" in str(refused.value) and "other" not in str(refused.value)  # its own leaves only
     running = [Workload("j", "team-a", "H100", 2, 2, 2, 2)]
     assert governed_free(tree, running, "H100", idle=30) == 2  # the roots govern 4; 2 are held
     assert governed_free(tree, running, "H100", idle=1) == 1
