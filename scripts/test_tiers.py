@@ -34,6 +34,7 @@ the exit status is the first non-zero one. The last line is the plain summary
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -129,16 +130,12 @@ def host_state() -> str:
     """Memory available, what tmpfs holds (it is memory too) and the load: a session that fails
     on a host starved by something left behind (e.g. snapshots in /dev/shm) says so."""
     parts = []
-    try:
+    with contextlib.suppress(OSError, KeyError, ValueError):  # no /proc (not Linux): left out
         meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
         parts.append(f"MemAvailable {int(meminfo['MemAvailable'].split()[0]) / 2**20:.1f} GiB")
-    except (OSError, KeyError, ValueError):
-        pass
-    try:
+    with contextlib.suppress(OSError):  # no /dev/shm: left out
         shm = os.statvfs("/dev/shm")
         parts.append(f"/dev/shm holds {(shm.f_blocks - shm.f_bfree) * shm.f_frsize / 2**30:.2f} GiB")
-    except OSError:
-        pass
     parts.append(f"load {os.getloadavg()[0]:.1f}")
     return ", ".join(parts)
 
