@@ -355,7 +355,8 @@ class AsyncEngine:
                                 events=tuple(self.engine.take_kv_events()),
                                 kv=self.engine.kv_cache_manager.stats(), usage=self._usage(),
                                 max_model_len=self.engine.max_model_len,
-                                num_waiting=len(self.engine.scheduler.waiting))
+                                num_waiting=len(self.engine.scheduler.waiting),
+                                device=str(self.engine.runner.device))
         return await self._call(collect)
 
     def shutdown(self) -> None:

@@ -326,7 +326,7 @@ class LLMEngine:
     def _export_prefill(self, request: Request, block_ids: list[BlockId]) -> None:
         params = self._prefill_params[request.request_id]
         num_blocks = -(-request.num_prompt_tokens // self.config.block_size)
-        ids = torch.tensor(block_ids[:num_blocks], dtype=torch.long)
+        ids = torch.tensor(block_ids[:num_blocks], dtype=torch.long, device=self.runner.device)
         stop = check_stop(output_token_ids=request.output_token_ids, num_tokens=request.num_tokens,
                           params=params, eos_token_id=self.eos_token_id,
                           max_model_len=self.max_model_len, detokenize=self.tokenizer.decode)

@@ -17,20 +17,23 @@ from rayfleet.serving.engine.kv_connector import KVTierHooks
 from rayfleet.serving.engine.engine_config import EngineConfig
 from rayfleet.serving.engine.llm_engine import LLMEngine
 
-__all__ = ["load_engine"]
+__all__ = ["load_engine", "replica_device"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 def load_engine(*, preset_name: str | None, seed: int, checkpoint: str | None, dtype: str,
                 overrides: dict[str, Any], config: EngineConfig, kv_tiers: KVTierHooks | None = None,
-                hf: str | None = None, device: str = "cpu") -> LLMEngine:
+                hf: str | None = None, device: str | None = None) -> LLMEngine:
     """Build the served model (a preset from ``seed``, a training servable, or a Hugging Face
     folder/URI ``hf`` with its own tokenizer) and its engine (``kv_tiers``: an optional
-    ``KVTierHooks``) on ``device`` (the replica's accelerator, see ``replica_device``)."""
+    ``KVTierHooks``) on ``device``: by default the replica's accelerator (``replica_device``),
+    so every caller (Serve replicas, in-process serving, tests) serves on the GPU a node has;
+    pass ``"cpu"`` (or ``"cuda:1"``) to override."""
     from rayfleet.models import build_model, preset
 
     torch_dtype = _DTYPES[dtype]
+    device = device or replica_device()
     if hf:
         return _load_hf_engine(hf, dtype=torch_dtype, config=config, kv_tiers=kv_tiers, device=device)
     if checkpoint:
@@ -47,13 +50,13 @@ def load_engine(*, preset_name: str | None, seed: int, checkpoint: str | None, d
 
 
 def replica_device() -> str:
-    """Where a replica's engine runs: the first accelerator this process may use (Ray sets
-    ``CUDA_VISIBLE_DEVICES`` to the replica's own GPU), else the CPU."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """Where a replica's engine runs: the first accelerator this process may use, ``"cuda:0"``
+    (Ray sets ``CUDA_VISIBLE_DEVICES`` to the replica's own GPU, so index 0 is it), else ``"cpu"``."""
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
 
 
 def _load_hf_engine(uri: str, *, dtype: torch.dtype, config: EngineConfig,
-                     kv_tiers: KVTierHooks | None, device: str = "cpu") -> LLMEngine:
+                     kv_tiers: KVTierHooks | None, device: str) -> LLMEngine:
     """An HF model through the import path (``build_hf_model`` over the lazy safetensors reader;
     unsupported config fields are refused there, by name) with the folder's tokenizer. Sampling
     is limited to the tokenizer's ids (the embedding table may be padded past them) and EOS is

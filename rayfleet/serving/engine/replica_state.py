@@ -65,7 +65,9 @@ class BlockUsage:
 
 @dataclass(frozen=True)
 class ReplicaState:
-    """What the router polls: a routing snapshot, KV events since the last poll, counters."""
+    """What the router polls: a routing snapshot, KV events since the last poll, counters, and
+    where the engine runs (``device``: its model's and KV cache's torch device, ``"cuda:0"`` or
+    ``"cpu"``; ``""`` from a runtime that does not report one)."""
 
     snapshot: ReplicaSnapshot
     events: tuple[KVCacheEvent, ...]
@@ -73,3 +75,4 @@ class ReplicaState:
     usage: BlockUsage
     max_model_len: int
     num_waiting: int
+    device: str = ""
