@@ -93,7 +93,7 @@ def calibration_rows(measured: dict[str, Any], *, refit: bool = False) -> tuple[
         refit_steps = {r.id: predict_run(r, refitted).cost.step_time_s for r in runs} if refitted else {}
     rows = []
     for r in runs:
-        row = {"run": r.id, "set": "fit" if r.fit else "held out", "precision": r.model.precision,
+        row = {"run": r.id, "set": "fit" if r.fit else "held out", "precision": r.model.precision, "hardware": r.hardware,
                "published_step_s": r.step_time_s, "assumed_step_s": predict_run(r, assumed).cost.step_time_s,
                "measured_step_s": measured_steps[r.id]}
         row["assumed_error"] = row["assumed_step_s"] / r.step_time_s - 1
@@ -115,7 +115,9 @@ def markdown_table(rows: list[dict[str, Any]], measured: dict[str, Any]) -> str:
     params, _ = measured_params(measured, assumed)
     lines = [f"Calibration re-run on constants measured on {measured.get('gpu', '?')} "
              f"(catalogue {measured.get('catalogue', '?')})"
-             + ("" if measured.get("on_cuda") else " -- CPU figures: the code path only, not a calibration") + ".",
+             + ("" if measured.get("on_cuda") else " -- CPU figures: the code path only, not a calibration")
+             + f"; applied as fractions of peak (HBM: of the catalogue's bandwidth) to the "
+             f"{', '.join(sorted({r['hardware'] for r in runs}))} rows.",
              "",
              f"assumed: bf16_gemm_efficiency {assumed.bf16_gemm_efficiency}, attention_efficiency "
              f"{assumed.attention_efficiency}, gemm_rows_at_half_efficiency {assumed.gemm_rows_at_half_efficiency:g}, "

@@ -118,7 +118,11 @@ def _throughput(ctx, dataset: str, backend: str, device: str, tmp: str) -> None:
             ctx.skip(f"throughput.{precision}", f"{ctx.time_left_s():.0f} s left of the run's budget")
             continue
         loop = loop_config(_spec(ctx, dataset, preset=preset, precision=precision, steps=steps, batch=batch, seq=seq))
-        summary, metrics = _run(loop, backend=backend, device=device)
+        try:
+            summary, metrics = _run(loop, backend=backend, device=device)
+        except RuntimeError as exc:  # a precision the device refuses is a failed check, not a lost group
+            ctx.record(f"throughput.{precision}", False, f"training raised {type(exc).__name__}: {str(exc)[:300]}")
+            continue
         steady = metrics[len(metrics) // 3:]  # after compilation of kernels and allocator warm-up
         tps = sorted(m["tokens_per_s"] for m in steady)[len(steady) // 2]
         mfu = sorted(m["mfu"] for m in steady)[len(steady) // 2]

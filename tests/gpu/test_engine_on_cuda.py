@@ -59,3 +59,17 @@ def test_prefill_on_cuda_decodes_on_cpu():
         for out in cpu.step():
             tokens.extend(out.new_token_ids)
     assert tuple(tokens) == reference
+
+
+def test_fp8_gemm_with_a_row_count_off_16_runs_real_on_cuda():
+    """cuBLASLt refused ``_scaled_mm`` at m=2099 (an expert's tokens) on an H200: rows are padded."""
+    from rayfleet.models.fp8 import ROWWISE, TENSORWISE, fp8_mm, quantize
+
+    a = torch.randn(2099, 128, device="cuda:0")
+    b = torch.randn(128, 128, device="cuda:0") * 0.05
+    for block in (TENSORWISE, ROWWISE):
+        qa, _ = quantize(a, block=block)
+        qb, _ = quantize(b, block=block)
+        real, emulated = fp8_mm(qa, qb), fp8_mm(qa, qb, use_scaled_mm=False)
+        assert real.shape == (2099, 128)
+        assert ((real - emulated).norm() / emulated.norm()).item() < 8e-3

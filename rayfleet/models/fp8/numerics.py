@@ -16,7 +16,9 @@ Design decisions:
 - Real FP8 GEMMs use ``torch._scaled_mm`` where the device supports the scale layout
   (tensorwise and rowwise on CPU in torch 2.13 and on Hopper); blockwise, and devices without
   support, use the emulated path: dequantize to fp32 and matmul. Both compute the same
-  product of the same FP8 values, which a unit test checks.
+  product of the same FP8 values, which a unit test checks. On CUDA, K and N must be multiples
+  of 16 (else the emulated path); a row count that is not (a token group of an expert) is
+  padded with zero rows, as cuBLASLt refused ``m=2099`` on an H200 (``scripts/gpu_check.py``).
 """
 
 from __future__ import annotations
@@ -167,11 +169,19 @@ def fp8_mm(a: Fp8Tensor, b: Fp8Tensor, *, out_dtype: torch.dtype = torch.float32
     """
     layout = _scaled_mm_layout(a, b) if use_scaled_mm else None
     if layout is not None and scaled_mm_supported(a.data.device.type, layout == "row"):
+        data_a = a.data.contiguous()
         scale_a = a.scale.reshape(()) if layout == "tensor" else a.scale.contiguous()
         scale_b = b.scale.reshape(()) if layout == "tensor" else b.scale.reshape(1, -1)
+        rows = data_a.shape[0]
+        pad = -rows % 16 if a.data.is_cuda else 0
+        if pad:  # cuBLASLt refuses FP8 GEMMs whose row count is not a multiple of 16 (a group's tokens)
+            data_a = torch.cat([data_a.view(torch.uint8), data_a.new_zeros(pad, data_a.shape[1], dtype=torch.uint8)]
+                               ).view(data_a.dtype)
+            if layout == "row":
+                scale_a = torch.cat([scale_a, scale_a.new_ones(pad, 1)])
         # cuBLASLt rowwise scaling only writes bf16; CPU writes any float dtype.
         mm_dtype = torch.bfloat16 if (a.data.is_cuda and layout == "row") else out_dtype
-        out = torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a=scale_a,
+        out = torch._scaled_mm(data_a, b.data.contiguous().t(), scale_a=scale_a,
                                scale_b=scale_b, out_dtype=mm_dtype)
-        return out.to(out_dtype)
+        return out[:rows].to(out_dtype)
     return (dequantize(a) @ dequantize(b).t()).to(out_dtype)
