@@ -40,6 +40,7 @@ LARGE_M = 8192
 def run(ctx) -> None:
     _probe(ctx)
     _real_vs_emulated(ctx)
+    _raw_probes(ctx)
     _recipe_loss_gaps(ctx)
     _speed(ctx)
 
@@ -83,6 +84,24 @@ def _real_vs_emulated(ctx) -> None:
             ctx.record(f"gemm.{name}.{label}", ok, detail, m=m, k=k, n=n, real_path=real_path, rel_err=err,
                        fp8_vs_fp32_rel_err=exact_err)
             worst[label] = max(worst.get(label, 0.0), err)
+
+
+def _raw_probes(ctx) -> None:
+    """What cuBLASLt itself accepts (no padding, no copies): an odd row count, a scale off 16 bytes."""
+    if not ctx.needs_cuda("raw_probes"):
+        return
+    a = torch.randn(2099, 128, device=ctx.device).to(E4M3)
+    b = torch.randn(128, 128, device=ctx.device).to(E4M3)
+    one = torch.ones((), device=ctx.device)
+    grid = torch.ones(4, device=ctx.device)
+    for name, sa, rows in (("raw_odd_rows", one, 2099), ("raw_scale_off_16_bytes", grid[1], 2096)):
+        try:
+            torch._scaled_mm(a[:rows], b.t(), scale_a=sa, scale_b=one, out_dtype=torch.bfloat16)
+            accepted = True
+        except RuntimeError:
+            accepted = False
+        ctx.record(name, None, f"torch._scaled_mm {'accepts' if accepted else 'refuses'} it (fp8_mm copes either way)",
+                   accepted=accepted)
 
 
 def _text_tokens(num_bytes: int) -> torch.Tensor:

@@ -17,8 +17,12 @@ Design decisions:
   (tensorwise and rowwise on CPU in torch 2.13 and on Hopper); blockwise, and devices without
   support, use the emulated path: dequantize to fp32 and matmul. Both compute the same
   product of the same FP8 values, which a unit test checks. On CUDA, K and N must be multiples
-  of 16 (else the emulated path); a row count that is not (a token group of an expert) is
-  padded with zero rows, as cuBLASLt refused ``m=2099`` on an H200 (``scripts/gpu_check.py``).
+  of 16 (else the emulated path), and every pointer must sit on 16 bytes: an expert's tensorwise
+  scale is a view into the grid of all experts' scales and a token group's row scales are a slice,
+  so such views are copied first (on an H200 cuBLASLt refused them with
+  CUBLAS_STATUS_NOT_SUPPORTED and every FP8 MoE training step failed; ``scripts/gpu_check.py``).
+  A row count off 16 is padded with zero rows (defensive: whether cuBLASLt needs it is recorded by
+  the GPU check's ``raw_odd_rows`` probe).
 """
 
 from __future__ import annotations
@@ -160,6 +164,11 @@ def _scaled_mm_layout(a: Fp8Tensor, b: Fp8Tensor) -> str | None:
     return layout
 
 
+def _aligned16(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a fresh copy of it when its data does not start on a 16-byte boundary."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def fp8_mm(a: Fp8Tensor, b: Fp8Tensor, *, out_dtype: torch.dtype = torch.float32,
            use_scaled_mm: bool = True) -> torch.Tensor:
     """``a @ b.T`` for ``a`` ``[M, K]`` and ``b`` ``[N, K]`` (both quantized along K).
@@ -172,6 +181,10 @@ def fp8_mm(a: Fp8Tensor, b: Fp8Tensor, *, out_dtype: torch.dtype = torch.float32
         data_a = a.data.contiguous()
         scale_a = a.scale.reshape(()) if layout == "tensor" else a.scale.contiguous()
         scale_b = b.scale.reshape(()) if layout == "tensor" else b.scale.reshape(1, -1)
+        if a.data.is_cuda:  # cuBLASLt refuses scale (and operand) pointers off 16 bytes: an expert's
+            # scale is a view into the grid of all experts' (``qw[g]``), a token group's row scales a slice
+            scale_a, scale_b = _aligned16(scale_a), _aligned16(scale_b)
+            data_a = _aligned16(data_a)
         rows = data_a.shape[0]
         pad = -rows % 16 if a.data.is_cuda else 0
         if pad:  # cuBLASLt refuses FP8 GEMMs whose row count is not a multiple of 16 (a group's tokens)
@@ -181,7 +194,8 @@ def fp8_mm(a: Fp8Tensor, b: Fp8Tensor, *, out_dtype: torch.dtype = torch.float32
                 scale_a = torch.cat([scale_a, scale_a.new_ones(pad, 1)])
         # cuBLASLt rowwise scaling only writes bf16; CPU writes any float dtype.
         mm_dtype = torch.bfloat16 if (a.data.is_cuda and layout == "row") else out_dtype
-        out = torch._scaled_mm(data_a, b.data.contiguous().t(), scale_a=scale_a,
+        data_b = b.data.contiguous()
+        out = torch._scaled_mm(data_a, (_aligned16(data_b) if data_b.is_cuda else data_b).t(), scale_a=scale_a,
                                scale_b=scale_b, out_dtype=mm_dtype)
         return out[:rows].to(out_dtype)
     return (dequantize(a) @ dequantize(b).t()).to(out_dtype)
