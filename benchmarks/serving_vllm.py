@@ -5,6 +5,7 @@ router against Serve LLM's PrefixCacheAffinityRouter on the same vLLM pool.
     python benchmarks/serving_vllm.py [--quick] [--workload tenants|multiturn|both] [--json OUT]
     python benchmarks/serving_vllm.py --replay    # seconds, no Ray: the router's decisions, replayed
     python benchmarks/serving_vllm.py --regime pressure [--quick] [--with-builtin] [--replay]  # small KV (below)
+    python benchmarks/serving_vllm.py --regime pressure --vllm-router-cost predicted_ttft  # or both: one app per cost
 
 Starts its own local Ray cluster (``ray.init(address="local")``, never an existing one) and
 deploys, one after the other with ``rayfleet.serving.deployer.deploy`` (what ``rayfleet
@@ -188,8 +189,12 @@ def _free_port() -> int:
 ENGINE = {"block_size": 32, "max_model_len": 1024, "max_num_seqs": 16, "max_num_batched_tokens": 512}
 
 
-def _apps(model_dir: Path, port: int, *, kv_blocks: int | None = None,
-          with_builtin: bool = True) -> list[tuple[str, str, dict]]:
+ROUTER_COSTS = {"prefix_load": "rayfleet prefix+load", "predicted_ttft": "rayfleet predicted-TTFT"}
+"""``--vllm-router-cost``: the rayfleet router's cost on the vLLM pool (``router.cost``) -> its row's label."""
+
+
+def _apps(model_dir: Path, port: int, *, kv_blocks: int | None = None, with_builtin: bool = True,
+          vllm_costs: tuple[str, ...] = ("prefix_load",)) -> list[tuple[str, str, dict]]:
     """The apps to measure, in order. ``kv_blocks``: vLLM's KV blocks per replica (the pressure
     regime; the built-in engine then gets as many tokens); ``None``: 1 GiB (the default)."""
     pool = {"replicas": 2, "accelerators_per_replica": 0}
@@ -204,9 +209,10 @@ def _apps(model_dir: Path, port: int, *, kv_blocks: int | None = None,
     # Both vLLM apps get the same engine and KV; only request_router differs (module doc).
     kv = {"device": "cpu", "kv_cache_gib": 1,
           "engine_kwargs": {} if kv_blocks is None else {"num_gpu_blocks_override": kv_blocks}}
-    return ([("builtin", "rayfleet prefix+load", builtin)] if with_builtin else []) + [
-        ("vllm", "rayfleet prefix+load", {**vllm, "name": "bench-vllm-rayfleet",
-                                          "vllm": {**kv, "request_router": "rayfleet"}}),
+    ours = [("vllm", ROUTER_COSTS[cost], {**vllm, "name": "bench-vllm-rayfleet" + ("" if cost == "prefix_load" else "-ttft"),
+                                          "router": {"cost": cost}, "vllm": {**kv, "request_router": "rayfleet"}})
+            for cost in vllm_costs]
+    return ([("builtin", "rayfleet prefix+load", builtin)] if with_builtin else []) + ours + [
         ("vllm", "PrefixCacheAffinityRouter", {**vllm, "name": "bench-vllm-pca",
                                                "vllm": {**kv, "request_router": "prefix_cache_affinity"}})]
 
@@ -307,6 +313,8 @@ def main(argv: list[str] | None = None) -> None:
                              "tenant's working set (the rule declared in the module doc), multiturn only")
     parser.add_argument("--with-builtin", action="store_true",
                         help="pressure regime: also measure the built-in engine (the default regime always does)")
+    parser.add_argument("--vllm-router-cost", choices=(*ROUTER_COSTS, "both"), default="prefix_load",
+                        help="the rayfleet router's cost on the vLLM pool (router.cost); both: one app each")
     parser.add_argument("--rate", type=float, default=None, help="mean arrivals per second (every workload)")
     parser.add_argument("--slo-ttft", type=float, default=1.0, help="SLO: time to first token, s")
     parser.add_argument("--slo-itl", type=float, default=0.2, help="SLO: mean inter-token latency, s")
@@ -345,6 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     init_local_ray(num_cpus=4)  # retried: on a busy host a raylet can miss Ray's fixed 30 s start window
     rows = []
     apps = _apps(model_dir, _free_port(), kv_blocks=sizing and sizing["kv_blocks"],
+                 vllm_costs=tuple(ROUTER_COSTS) if args.vllm_router_cost == "both" else (args.vllm_router_cost,),
                  with_builtin=args.regime == "default" or args.with_builtin)
     try:
         for engine, router, spec in apps:
@@ -422,9 +431,9 @@ def _report(rows: list[dict], args, *, workloads: dict[str, dict], load_before: 
              f"{r['prefix_hit_rate']:.3f}", f"{r['hit_bound']:.3f}", f"{r['prefix_hit_rate'] / r['hit_bound']:.2f}",
              f"{r['ttft_p50_s'] / base['ttft_p50_s']:.2f}x" if base["engine"] == "builtin" else "-"] for r in mine]))
         vllm = {r["router"]: r for r in mine if r["engine"] == "vllm"}
-        if len(vllm) == 2:
-            ours, theirs = vllm["rayfleet prefix+load"], vllm["PrefixCacheAffinityRouter"]
-            print(f"same vLLM pool, {name}: rayfleet router vs PrefixCacheAffinityRouter: hit rate "
+        for label in (lb for lb in ROUTER_COSTS.values() if lb in vllm and "PrefixCacheAffinityRouter" in vllm):
+            ours, theirs = vllm[label], vllm["PrefixCacheAffinityRouter"]
+            print(f"same vLLM pool, {name}: {label} vs PrefixCacheAffinityRouter: hit rate "
                   f"{ours['prefix_hit_rate']:.3f} vs {theirs['prefix_hit_rate']:.3f} (bound {ours['hit_bound']:.3f}), "
                   f"TTFT p99 {ours['ttft_p99_s'] * 1e3:.0f} vs {theirs['ttft_p99_s'] * 1e3:.0f} ms")
     # The issue's goal: on one vLLM pool, rayfleet's router beats PrefixCacheAffinityRouter on hit rate
@@ -432,11 +441,12 @@ def _report(rows: list[dict], args, *, workloads: dict[str, dict], load_before: 
     goals = []
     for name in workloads:
         vllm = {r["router"]: r for r in rows if r["workload"] == name and r["engine"] == "vllm"}
-        if len(vllm) == 2:
-            ours, theirs = vllm["rayfleet prefix+load"], vllm["PrefixCacheAffinityRouter"]
-            goals += [Goal(f"{args.regime}/{name}: prefix hit rate, rayfleet - PrefixCacheAffinityRouter", ">", 0.0,
+        for label in (lb for lb in ROUTER_COSTS.values() if lb in vllm and "PrefixCacheAffinityRouter" in vllm):
+            ours, theirs = vllm[label], vllm["PrefixCacheAffinityRouter"]
+            who = "rayfleet" if label == ROUTER_COSTS["prefix_load"] else label  # the first goals keep their names
+            goals += [Goal(f"{args.regime}/{name}: prefix hit rate, {who} - PrefixCacheAffinityRouter", ">", 0.0,
                            ours["prefix_hit_rate"] - theirs["prefix_hit_rate"]),
-                      Goal(f"{args.regime}/{name}: TTFT p99, rayfleet / PrefixCacheAffinityRouter", "<", 1.0,
+                      Goal(f"{args.regime}/{name}: TTFT p99, {who} / PrefixCacheAffinityRouter", "<", 1.0,
                            ours["ttft_p99_s"] / theirs["ttft_p99_s"])]
     label = lambda r: f"{'vLLM' if r['engine'] == 'vllm' else 'built-in'} / {r['router']}"  # noqa: E731
     table = Table(["workload", "engine / router", "TTFT p50 / p99 ms", "prefix hit", "hit bound", "share", "load"],
@@ -445,6 +455,7 @@ def _report(rows: list[dict], args, *, workloads: dict[str, dict], load_before: 
                     f"{r['load_avg'][0]:.1f}-{r['load_avg'][1]:.1f}"] for r in rows])
     record_run(name="serving_vllm", quick=args.quick,
                params={"regime": args.regime, "workload": args.workload, "with_builtin": args.with_builtin,
+                       "vllm_router_cost": args.vllm_router_cost,
                        "rate": args.rate, "slo_ttft_s": args.slo_ttft, "slo_itl_s": args.slo_itl, "pressure": sizing},
                figures={"rows": [{k: v for k, v in r.items() if not isinstance(v, list) or k == "load_avg"}
                                  for r in rows]},
