@@ -459,7 +459,9 @@ def _report(rows: list[dict], args, *, workloads: dict[str, dict], load_before: 
                        "rate": args.rate, "slo_ttft_s": args.slo_ttft, "slo_itl_s": args.slo_itl, "pressure": sizing},
                figures={"rows": [{k: v for k, v in r.items() if not isinstance(v, list) or k == "load_avg"}
                                  for r in rows]},
-               goals=goals, tables={args.regime: table})
+               # a non-default router cost gets a table of its own, so the docs keep the default's beside it
+               goals=goals, tables={args.regime + ("" if args.vllm_router_cost == "prefix_load"
+                                                    else f"_{args.vllm_router_cost}"): table})
 
 
 if __name__ == "__main__":
