@@ -324,7 +324,8 @@ def report(curves: dict[str, dict], *, rows: str, steps: int, quick: bool, fp8_r
                figures={"final_val_loss": final, "wall_s": {n: c["wall_s"] for n, c in curves.items()},
                         "step_time_s_median": {n: c["step_time_s_median"] for n, c in curves.items()},
                         "val_curves": {n: list(zip(c["val_steps"], c["val_loss"])) for n, c in curves.items()}},
-               tables={"rows": Table(columns + ["met"], table, note)})
+               # every row: "rows"; a subset (--rows) gets a table of its own, so the docs keep the other rows' run
+               tables={("rows" if rows == "abcd" else f"rows_{rows}"): Table(columns + ["met"], table, note)})
 
 
 if __name__ == "__main__":
