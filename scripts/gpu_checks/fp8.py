@@ -15,7 +15,6 @@ is judged at the large shapes only (M = 8192): >= 1.3x BF16, the goal of benchma
 
 from __future__ import annotations
 
-import math
 import os
 import sysconfig
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from rayfleet.jobs.optim import lr_at
 from rayfleet.models import build_model, preset
 from rayfleet.models.fp8 import (E4M3, RECIPES, ROWWISE, TENSORWISE, Fp8Linear, convert_to_fp8, fp8_mm, quantize,
                                  scaled_mm_supported, unscaled_cast_control)
@@ -127,10 +127,8 @@ def _train(ctx, recipe, batches: list[torch.Tensor], *, config, init_noise: floa
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     losses = []
     for step, batch in enumerate(batches):
-        for g in opt.param_groups:  # warmup then cosine, as the parity benchmark
-            warm = max(1, len(batches) // 10)
-            g["lr"] = 3e-3 * ((step + 1) / warm if step < warm else
-                              0.1 + 0.45 * (1 + math.cos(math.pi * (step - warm) / max(1, len(batches) - warm))))
+        for g in opt.param_groups:  # the train loop's own schedule: warmup, then cosine to 10%
+            g["lr"] = lr_at(step, lr=3e-3, total_steps=len(batches), warmup_steps=max(1, len(batches) // 10))
         inputs, targets = batch[:, :-1], batch[:, 1:]
         with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
             logits = model(inputs)
