@@ -14,17 +14,25 @@ read from ``/proc/<pid>/environ`` once per process. Processes other people run o
 are not counted, so the figure holds on a busy host. A process's CPU after the last sample before
 it exits (under a second) is missed, so the figure is a lower bound, lowest for sessions of many
 short processes (the unit session: 0.55 busy measured while the load average stayed near 2).
+
+Where it goes: each process is also given a kind from its command line (``process_kind``: a Ray
+actor's class, a Ray daemon, a job driver, a vLLM engine, pytest), kept from the last sample that
+showed one (a Ray worker is ``ray::IDLE`` until it takes an actor, and a process that has exited
+but is not yet reaped shows no command line). ``by_kind`` sums the CPU per kind, so a session's
+table says which starts its minutes went to.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import threading
 import uuid
+from collections import Counter
 
 import psutil
 
-__all__ = ["TAG_VAR", "CpuMeter"]
+__all__ = ["TAG_VAR", "CpuMeter", "process_kind"]
 
 TAG_VAR = "RAYFLEET_TEST_SESSION"
 
@@ -37,6 +45,7 @@ class CpuMeter:
         self.interval_s = interval_s
         self._tagged: dict[tuple[int, float], bool] = {}
         self._cpu: dict[tuple[int, float], float] = {}
+        self._kind: dict[tuple[int, float], str] = {}
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-meter", daemon=True)
 
@@ -58,6 +67,13 @@ class CpuMeter:
     def cpu_seconds(self) -> float:
         return sum(self._cpu.values())
 
+    def by_kind(self) -> Counter[str]:
+        """CPU seconds per process kind (``process_kind``), largest first with ``most_common``."""
+        out: Counter[str] = Counter()
+        for key, seconds in self._cpu.items():
+            out[self._kind.get(key) or "other"] += seconds
+        return out
+
     def sample(self) -> None:
         for proc in psutil.process_iter(["create_time", "cpu_times"]):
             key = (proc.pid, proc.info["create_time"] or 0.0)
@@ -71,8 +87,44 @@ class CpuMeter:
             times = proc.info["cpu_times"]
             if tagged and times is not None:
                 self._cpu[key] = times.user + times.system
+                if self._kind.get(key) in (None, _IDLE_WORKER):  # named once it shows what it runs
+                    try:
+                        kind = process_kind(proc.cmdline())
+                    except (psutil.Error, OSError):
+                        kind = None
+                    if kind and (kind != _IDLE_WORKER or key not in self._kind):
+                        self._kind[key] = kind
 
     def _run(self) -> None:
         while not self._done.wait(self.interval_s):
             self.sample()
         self.sample()
+
+
+_IDLE_WORKER = "ray worker (idle)"
+_RAY_DAEMONS = ("gcs_server", "raylet", "dashboard/agent.py", "dashboard.py", "runtime_env/agent",
+                "log_monitor", "monitor.py", "ray.util.client.server")
+
+
+def process_kind(cmdline: list[str]) -> str | None:
+    """What a process is, from its command line: ``ray::<ActorClass>`` for a Ray worker (method
+    and ids dropped), ``ray daemon: <name>``, ``job driver: <module>``, ``vLLM engine``, ``pytest``
+    or the program's name. None when the command line is empty (an exited, unreaped process)."""
+    if not cmdline:
+        return None
+    line = " ".join(cmdline)
+    if line.startswith("ray::"):
+        name = re.split(r"[ .:]", line[len("ray::"):], maxsplit=1)[0]
+        return _IDLE_WORKER if name == "IDLE" else f"ray::{name}"
+    for daemon in _RAY_DAEMONS:
+        if daemon in line:
+            return f"ray daemon: {daemon.rsplit('/', 1)[-1].removesuffix('.py')}"
+    if "EngineCore" in line or "vllm" in cmdline[0]:
+        return "vLLM engine"
+    if "-m" in cmdline[:-1]:
+        module = cmdline[cmdline.index("-m") + 1]
+        return "pytest" if module == "pytest" else f"python -m {module}"
+    program = os.path.basename(cmdline[0])
+    if program.startswith("python") and len(cmdline) > 1:
+        return f"python {os.path.basename(cmdline[1])}"
+    return program

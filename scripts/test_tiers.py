@@ -66,6 +66,8 @@ SESSIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
 BESIDE: dict[str, str] = {}
 """Session -> the session it runs beside (started together; the next one waits for all of them).
 Empty: side by side was slower on 2 cores (module doc)."""
+# The CPU per process kind: how many kinds each session keeps (in .pytest-times.json) and prints.
+KINDS_KEPT, KINDS_SHOWN = 25, 8
 
 
 @dataclass
@@ -86,6 +88,7 @@ class SessionResult:
     dir_to_seconds: dict[str, float] = field(default_factory=dict)
     slowest: list[TestTime] = field(default_factory=list)
     cpu_s: float | None = None  # CPU seconds of the session and all it started (cpu_meter.py)
+    cpu_by_kind: dict[str, float] = field(default_factory=dict)  # those seconds per process kind, largest first
 
     @property
     def busy(self) -> float | None:
@@ -149,7 +152,7 @@ def run_session(name: str, paths: tuple[str, ...], *, extra: list[str], top: int
         start = time.monotonic()
         code = subprocess.call(argv, cwd=REPO, env=meter.environ())
         result = SessionResult(name=name, paths=paths, exit_code=code, wall_s=time.monotonic() - start,
-                               cpu_s=meter.stop())
+                               cpu_s=meter.stop(), cpu_by_kind=dict(meter.by_kind().most_common(KINDS_KEPT)))
         print(f"   host after {name}: {host_state()}", flush=True)
         read_junit(junit, result, top=top)
     return result
@@ -176,7 +179,7 @@ class BackgroundSession:
     def finish(self, *, top: int) -> SessionResult:
         code = self.proc.wait()
         result = SessionResult(name=self.name, paths=self.paths, exit_code=code, wall_s=time.monotonic() - self.start,
-                               cpu_s=self.meter.stop())
+                               cpu_s=self.meter.stop(), cpu_by_kind=dict(self.meter.by_kind().most_common(KINDS_KEPT)))
         print(f"\n== {self.name} (ran beside another session), its output:", flush=True)
         sys.stdout.write(self.log.read_text(errors="replace"))
         sys.stdout.flush()
@@ -222,6 +225,12 @@ def render(results: list[SessionResult], *, install_s: float | None, elapsed_s: 
     beside = ", ".join(f"{a} beside {b}" for a, b in BESIDE.items() if a in ran and b in ran)
     lines.append(f"{'total':<20} {'':<12} {total / 60:>8.1f}"
                  + (f"  (wall clock; {beside}, so the sessions' minutes overlap)" if beside else ""))
+    kinds = [r for r in results if r.cpu_by_kind]
+    if kinds:
+        lines.append(f"where the CPU went (CPU minutes per process kind, the {KINDS_SHOWN} largest per session):")
+        for r in kinds:
+            top_kinds = list(r.cpu_by_kind.items())[:KINDS_SHOWN]
+            lines.append(f"  {r.name:<18} " + ", ".join(f"{kind} {seconds / 60:.1f}" for kind, seconds in top_kinds))
     lines.append("slowest tests:")
     slowest = sorted((t for r in results for t in r.slowest), key=lambda t: -t.seconds)[:15]
     lines += [f"  {t.seconds:7.1f}s  {t.name}" for t in slowest]

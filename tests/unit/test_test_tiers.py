@@ -116,3 +116,36 @@ def test_the_cpu_meter_counts_the_tagged_process_tree_and_not_the_rest():
     cpu = meter.stop()
     # the grandchild's 1.0 s and the child's 0.5 s, less at most one sampling interval each
     assert 1.0 <= cpu <= 2.0, cpu
+
+
+def _meter_module():
+    spec = importlib.util.spec_from_file_location("cpu_meter_script", REPO / "scripts" / "cpu_meter.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_process_kinds_name_what_a_process_runs():
+    kind = _meter_module().process_kind
+    assert kind(["ray::RayTrainWorker.train_fn_with_final_checkpoint_flush"]) == "ray::RayTrainWorker"
+    assert kind(["ray::ServeReplica:vllm-pd:decode", ""]) == "ray::ServeReplica"
+    assert kind(["ray::IDLE", "", ""]) == "ray worker (idle)"
+    assert kind(["/x/ray/core/src/ray/raylet/raylet", "--node_id=abc"]) == "ray daemon: raylet"
+    assert kind(["/v/bin/python", "-u", "/x/ray/dashboard/agent.py", "--x"]) == "ray daemon: agent"
+    assert kind(["/v/bin/python", "-m", "rayfleet.jobs.train", "--spec-b64", "e30="]) == "python -m rayfleet.jobs.train"
+    assert kind(["/v/bin/python", "-m", "pytest", "tests/cluster"]) == "pytest"
+    assert kind([]) is None  # exited, not yet reaped: the kind seen before is kept
+
+
+def test_the_meter_counts_a_tagged_child_under_its_kind_and_ignores_an_untagged_one():
+    import subprocess
+
+    meter_module = _meter_module()
+    meter = meter_module.CpuMeter(interval_s=0.1).start()
+    busy = "import time\nend = time.process_time() + 0.6\nwhile time.process_time() < end: pass\ntime.sleep(0.3)\n"
+    subprocess.run([sys.executable, "-c", busy], env=meter.environ(), check=True)
+    subprocess.run([sys.executable, "-c", busy], check=True)  # not tagged: not counted
+    meter.stop()
+    kinds = meter.by_kind()
+    assert kinds["python -c"] >= 0.4, kinds
+    assert meter.cpu_seconds < 1.2, kinds  # only the tagged child's 0.6 s (and its start)
