@@ -87,13 +87,12 @@ class CpuMeter:
             times = proc.info["cpu_times"]
             if tagged and times is not None:
                 self._cpu[key] = times.user + times.system
-                if self._kind.get(key) in (None, _IDLE_WORKER):  # named once it shows what it runs
-                    try:
-                        kind = process_kind(proc.cmdline())
-                    except (psutil.Error, OSError):
-                        kind = None
-                    if kind and (kind != _IDLE_WORKER or key not in self._kind):
-                        self._kind[key] = kind
+                try:  # re-read each time: Ray workers and vLLM's engines rename themselves after they start
+                    kind = process_kind(proc.cmdline())
+                except (psutil.Error, OSError):
+                    kind = None
+                if kind and (kind not in _UNSETTLED or key not in self._kind):
+                    self._kind[key] = kind
 
     def _run(self) -> None:
         while not self._done.wait(self.interval_s):
@@ -102,29 +101,44 @@ class CpuMeter:
 
 
 _IDLE_WORKER = "ray worker (idle)"
-_RAY_DAEMONS = ("gcs_server", "raylet", "dashboard/agent.py", "dashboard.py", "runtime_env/agent",
-                "log_monitor", "monitor.py", "ray.util.client.server")
+_FORKED = "multiprocessing child"
+_UNSETTLED = (_IDLE_WORKER, _FORKED)  # kinds a process shows before it says what it runs
+# Ray's daemons: the program (C++) or the script (Python) among the first arguments. Later
+# arguments do not count: every Ray worker is passed the raylet's socket path.
+_RAY_PROGRAMS = ("raylet", "gcs_server")
+_RAY_SCRIPTS = {"dashboard/agent.py": "dashboard agent", "dashboard/dashboard.py": "dashboard",
+                "runtime_env/agent/main.py": "runtime env agent", "log_monitor.py": "log_monitor",
+                "_private/monitor.py": "monitor", "ray.util.client.server": "client server"}
 
 
 def process_kind(cmdline: list[str]) -> str | None:
     """What a process is, from its command line: ``ray::<ActorClass>`` for a Ray worker (method
-    and ids dropped), ``ray daemon: <name>``, ``job driver: <module>``, ``vLLM engine``, ``pytest``
+    and ids dropped), ``ray daemon: <name>``, ``python -m <module>``, ``vLLM engine``, ``pytest``
     or the program's name. None when the command line is empty (an exited, unreaped process)."""
-    if not cmdline:
+    if not cmdline or not cmdline[0]:
         return None
     line = " ".join(cmdline)
     if line.startswith("ray::"):
         name = re.split(r"[ .:]", line[len("ray::"):], maxsplit=1)[0]
         return _IDLE_WORKER if name == "IDLE" else f"ray::{name}"
-    for daemon in _RAY_DAEMONS:
-        if daemon in line:
-            return f"ray daemon: {daemon.rsplit('/', 1)[-1].removesuffix('.py')}"
-    if "EngineCore" in line or "vllm" in cmdline[0]:
+    if line.upper().startswith("VLLM") or "EngineCore" in line:
         return "vLLM engine"
-    if "-m" in cmdline[:-1]:
-        module = cmdline[cmdline.index("-m") + 1]
-        return "pytest" if module == "pytest" else f"python -m {module}"
     program = os.path.basename(cmdline[0])
+    if program in _RAY_PROGRAMS:
+        return f"ray daemon: {program}"
+    head = " ".join(cmdline[1:4])
+    if "default_worker.py" in head:
+        return _IDLE_WORKER  # a Ray worker before it names itself
+    for script, name in _RAY_SCRIPTS.items():
+        if script in head:
+            return f"ray daemon: {name}"
+    if "multiprocessing.forkserver" in line or "multiprocessing.spawn" in line or "multiprocessing.resource_tracker" in line:
+        return _FORKED  # fork-server ranks, vLLM's engine before it renames itself
+    if "exec(eval(sys.stdin.readline()))" in line:
+        return "pytest-xdist worker"
+    if "-m" in cmdline[1:-1]:
+        module = cmdline[cmdline.index("-m", 1) + 1]
+        return "pytest" if module == "pytest" else f"python -m {module}"
     if program.startswith("python") and len(cmdline) > 1:
         return f"python {os.path.basename(cmdline[1])}"
     return program

@@ -131,7 +131,14 @@ def test_process_kinds_name_what_a_process_runs():
     assert kind(["ray::ServeReplica:vllm-pd:decode", ""]) == "ray::ServeReplica"
     assert kind(["ray::IDLE", "", ""]) == "ray worker (idle)"
     assert kind(["/x/ray/core/src/ray/raylet/raylet", "--node_id=abc"]) == "ray daemon: raylet"
-    assert kind(["/v/bin/python", "-u", "/x/ray/dashboard/agent.py", "--x"]) == "ray daemon: agent"
+    # A worker before it names itself is passed the raylet's socket: not a daemon, not settled yet.
+    assert kind(["/v/bin/python", "/x/ray/_private/workers/default_worker.py",
+                 "--raylet-name=/tmp/ray/session/sockets/raylet"]) == "ray worker (idle)"
+    assert kind(["VLLM::EngineCore"]) == "vLLM engine"
+    assert kind(["/v/bin/python", "-B", "-c", "from multiprocessing.forkserver import main; main(3)"]) \
+        == "multiprocessing child"
+    assert kind(["/v/bin/python", "-u", "-c", "import sys;exec(eval(sys.stdin.readline()))"]) == "pytest-xdist worker"
+    assert kind(["/v/bin/python", "-u", "/x/ray/dashboard/agent.py", "--x"]) == "ray daemon: dashboard agent"
     assert kind(["/v/bin/python", "-m", "rayfleet.jobs.train", "--spec-b64", "e30="]) == "python -m rayfleet.jobs.train"
     assert kind(["/v/bin/python", "-m", "pytest", "tests/cluster"]) == "pytest"
     assert kind([]) is None  # exited, not yet reaped: the kind seen before is kept
