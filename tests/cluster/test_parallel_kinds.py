@@ -5,7 +5,8 @@ parallelism inside expert parallelism (EP2 x ETP2 over DP4 with ZeRO-2, 4 worker
 hidden units split over two ranks after the EP dispatch; gradients and optimizer states sharded,
 parameters kept whole between steps) each train the same 4-layer tiny MoE for a few steps
 from the same seed on the same data order, submitted through the SDK like any job, all at once
-beside a plain DP2 reference (one job list, so a new kind adds a job, not a fleet start).
+against a plain DP2 reference run on local gloo ranks (``conftest.local_reference``: the same
+``train_worker``, without a fifth Ray job's start; a new kind adds a job, not a fleet start).
 Asserted: every job SUCCEEDED with one metrics row per step, its log names the plan it ran, and
 every step's loss equals the reference's (fp32; the gloo parity tests in tests/unit/jobs check
 gradients, this checks the path users run). Checked against a broken ETP (the reduce-scatter of
@@ -19,11 +20,13 @@ import math
 
 import pytest
 
+from .conftest import local_reference
+
 pytestmark = pytest.mark.cluster
 
 STEPS = 3
+REFERENCE_PLAN = {"dp": 2, "ep": 1}
 KINDS = {
-    "reference": ({"dp": 2, "ep": 1}, "DP2"),
     "interleaved": ({"pp": 2, "vpp": 2, "dp": 1, "ep": 1, "micro_batch_size": 1}, "PP2 VP2"),
     "dualpipev": ({"pp": 2, "dualpipe": True, "dp": 1, "ep": 1, "micro_batch_size": 1}, "DualPipeV"),
     "cp": ({"cp": 2, "dp": 1, "ep": 1}, "CP2"),
@@ -32,7 +35,7 @@ KINDS = {
 
 
 def _spec(dataset: str, kind: str) -> dict:
-    plan = KINDS[kind][0]
+    plan = REFERENCE_PLAN if kind == "reference" else KINDS[kind][0]
     workers = plan.get("tp", 1) * plan.get("cp", 1) * plan.get("pp", 1) * plan["dp"]
     return {"name": f"kinds-{kind}", "model": {"preset": "tiny", "seed": 0, "config": {"num_layers": 4}},
             "data": {"uri": dataset, "seq_len": 64}, "plan": plan, "precision": "fp32", "steps": STEPS,
@@ -43,6 +46,7 @@ def _spec(dataset: str, kind: str) -> dict:
 def test_interleaved_dualpipev_cp_and_etp_jobs_train_like_the_dp_reference(local_fleet, dataset):
     sdk = local_fleet.sdk
     runs = {kind: sdk.train(_spec(dataset, kind)) for kind in KINDS}  # all at once: their start-ups overlap
+    by_step, _ = local_reference(_spec(dataset, "reference"))  # while they start
     losses = {}
     for kind, run in runs.items():
         status = run.wait(timeout_s=600)
@@ -54,6 +58,6 @@ def test_interleaved_dualpipev_cp_and_etp_jobs_train_like_the_dp_reference(local
         assert list(table["step"]) == list(range(1, STEPS + 1)), kind
         losses[kind] = [float(x) for x in table["loss"]]
         assert all(math.isfinite(x) for x in losses[kind]), (kind, losses[kind])
-    reference = losses.pop("reference")
+    reference = [by_step[step] for step in range(1, STEPS + 1)]
     for kind, values in losses.items():
         assert values == pytest.approx(reference, rel=1e-4), (kind, values, reference)

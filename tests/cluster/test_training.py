@@ -15,6 +15,8 @@ import pytest
 
 from rayfleet.errors import SpecError
 
+from .conftest import local_reference
+
 pytestmark = pytest.mark.cluster
 
 STEPS = 4
@@ -135,21 +137,6 @@ def _losses(run) -> dict[int, float]:
     return {int(r["step"]): r["loss"] for r in run.metrics().rows}
 
 
-def _local_reference(spec: dict):
-    """The uninterrupted run of ``spec`` (without its checkpoint section) on local gloo processes
-    forked from the fork server, with the plan the fleet resolves for it: the same ``train_worker``
-    step code as the job's Ray Train workers, without a second Ray job's start (a Ray Train
-    controller, its actors and fresh workers: about 40 s of CPU on 2 cores). Returns rank 0's
-    (losses by step, sample-id hashes by step)."""
-    from rayfleet.jobs.local_processes import run_local
-    from rayfleet.jobs.planning import validate_job
-    from rayfleet.jobs.spec import TrainJobSpec
-
-    parsed = TrainJobSpec.model_validate({**spec, "checkpoint": None})
-    summary = run_local(parsed, validate_job(parsed).plan).summaries[0]
-    return (dict(enumerate(summary.losses, start=1)), dict(enumerate(summary.sample_ids_hashes, start=1)))
-
-
 def test_killed_worker_resumes_from_its_shared_memory_snapshot(local_fleet, dataset, tmp_path):
     """Kill a training worker mid-run: the group restarts, every rank restores its node's
     shared-memory snapshot, and each step's loss equals the uninterrupted run's (fp32, same data)."""
@@ -162,7 +149,7 @@ def test_killed_worker_resumes_from_its_shared_memory_snapshot(local_fleet, data
     steps = 10
     spec = _spec(dataset, name="tiny-flash", steps=steps, plan={"dp": 2},
                  checkpoint={"every_n_steps": 2, "persist_every": 2, "uri": str(tmp_path / "ckpt"), "max_failures": 2})
-    reference, reference_hashes = _local_reference(spec)  # the uninterrupted run
+    reference, reference_hashes = local_reference(spec)  # the uninterrupted run
     assert sorted(reference) == list(range(1, steps + 1))
 
     run = local_fleet.sdk.train(spec)
@@ -261,6 +248,6 @@ def test_elastic_job_shrinks_on_node_loss_and_grows_back(local_fleet, dataset, t
                 pass
         for name in cordoned:
             local_fleet.sdk.uncordon(name)
-    reference, _ = _local_reference({**spec, "steps": steps, "resources": {"accelerator": "H100", "num_workers": 2}})
+    reference, _ = local_reference({**spec, "steps": steps, "resources": {"accelerator": "H100", "num_workers": 2}})
     for step in range(1, steps + 1):  # DP4 vs DP2 differ only in summation order
         assert resumed[step] == pytest.approx(reference[step], rel=1e-4), (step, resumed, reference)
