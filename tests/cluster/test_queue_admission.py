@@ -174,8 +174,10 @@ def test_queue_wait_borrow_reclaim_and_controller_restart(local_fleet, dataset, 
         reclaim = next(c for s, k, c in events if (s, k) == ("job:tiny-q-b2", "queue_reclaim"))
         assert f"queue {TEAM_B} borrows 2 above quota, reclaimed by {TEAM_A}" in reclaim
         released = next(c for s, k, c in events if (s, k) == ("job:tiny-q-a1", "queue_released"))
-        # by its driver's SIGTERM handler or the controller seeing the Ray job end; not the heartbeat deadline
-        assert released in ("the job was stopped", "its Ray job ended"), released
+        # Promptly, not by the heartbeat deadline: by its driver's SIGTERM handler, by its driver's own
+        # release on the way out (where Ray Train's handler took the signal during fit: seen once in
+        # a full cluster-tier run), or by the controller seeing the Ray job end.
+        assert released in ("the job was stopped", "the job ended", "its Ray job ended"), released
     finally:
         for run in runs.values():
             run.cancel()
