@@ -253,3 +253,18 @@ def read_ledger(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def pct(values: list[float], q: float) -> float:
+    """The ``q``-th percentile of ``values`` (nearest rank; NaN when empty)."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+def text_table(header: list[str], rows: list[list[str]]) -> str:
+    """Right-aligned columns under a header and a rule (what the benchmarks print)."""
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    fmt = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
