@@ -19,7 +19,7 @@ from torch import nn
 
 from rayfleet.errors import SpecError
 from rayfleet.models.fp8.modules import Fp8GroupedExperts, Fp8Linear
-from rayfleet.models.fp8.numerics import scaled_mm_supported
+from rayfleet.models.fp8.numerics import scaled_mm_fast
 from rayfleet.models.fp8.recipes import Fp8Recipe, get_recipe
 from rayfleet.models.moe import GroupedExperts
 
@@ -45,13 +45,13 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str, *, use_scaled_mm: 
                    module_filter: Callable[[str], bool] | None = None) -> Fp8ConversionReport:
     """Swap allowlisted GEMM modules of ``model`` (in place) for FP8 versions of ``recipe``.
 
-    use_scaled_mm: None picks ``torch._scaled_mm`` when the device supports it.
+    use_scaled_mm: None picks ``torch._scaled_mm`` when the device runs it at speed (``scaled_mm_fast``).
     module_filter: optional extra restriction on fully-qualified names (cannot widen the allowlist).
     """
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     device = next(model.parameters()).device
     if use_scaled_mm is None:
-        use_scaled_mm = device.type != "meta" and scaled_mm_supported(device.type, rowwise=False)
+        use_scaled_mm = device.type != "meta" and scaled_mm_fast(device.type)
     converted = []
     for fqn, module in list(model.named_modules()):
         if not fqn or _is_high_precision(fqn) or (module_filter is not None and not module_filter(fqn)):

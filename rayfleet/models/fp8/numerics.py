@@ -23,11 +23,17 @@ Design decisions:
   CUBLAS_STATUS_NOT_SUPPORTED and every FP8 MoE training step failed; ``scripts/gpu_check.py``).
   A row count off 16 is padded with zero rows (defensive: whether cuBLASLt needs it is recorded by
   the GPU check's ``raw_odd_rows`` probe).
+- Where ``_scaled_mm`` runs but is far slower than the emulated path, models are converted to the
+  emulated path (``scaled_mm_fast``): some x86 CPUs get only oneDNN's reference FP8 matmul
+  (``ref_matmul_t``), measured 800x slower than dequantize + fp32 matmul at 256^3 on a 2-core
+  Sapphire Rapids guest, where a CPU with the JIT kernel ran 2048x1024x1024 in 55 ms.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +44,10 @@ from rayfleet.errors import SpecError
 __all__ = [
     "E4M3", "E5M2", "FP8_MAX", "Block", "TENSORWISE", "ROWWISE", "TILE_1x128", "BLOCK_128x128",
     "Fp8Tensor", "quantize", "dequantize", "fp8_mm", "scaled_mm_supported",
+    "scaled_mm_fast",
 ]
+
+logger = logging.getLogger(__name__)
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -147,6 +156,45 @@ def scaled_mm_supported(device_type: str, rowwise: bool) -> bool:
         return True
     except (RuntimeError, NotImplementedError, TypeError):
         return False
+
+
+SLOW_KERNEL_RATIO = 20.0
+"""``_scaled_mm`` slower than this many emulated GEMMs (128^3, tensorwise) is a reference kernel."""
+
+
+@functools.cache
+def scaled_mm_fast(device_type: str) -> bool:
+    """Whether models here should use ``torch._scaled_mm``: it runs with tensorwise scales and,
+    on CPU, it is not a reference kernel (timed once against the emulated GEMM at 128^3: the JIT
+    kernel is within a few times of it, oneDNN's ``ref_matmul_t`` hundreds of times slower).
+    Callers that must compare the two paths pass ``use_scaled_mm=True`` to ``fp8_mm`` directly."""
+    if not scaled_mm_supported(device_type, False):
+        return False
+    if device_type != "cpu":
+        return True
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(128, 128, generator=gen).to(E4M3)
+    b = torch.randn(128, 128, generator=gen).to(E4M3)
+    one = torch.ones(())
+
+    def seconds(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    emulated = min(seconds(lambda: a.float() @ b.float().t()) for _ in range(3))
+    real = float("inf")
+    for _ in range(3):  # a reference kernel is slow from the first call: stop there
+        real = min(real, seconds(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one,
+                                                          out_dtype=torch.float32)))
+        if real > 5 * SLOW_KERNEL_RATIO * max(emulated, 1e-5):
+            break
+    fast = real <= SLOW_KERNEL_RATIO * max(emulated, 1e-5)
+    if not fast:
+        logger.info("torch._scaled_mm on this CPU is a reference kernel (%.1f ms vs %.2f ms emulated at "
+                    "128^3): FP8 models use the emulated GEMM (the same FP8 values, fp32 accumulation)",
+                    real * 1e3, emulated * 1e3)
+    return fast
 
 
 def _scaled_mm_layout(a: Fp8Tensor, b: Fp8Tensor) -> str | None:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import rayfleet.models.fp8.functional as fp8_functional
+import rayfleet.models.fp8.numerics as fp8_numerics
 from rayfleet.errors import SpecError
 from rayfleet.models import MoETransformer, RMSNorm, Router, build_model, materialize, preset
 from rayfleet.models.fp8 import (RECIPES, Fp8GroupedExperts, Fp8Linear, convert_to_fp8,
@@ -38,7 +39,8 @@ def test_converts_exactly_the_allowlisted_gemms_and_keeps_parameters():
             expected |= {f"layers.{i}.feed_forward.experts"}
             expected |= {f"layers.{i}.feed_forward.shared_experts.{p}" for p in ("w1", "w2", "w3")}
     assert set(report.converted) == expected
-    assert report.gemm == "scaled_mm"  # torch 2.13 CPU runs real FP8 GEMMs
+    # torch 2.13 CPU runs real FP8 GEMMs, unless this CPU only has oneDNN's reference kernel
+    assert report.gemm == ("scaled_mm" if fp8_numerics.scaled_mm_fast("cpu") else "emulated")
     assert list(model.state_dict()) == keys  # checkpoints are interchangeable with BF16
     assert all(p is before[n] for n, p in model.named_parameters())
 

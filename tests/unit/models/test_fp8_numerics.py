@@ -121,3 +121,28 @@ def test_recipe_validation():
         quantize(torch.randn(2, 2), dtype=torch.bfloat16)
     assert RECIPES["tensorwise"].grad_dtype == E5M2 and RECIPES["blockwise"].grad_dtype == E4M3
     assert "unscaled" not in " ".join(RECIPES)
+
+
+@pytest.mark.parametrize("kernel_seconds, expected", [(0.0, True), (0.2, False)])
+def test_models_skip_a_reference_scaled_mm_kernel(monkeypatch, kernel_seconds, expected):
+    """oneDNN's reference FP8 matmul (some CPUs) was 800x slower than the emulated GEMM: models
+    converted there must take the emulated path; a kernel at speed keeps ``_scaled_mm``."""
+    import time
+
+    from rayfleet.models.fp8 import convert_to_fp8, scaled_mm_fast
+    from rayfleet.models.fp8.numerics import scaled_mm_supported
+    from rayfleet.models import build_model, preset
+
+    def kernel(a, b, *, scale_a, scale_b, out_dtype, **_):  # b arrives transposed, as the real one's
+        time.sleep(kernel_seconds)
+        return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", kernel)
+    scaled_mm_fast.cache_clear()
+    try:
+        assert scaled_mm_supported("cpu", False)
+        assert scaled_mm_fast("cpu") is expected
+        report = convert_to_fp8(build_model(preset("tiny"), seed=0), "tensorwise")
+        assert report.gemm == ("scaled_mm" if expected else "emulated")
+    finally:
+        scaled_mm_fast.cache_clear()
