@@ -66,6 +66,10 @@ def init_local_ray(**resources: float) -> None:
     miss Ray's fixed 30 s start-up window, and a second try usually makes it."""
     import ray
 
+    from rayfleet.platform.ray_compat import shared_host_log_monitor_env
+
+    _os.environ.update(shared_host_log_monitor_env())  # its log monitor scans every 2 s, not 0.1 s
+
     for attempt in range(3):
         try:
             ray.init(address="local", include_dashboard=False, log_to_driver=False, **resources)

@@ -82,7 +82,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             ray.train.report({k: v for k, v in row.items() if isinstance(v, (int, float))})
 
     stop_signal = config.get("stop_signal")  # elastic jobs: the driver asks all ranks to stop to re-form
-    should_stop = PolledFlag(lambda: ray.get(stop_signal.should_stop.remote())) if stop_signal is not None else None
+    # A long poll: each call returns when the driver raises the flag, or after 30 s (no wait between)
+    should_stop = (PolledFlag(lambda: ray.get(stop_signal.wait_stop.remote()), period_s=0.0)
+                   if stop_signal is not None else None)
     try:
         train_worker(loop, plan, report=report, hooks=[health, hooks], should_stop=should_stop)
     finally:

@@ -227,7 +227,8 @@ class LocalFleet:
         # multiple active Ray instances" while another fleet runs on the same machine.
         env = dict(os.environ, RAY_AUTH_MODE="token", RAYFLEET_HOME=str(Path(self.home).resolve()),
                    PATH=os.pathsep.join([bin_dir, os.environ.get("PATH", "")]), RAY_ADDRESS=self.address,
-                   **ray_compat.LOOPBACK_FLEET_ENV)  # its processes keep 127.0.0.1 (ray_start_command)
+                   **ray_compat.LOOPBACK_FLEET_ENV,  # its processes keep 127.0.0.1 (ray_start_command)
+                   **ray_compat.shared_host_log_monitor_env())  # its raylets share this host
         with open(log_path, "wb") as log:
             proc = subprocess.Popen([*ray_start_command("127.0.0.1"), *args], stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)

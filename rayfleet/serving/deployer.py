@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from rayfleet.errors import RayfleetError
+from rayfleet.platform.polling import poll_delays
 from rayfleet.serving.deploy.pool_admission import PoolGrant, admit_app, controller_call, release_pools
 from rayfleet.serving.spec import ServeSpec, load_serve_spec
 
@@ -127,6 +128,7 @@ def _wait_healthy(url: str, deadline: float, *, path: str = "/health", api_key: 
 
     last = ""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # a vLLM app's path is guarded
+    delays = poll_delays(max_s=1.0)
     while time.monotonic() < deadline:
         try:
             with urllib.request.urlopen(urllib.request.Request(url + path, headers=headers), timeout=5) as resp:
@@ -134,7 +136,7 @@ def _wait_healthy(url: str, deadline: float, *, path: str = "/health", api_key: 
                     return
         except (urllib.error.URLError, OSError) as exc:
             last = str(exc)
-        time.sleep(0.25)
+        time.sleep(next(delays))
     raise ServeDeployError(f"the app at {url} did not report healthy engines in time ({last}). Fix: check "
                            "`serve status` and the replica logs; raise the timeout for large models")
 

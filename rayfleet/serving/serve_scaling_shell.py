@@ -41,6 +41,7 @@ from typing import Any
 from rayfleet.errors import SpecError
 from rayfleet.platform.autoscaler.shell import AutoscalerShellBase, RayChannel
 from rayfleet.platform.autoscaler.types import Decision, ScaleServe, ServeObservation
+from rayfleet.platform.polling import poll_delays
 from rayfleet.platform.serve_admission import pool_key
 from rayfleet.serving.deploy.gang_units import LendUnit
 from rayfleet.serving.deploy.serve_scaling_rules import (LentReplica, RoomWatch, ServeShellConfig,
@@ -154,10 +155,11 @@ class ServeShell(AutoscalerShellBase):
         replicas = self.unit.serve_replicas(units)
         set_pool_bounds(self.spec.name, self.deployment, min_replicas=replicas, max_replicas=replicas)
         deadline = time.monotonic() + timeout_s
+        delays = poll_delays(max_s=2.0)  # a replica start takes seconds (built-in) to minutes (vLLM)
         while _running_replicas(self.spec.name, self.deployment) != replicas:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the {self.role} pool did not reach {replicas} running replicas in {timeout_s:g}s")
-            time.sleep(0.25)
+            time.sleep(next(delays))
 
     def _add(self, replica: LentReplica, reforming: tuple[str, ...] = ()) -> None:
         try:
@@ -210,12 +212,13 @@ class ServeShell(AutoscalerShellBase):
         resource = get_accelerator(self.pool.accelerator_type).ray_resource  # GPU, XPU or NPU
         deadline = time.monotonic() + timeout_s
         watch = RoomWatch(node, count, settle_s=settle_s, reforming=bool(reforming))
+        delays = poll_delays(max_s=1.0)  # the lender steps off within its step; a re-formation takes 10-60 s
         while time.monotonic() < deadline and not self._halt.is_set():
             free_by_node = free_accelerators_of_type(ray.nodes(), available_resources_per_node(), resource=resource,
                                                      accelerator_type=self.pool.accelerator_type)
             if watch.ready(time.monotonic(), free_by_node, self._pending_lent_accelerators(count)):
                 return
-            time.sleep(0.25)
+            time.sleep(next(delays))
         raise TimeoutError(f"{count} accelerator(s) on {node} did not become free within {timeout_s:g}s")
 
     def _pending_lent_accelerators(self, per_replica: int) -> int:

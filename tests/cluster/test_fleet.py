@@ -143,3 +143,22 @@ def test_ray_job_submit_runs_rayfleet_against_the_fleet(local_fleet):
     logs = client.get_job_logs(job)
     assert status == JobStatus.SUCCEEDED, logs
     assert all(f"n000{i}" in logs for i in range(NUM_NODES)) and "healthy" in logs
+
+
+def test_the_fleets_log_monitors_scan_for_new_files_every_two_seconds(local_fleet):
+    """Four raylets share this host: their log monitors got ``shared_host_log_monitor_env`` from
+    the launcher (each re-globbed its log directory ten times a second before)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if "log_monitor.py" not in cmdline:
+            continue
+        try:
+            env = proc.environ()
+        except psutil.Error:
+            continue
+        if env.get("RAY_ADDRESS") == local_fleet.address:
+            found.append((env.get("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"), env.get("LOG_NAME_UPDATE_INTERVAL_S")))
+    assert len(found) == NUM_NODES and set(found) == {("0", "2")}, found

@@ -236,31 +236,47 @@ class LoadWindow:
 
 def pool_replica_ids(app_name: str, deployment: str) -> set[str]:
     """Serve's unique ids of the live replicas of ``deployment`` in ``app_name`` (what vLLM puts
-    in ``ReplicaId``): replica actors are named ``SERVE_REPLICA::<app>#<deployment>#<id>``."""
+    in ``ReplicaId``): replica actors are named ``SERVE_REPLICA::<app>#<deployment>#<id>``.
+    From the GCS's table of named actors (a dead actor's name is freed), not the state API's
+    list of every actor, which goes through the dashboard and cost far more every tick."""
     import ray
-    from ray.util.state import list_actors
 
     prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
-    # This cluster's address: with another Ray instance on the host, "auto" is ambiguous.
-    alive = list_actors(address=ray.get_runtime_context().gcs_address, filters=[("state", "=", "ALIVE")],
-                        limit=10000)
-    return {a.name[len(prefix):] for a in alive if (a.name or "").startswith(prefix)}
+    named_actors = ray.util.list_named_actors(all_namespaces=True)
+    return {a["name"][len(prefix):] for a in named_actors if a["name"].startswith(prefix)}
+
+
+POOL_LOAD_METRICS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                     "time_to_first_token_seconds_bucket", "serve_replica_processing_queries")
+"""The series ``replica_samples`` reads: the scrape parses only these."""
 
 
 class VLLMPoolLoadSource:
     """The shell's load source for a vLLM pool (thin: scrape, list replicas, call the pure part)."""
 
-    def __init__(self, app_name: str, deployment: str, *, window_s: float) -> None:
+    def __init__(self, app_name: str, deployment: str, *, window_s: float, min_interval_s: float | None = None) -> None:
         self.app_name, self.deployment = app_name, deployment
         self.window = LoadWindow(window_s)
+        self.min_interval_s = min_interval_s  # None: the cluster's metrics export interval
+        self._last: tuple[float, tuple[dict, dict[str, float]]] | None = None
 
     def sample(self) -> tuple[dict, dict[str, float]]:
-        """``(load, kv_usage_by_replica)`` as ``serve_observation`` takes them."""
+        """``(load, kv_usage_by_replica)`` as ``serve_observation`` takes them. Scraped at most
+        once per metrics export interval: between two exports the endpoints hold the same values
+        (the shell ticks every second; Ray exports every 10 s by default), so a tick in between
+        gets the last scrape's figures."""
         import time
 
+        from rayfleet.platform.ray_compat import metrics_export_interval_s
         from rayfleet.serving.vllm.prometheus_scrape import scrape_vllm_metrics
 
+        now = time.monotonic()
+        if self.min_interval_s is None:
+            self.min_interval_s = metrics_export_interval_s()
+        if self._last is not None and now - self._last[0] < self.min_interval_s:
+            return self._last[1]
         replicas = pool_replica_ids(self.app_name, self.deployment)
-        samples = scrape_vllm_metrics(contains="", timeout_s=5.0)  # vLLM's and Serve's (see module doc)
-        load = self.window.add(time.monotonic(), replica_samples(samples, replicas), live=replicas)
-        return load.as_load(), dict(load.kv_usage_by_replica)
+        samples = scrape_vllm_metrics(contains="", names=POOL_LOAD_METRICS, timeout_s=5.0)  # vLLM's and Serve's
+        load = self.window.add(now, replica_samples(samples, replicas), live=replicas)
+        self._last = (now, (load.as_load(), dict(load.kv_usage_by_replica)))
+        return self._last[1]

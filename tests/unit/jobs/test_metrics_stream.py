@@ -88,3 +88,35 @@ def test_run_plot_is_a_png_beside_the_metrics(tmp_path) -> None:
     assert list(loss_ax.lines[0].get_xdata()) == list(range(1, 8))
     assert list(speed_ax.lines[0].get_ydata()) == [1000.0 + s for s in range(1, 8)]
     assert write_run_plot(str(tmp_path / "empty-run")) is None
+
+
+def test_polled_flag_long_polls_back_to_back_and_backs_off_a_failing_poll() -> None:
+    calls: list[float] = []
+
+    def gone() -> bool:  # the signal's actor died with its formation
+        calls.append(time.monotonic())
+        raise RuntimeError("actor died")
+
+    flag = PolledFlag(gone, period_s=0.0)
+    time.sleep(0.5)
+    flag.close()
+    assert 1 <= len(calls) <= 2 and flag() is False  # not a hot loop of failing calls
+
+
+def test_elastic_signal_answers_a_waiting_rank_when_raised_and_not_before() -> None:
+    import asyncio
+
+    from rayfleet.jobs.elastic.formation import ElasticSignal
+
+    async def scenario() -> tuple[bool, bool, float, bool]:
+        signal = ElasticSignal()
+        quiet = await signal.wait_stop(0.05)
+        waiting = asyncio.ensure_future(signal.wait_stop(30.0))
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        await signal.set("grow to 2 workers")
+        raised = await waiting
+        return quiet, raised, time.monotonic() - started, await signal.should_stop()
+
+    quiet, raised, seconds, should_stop = asyncio.run(scenario())
+    assert quiet is False and raised is True and should_stop is True and seconds < 1.0

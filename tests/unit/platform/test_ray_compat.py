@@ -70,3 +70,11 @@ def test_the_auth_token_is_created_once_when_many_writers_race_for_it(tmp_path):
     assert len(token) >= 16 and "\n" not in token
     assert [p.name for p in path.parent.iterdir()] == ["auth_token"]  # no temporary files left
     assert ray_compat.generate_auth_token(path) is False and path.read_text() == token  # never overwritten
+
+
+def test_shared_host_log_monitor_scans_every_two_seconds_unless_the_environment_says_otherwise():
+    from rayfleet.platform.ray_compat import shared_host_log_monitor_env
+
+    assert shared_host_log_monitor_env({}) == {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+                                               "LOG_NAME_UPDATE_INTERVAL_S": "2"}
+    assert shared_host_log_monitor_env({"LOG_NAME_UPDATE_INTERVAL_S": "0.5"})["LOG_NAME_UPDATE_INTERVAL_S"] == "0.5"

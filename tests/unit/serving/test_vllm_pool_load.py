@@ -170,3 +170,54 @@ def test_serve_observation_takes_a_vllm_pools_load():
                                                                                 max_replicas=2))
     assert (obs.desired_replicas, obs.queue_depth, obs.kv_usage) == (2, 2.0, 0.3)
     assert math.isclose(obs.ttft_p95_s, 0.5 + 2.0 * 0.95)
+
+
+_ENDPOINT = """# HELP ray_vllm:num_requests_running Number of requests in model execution batches.
+# TYPE ray_vllm:num_requests_running gauge
+ray_vllm:num_requests_running{ReplicaId="r1",engine="0"} 2.0
+# HELP ray_vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE ray_vllm:time_to_first_token_seconds histogram
+ray_vllm:time_to_first_token_seconds_bucket{ReplicaId="r1",le="0.5"} 3.0
+ray_vllm:time_to_first_token_seconds_bucket{ReplicaId="r1",le="+Inf"} 4.0
+ray_vllm:time_to_first_token_seconds_sum{ReplicaId="r1"} 1.5
+ray_vllm:time_to_first_token_seconds_count{ReplicaId="r1"} 4.0
+# HELP ray_vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE ray_vllm:generation_tokens_total counter
+ray_vllm:generation_tokens_total{ReplicaId="r1",note="num_requests_running"} 99.0
+# HELP ray_serve_replica_processing_queries The current number of queries being processed.
+# TYPE ray_serve_replica_processing_queries gauge
+ray_serve_replica_processing_queries{replica="r1"} 1.0
+# HELP ray_node_cpu_utilization Total CPU usage.
+# TYPE ray_node_cpu_utilization gauge
+ray_node_cpu_utilization{ip="127.0.0.1"} 3.0
+"""
+
+
+def test_the_pool_scrape_parses_only_the_series_it_reads_and_reads_the_same_load():
+    from rayfleet.serving.vllm.pool_load import POOL_LOAD_METRICS
+
+    every = parse_samples(_ENDPOINT, contains="")
+    only = parse_samples(_ENDPOINT, contains="", names=POOL_LOAD_METRICS)
+    assert {s.name for s in only} == {"ray_vllm:num_requests_running", "ray_vllm:time_to_first_token_seconds_bucket",
+                                      "ray_serve_replica_processing_queries"}  # a label naming one does not count
+    assert replica_samples(only, {"r1"}) == replica_samples(every, {"r1"})
+    assert len(every) == 8 and parse_samples(_ENDPOINT) == [s for s in every if "vllm" in s.name]
+
+
+def test_the_pool_load_source_scrapes_once_per_metrics_export(monkeypatch):
+    import rayfleet.serving.vllm.pool_load as pool_load_module
+    import rayfleet.serving.vllm.prometheus_scrape as scrape_module
+
+    scrapes = []
+    monkeypatch.setattr(pool_load_module, "pool_replica_ids", lambda app, dep: {"r1"})
+    monkeypatch.setattr(scrape_module, "scrape_vllm_metrics",
+                        lambda **kw: scrapes.append(kw) or parse_samples(_ENDPOINT, contains="", names=kw["names"]))
+    clock = [100.0]
+    monkeypatch.setattr("time.monotonic", lambda: clock[0])
+    source = pool_load_module.VLLMPoolLoadSource("app", "Decode", window_s=10.0, min_interval_s=2.0)
+    first = source.sample()
+    clock[0] += 1.0
+    assert source.sample() == first and len(scrapes) == 1  # between two exports: the same figures
+    clock[0] += 1.5
+    source.sample()
+    assert len(scrapes) == 2 and first[0]["in_flight"] == 2
