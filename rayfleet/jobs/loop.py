@@ -90,23 +90,18 @@ def loss_scale(averaging: LossAveraging, *, local_tokens: int, global_tokens: in
 
 
 class PolledFlag:
-    """A boolean that a daemon thread refreshes from ``poll()`` every ``period_s``; reading it
-    never blocks. For stop signals that live in another process: asking them every step puts a
-    round trip on the step's path; this puts at most ``period_s`` on the stop's. With a ``poll``
-    that itself waits for the signal (a long poll), ``period_s=0``. A poll that raises is retried
-    after ``max(period_s, 1 s)``."""
+    """A boolean a daemon thread refreshes from ``poll()`` every ``period_s`` (0 for a long poll;
+    a raising poll is retried after 1 s); reading it never blocks: a stop signal in another
+    process costs the step no round trip, the stop at most ``period_s``."""
 
     def __init__(self, poll: Callable[[], bool], *, period_s: float = 0.5) -> None:
-        self._poll, self._period_s, self.value = poll, period_s, False
-        self._done = threading.Event()
+        self._poll, self._period_s, self.value, self._done = poll, period_s, False, threading.Event()
         threading.Thread(target=self._run, name="rayfleet-stop-poll", daemon=True).start()
 
-    def _run(self) -> None:
-        wait_s = self._period_s
-        while not self.value and not self._done.wait(wait_s):
+    def _run(self, wait_s: float = 0.0) -> None:
+        while not self.value and not self._done.wait(wait_s or self._period_s):
             try:
-                self.value = bool(self._poll())
-                wait_s = self._period_s
+                self.value, wait_s = bool(self._poll()), 0.0
             except Exception as exc:  # noqa: BLE001 - the signal's owner went away: keep training
                 print(f"rayfleet: stop signal unreadable ({exc})", flush=True)
                 wait_s = max(self._period_s, 1.0)
