@@ -41,34 +41,33 @@ SIGNAL_LONG_POLL_S = 30.0  # how long one ``wait_stop`` call waits before answer
 
 
 class ElasticSignal:
-    """A flag the driver raises and every rank waits on (a ``num_cpus=0`` asyncio Ray actor)."""
+    """A flag the driver raises and every rank waits on (a ``num_cpus=0`` Ray actor; asyncio
+    for ``wait_stop``, while ``set`` and ``should_stop`` stay plain calls, as tests use them)."""
 
     def __init__(self) -> None:
         self.reason = ""
-        self._raised: Any = None  # an asyncio.Event, made in the actor's event loop
+        self._loop: Any = None  # the actor's event loop, and an asyncio.Event on it, made by wait_stop
+        self._raised: Any = None
 
-    def _event(self) -> Any:
-        import asyncio
-
-        if self._raised is None:
-            self._raised = asyncio.Event()
-        return self._raised
-
-    async def set(self, reason: str) -> None:
+    def set(self, reason: str) -> None:
         self.reason = reason
-        self._event().set()
+        if self._raised is not None:  # wake the waiting ranks (from whichever thread runs this)
+            self._loop.call_soon_threadsafe(self._raised.set)
 
-    async def should_stop(self) -> bool:
+    def should_stop(self) -> bool:
         return bool(self.reason)
 
     async def wait_stop(self, timeout_s: float = SIGNAL_LONG_POLL_S) -> bool:
         """Whether the flag is raised, answered when it is raised or after ``timeout_s``."""
         import asyncio
 
-        try:
-            await asyncio.wait_for(self._event().wait(), timeout_s)
-        except asyncio.TimeoutError:
-            pass
+        if self._raised is None:
+            self._loop, self._raised = asyncio.get_running_loop(), asyncio.Event()
+        if not self.reason:
+            try:
+                await asyncio.wait_for(self._raised.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
         return bool(self.reason)
 
 

@@ -114,9 +114,9 @@ def test_elastic_signal_answers_a_waiting_rank_when_raised_and_not_before() -> N
         waiting = asyncio.ensure_future(signal.wait_stop(30.0))
         await asyncio.sleep(0.05)
         started = time.monotonic()
-        await signal.set("grow to 2 workers")
+        signal.set("grow to 2 workers")
         raised = await waiting
-        return quiet, raised, time.monotonic() - started, await signal.should_stop()
+        return quiet, raised, time.monotonic() - started, signal.should_stop()
 
     quiet, raised, seconds, should_stop = asyncio.run(scenario())
     assert quiet is False and raised is True and should_stop is True and seconds < 1.0
