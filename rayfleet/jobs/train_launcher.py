@@ -212,15 +212,16 @@ def accelerator_reservation(launch: TrainLaunch, *, timeout_s: float = RESERVATI
 
 
 class _MetricsPrinter:
-    """Drains rank 0's metrics queue in the driver: logs each row, keeps the last, calls ``on_step``.
+    """Drains rank 0's rows from the formation's control actor in the driver: logs each row,
+    keeps the last, calls ``on_step``.
 
-    Rank 0 pushes each step's metrics to the queue and the driver prints them: worker stdout
+    Rank 0 sends each step's metrics to the control actor and the driver prints them: worker stdout
     reaches a job's log only through Ray's log streaming, which may still be in flight when the
     job ends, while the driver's own stdout is the job log ``rayfleet train`` and the SDK follow.
     """
 
-    def __init__(self, queue: Any, *, log: Callable[[str], None], on_step: Callable[[dict], None] | None) -> None:
-        self.queue, self.log, self.on_step = queue, log, on_step
+    def __init__(self, control: Any, *, log: Callable[[str], None], on_step: Callable[[dict], None] | None) -> None:
+        self.control, self.log, self.on_step = control, log, on_step
         self.last: dict[str, Any] = {}
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._drain, name="rayfleet-metrics", daemon=True)
@@ -234,43 +235,62 @@ class _MetricsPrinter:
         self._thread.join(timeout=30)
 
     def _drain(self) -> None:
-        from rayfleet.jobs.training_run import format_metrics_line
+        import ray
 
         while True:
-            try:
-                row = self.queue.get(timeout=0.5)
-            except Exception:  # noqa: BLE001 - Empty (or the queue actor gone): poll again or stop
-                try:
-                    if self._done.is_set() and self.queue.empty():
-                        return
-                except Exception:  # noqa: BLE001 - the queue actor died with its node: nothing left to drain
+            done = self._done.is_set()  # read before the last take: nothing put before it is missed
+            try:  # a long poll: answered as soon as a row arrives
+                rows = ray.get(self.control.take.remote(0.0 if done else 0.5), timeout=60)
+            except Exception:  # noqa: BLE001 - the control actor died with its node: nothing left to drain
+                if done or self._done.wait(1.0):
                     return
                 continue
-            if "restored_from" in row:
-                self.log(f"rayfleet checkpoint: restored step {row.pop('restored_step')} from "
-                         f"{row.pop('restored_from')} ({row.pop('restore_reason', '') or 'snapshot verified on every rank'})")
-            self.last.update(row)
-            self.log(format_metrics_line(row))
-            if self.on_step is not None:
-                self.on_step(row)
+            for row in rows:
+                self._show(row)
+            if done and not rows:
+                return
+
+    def _show(self, row: dict[str, Any]) -> None:
+        from rayfleet.jobs.training_run import format_metrics_line
+
+        if "restored_from" in row:
+            self.log(f"rayfleet checkpoint: restored step {row.pop('restored_step')} from "
+                     f"{row.pop('restored_from')} ({row.pop('restore_reason', '') or 'snapshot verified on every rank'})")
+        self.last.update(row)
+        self.log(format_metrics_line(row))
+        if self.on_step is not None:
+            self.on_step(row)
+
+
+def new_formation_control() -> Any:
+    """A formation's control actor (metrics rows and stop flag; ``jobs.formation_control``) on the
+    driver's node."""
+    import ray
+
+    from rayfleet.jobs.formation_control import FormationControl
+
+    return ray.remote(FormationControl).options(**driver_node_actor_options()).remote()
 
 
 def fit_once(launch: TrainLaunch, *, loop: LoopConfig, checkpoint: CheckpointSettings | None, run_dir: str,
-             max_failures: int, log, stop_signal: Any = None, on_trainer_start=None, on_step=None) -> dict[str, Any]:
+             max_failures: int, log, control: Any = None, watch_stop: bool = False, on_trainer_start=None,
+             on_step=None) -> dict[str, Any]:
     """One Ray Train ``fit`` of ``launch``; returns the last metrics (raises the run's error).
     ``loop`` / ``checkpoint``: the job's slices every worker runs with (pickled, not re-validated).
-    ``on_step(metrics)`` is called in the driver for every step rank 0 reports."""
+    ``control``: the formation's control actor (made here if None); ``watch_stop``: every rank
+    follows its stop flag (elastic formations). ``on_step(metrics)`` is called in the driver for
+    every step rank 0 reports."""
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
-    from ray.util.queue import Queue
 
     from rayfleet.jobs.worker_entry import train_loop_per_worker
+    from rayfleet.platform.ray_compat import without_unused_datasets
 
     log(f"rayfleet train: {launch.describe()}")
-    metrics_queue = Queue(actor_options=driver_node_actor_options())
+    control = control if control is not None else new_formation_control()
     config = {"loop": loop, "checkpoint": checkpoint, "plan": launch.plan, "slots": launch.slots,
-              "run_dir": run_dir, "metrics_queue": metrics_queue, "stop_signal": stop_signal}
-    trainer = TorchTrainer(
+              "run_dir": run_dir, "control": control, "watch_stop": watch_stop}
+    trainer = without_unused_datasets(TorchTrainer)(
         train_loop_per_worker,
         train_loop_config=config,
         # Ray Train's own group only bootstraps the workers: each one re-forms the default group
@@ -282,7 +302,7 @@ def fit_once(launch: TrainLaunch, *, loop: LoopConfig, checkpoint: CheckpointSet
                                        failure_config=ray.train.FailureConfig(max_failures=max_failures)),
     )
     with accelerator_reservation(launch):
-        printer = _MetricsPrinter(metrics_queue, log=log, on_step=on_step).start()
+        printer = _MetricsPrinter(control, log=log, on_step=on_step).start()
         if on_trainer_start is not None:
             on_trainer_start(launch)
         try:

@@ -81,10 +81,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if pacer.due(max(metrics["step_time_s_per_rank"])):  # the same answer on every rank
             ray.train.report({k: v for k, v in row.items() if isinstance(v, (int, float))})
 
-    stop_signal = config.get("stop_signal")  # elastic jobs: the driver asks all ranks to stop to re-form
+    control = config.get("control")  # elastic jobs: the driver asks all ranks to stop to re-form
     # A long poll: each call returns when the driver raises the flag, or after 30 s (no wait between)
-    should_stop = (PolledFlag(lambda: ray.get(stop_signal.wait_stop.remote()), period_s=0.0)
-                   if stop_signal is not None else None)
+    should_stop = (PolledFlag(lambda: ray.get(control.wait_stop.remote()), period_s=0.0)
+                   if control is not None and config.get("watch_stop") else None)
     try:
         train_worker(loop, plan, report=report, hooks=[health, hooks], should_stop=should_stop)
     finally:
@@ -137,13 +137,16 @@ def cpu_threads_per_worker(workers_on_node: int, env: dict[str, str] | None = No
 
 
 def _metric_sinks(config: dict[str, Any], *, job: str, writer: Any) -> list:
-    """Where rank 0's step rows go: the driver's queue (else the log), Parquet, Ray metrics."""
+    """Where rank 0's step rows go: the driver (its formation's control actor; else the log),
+    Parquet, Ray metrics."""
+    import ray
+
     from rayfleet.jobs.train_metrics import export_ray_metrics
     from rayfleet.jobs.training_run import format_metrics_line
 
-    queue = config.get("metrics_queue")
-    to_driver = ((lambda row: queue.put({k: v for k, v in row.items() if not hasattr(v, "shape")}))
-                 if queue is not None else (lambda row: print(format_metrics_line(row), flush=True)))
+    control = config.get("control")
+    to_driver = ((lambda row: ray.get(control.put.remote({k: v for k, v in row.items() if not hasattr(v, "shape")})))
+                 if control is not None else (lambda row: print(format_metrics_line(row), flush=True)))
     return [to_driver, writer.write, lambda row: export_ray_metrics(row, job=job)]
 
 

@@ -4,7 +4,8 @@ Design decisions:
 - rayfleet needs a few things Ray 2.60 offers only privately: the per-node view of free
   resources, the dashboard address of the connected cluster, a placement group handle from its
   id (to remove groups listed by the state API), token-authentication setup, the running
-  Serve proxy's HTTP address, and a ``ray start`` that keeps a loopback node address. Each gets one small public function here, so an upgrade of Ray
+  Serve proxy's HTTP address, a ``ray start`` that keeps a loopback node address, and a Ray
+  Train trainer without its Ray Data machinery when a job passes no Ray Dataset. Each gets one small public function here, so an upgrade of Ray
   breaks one file with one obvious fix, not six call sites.
 - Every import is inside its function: importing this module costs nothing and does not import
   Ray (the CLI's fast paths and the unit tests rely on that).
@@ -20,7 +21,7 @@ __all__ = [
     "dashboard_url", "available_resources_per_node", "placement_group_from_hex",
     "default_auth_token_path", "generate_auth_token", "enable_token_auth", "serve_proxy_address",
     "keep_loopback_node_ip", "LOOPBACK_FLEET_ENV", "shared_host_log_monitor_env",
-    "metrics_export_interval_s",
+    "metrics_export_interval_s", "without_unused_datasets",
 ]
 
 
@@ -164,3 +165,26 @@ def serve_proxy_address() -> tuple[str, int]:
 
     config = ray.get(_get_global_client()._controller.get_http_config.remote())
     return config.host, config.port
+
+
+def without_unused_datasets(trainer_cls: type) -> type:
+    """``trainer_cls`` (a Ray Train v2 trainer, e.g. ``TorchTrainer``) that leaves out Ray
+    Train's datasets callback when the run is given no Ray Dataset.
+
+    With no dataset that callback still starts a ``DatasetManager`` actor per run (a process that
+    imports Ray Data: about 2.5 CPU s on a 2-core host, each of 50-odd jobs in the test suite) and
+    sends every worker Ray Data's context (which imports Ray Data there too). rayfleet's workers
+    read their token shards themselves, so the run never asks for a dataset shard. With datasets
+    the class behaves as Ray's.
+    """
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+    class _Trainer(trainer_cls):  # type: ignore[misc, valid-type]
+        def _create_default_callbacks(self):
+            callbacks = super()._create_default_callbacks()
+            if self.datasets:
+                return callbacks
+            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+
+    _Trainer.__name__ = _Trainer.__qualname__ = trainer_cls.__name__
+    return _Trainer

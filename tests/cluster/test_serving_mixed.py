@@ -141,8 +141,10 @@ def _expected_hashes(dataset: str, spec: dict, last: int) -> dict[int, int]:
 
 
 def _assert_control_actors_on_the_driver_node(dashboard_url: str) -> None:
-    """The job's elastic signal and metrics queue live where Ray Train's controller does (the
-    driver's node), never on a worker node whose loss would orphan them from a running job."""
+    """The job's control actor (stop flag and metrics rows) lives where Ray Train's controller does
+    (the driver's node), never on a worker node whose loss would orphan it from a running job; and
+    it is the only one (no separate metrics queue, no Ray Data dataset manager: the job has no Ray
+    Dataset)."""
     from ray.util.state import list_actors
 
     def nodes(class_name: str) -> set:
@@ -151,8 +153,8 @@ def _assert_control_actors_on_the_driver_node(dashboard_url: str) -> None:
 
     controller = nodes("TrainController")
     assert len(controller) == 1, controller
-    assert nodes("ElasticSignal") == controller and nodes("_QueueActor") == controller, \
-        (nodes("ElasticSignal"), nodes("_QueueActor"), controller)
+    assert nodes("FormationControl") == controller, (nodes("FormationControl"), controller)
+    assert not nodes("_QueueActor") and not nodes("DatasetManager"), (nodes("_QueueActor"), nodes("DatasetManager"))
 
 
 def test_the_shared_autoscaler_lends_a_p800_from_training_to_the_decode_pool(local_fleet, mixed_app, dataset,

@@ -9,11 +9,10 @@ Design decisions:
     so the watcher aborts the run by SIGKILLing this job's Train controller (it runs on the
     driver's node), and afterwards the driver removes the placement group the controller was
     still trying to place (else, once the node returns, it would hold its accelerators forever);
-  * the fleet could hold a larger formation, or the autoscaler resized the job: the formation's
-    ``ElasticSignal`` (a ``num_cpus=0`` asyncio actor) is raised and all ranks stop after the
-    same step (the flash hook flushes the newest state to storage). Each rank's flag thread waits
-    on it (``wait_stop``, a long poll answered the moment it is raised), not asks it twice a second:
-    asked, it cost 17 CPU s through one 8-minute lend on 2 cores, and the stop was seen up to 0.5 s late.
+  * the fleet could hold a larger formation, or the autoscaler resized the job: the stop flag of
+    the formation's control actor (``jobs.formation_control``, which also carries rank 0's
+    metrics rows) is raised and all ranks stop after the same step (the flash hook flushes the
+    newest state to storage). Each rank's flag thread long-polls it, answered the moment it is raised.
 - The watcher is a daemon thread; its decision each second is ``elastic.policy.watch_formation``.
 """
 
@@ -31,48 +30,14 @@ from rayfleet.jobs.elastic.policy import EndKind, FormationEnd, free_accelerator
 from rayfleet.platform import labels as L
 from rayfleet.platform.fleet_events import record_fleet_event
 
-__all__ = ["ElasticSignal", "RayFormations", "run_training", "kill_train_controller",
+__all__ = ["RayFormations", "run_training", "kill_train_controller",
            "remove_orphan_placement_groups"]
 
 WATCH_INTERVAL_S = 1.0
 
 
-SIGNAL_LONG_POLL_S = 30.0  # how long one ``wait_stop`` call waits before answering "not yet"
-
-
-class ElasticSignal:
-    """A flag the driver raises and every rank waits on (a ``num_cpus=0`` Ray actor; asyncio
-    for ``wait_stop``, while ``set`` and ``should_stop`` stay plain calls, as tests use them)."""
-
-    def __init__(self) -> None:
-        self.reason = ""
-        self._loop: Any = None  # the actor's event loop, and an asyncio.Event on it, made by wait_stop
-        self._raised: Any = None
-
-    def set(self, reason: str) -> None:
-        self.reason = reason
-        if self._raised is not None:  # wake the waiting ranks (from whichever thread runs this)
-            self._loop.call_soon_threadsafe(self._raised.set)
-
-    def should_stop(self) -> bool:
-        return bool(self.reason)
-
-    async def wait_stop(self, timeout_s: float = SIGNAL_LONG_POLL_S) -> bool:
-        """Whether the flag is raised, answered when it is raised or after ``timeout_s``."""
-        import asyncio
-
-        if self._raised is None:
-            self._loop, self._raised = asyncio.get_running_loop(), asyncio.Event()
-        if not self.reason:
-            try:
-                await asyncio.wait_for(self._raised.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                pass
-        return bool(self.reason)
-
-
 class _SignalRef:
-    """The driver's handle on a formation's ``ElasticSignal`` actor (``set`` waits for it)."""
+    """The driver's handle on a formation's stop flag (its ``FormationControl`` actor; ``set`` waits for it)."""
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
@@ -205,10 +170,10 @@ class RayFormations:
             on_step: Callable[[dict], None] | None) -> FormationOutcome:
         import ray
 
-        from rayfleet.jobs.train_launcher import driver_node_actor_options, fit_once
+        from rayfleet.jobs.train_launcher import fit_once, new_formation_control
 
-        actor = ray.remote(ElasticSignal).options(**driver_node_actor_options()).remote() if watch else None
-        stop_signal = _SignalRef(actor) if actor is not None else None
+        control = new_formation_control()  # rank 0's rows, and the stop flag when watched
+        stop_signal = _SignalRef(control) if watch else None
         shell = self.shell
         watcher = _Watcher(self.job, launch, stop_signal, self.log,
                            grows_itself=lambda: shell is None or not shell.manages_growth) if watch else None
@@ -230,7 +195,7 @@ class RayFormations:
         try:
             metrics = fit_once(launch, loop=self.job.loop, checkpoint=self.job.checkpoint, run_dir=run_dir,
                                max_failures=self.max_failures, log=self.log,
-                               stop_signal=actor, on_trainer_start=started if watcher else None,
+                               control=control, watch_stop=watch, on_trainer_start=started if watcher else None,
                                on_step=stepped if watcher or ticket else on_step)
         except Exception as exc:  # noqa: BLE001 - the driver decides (node lost: re-plan; else: fail)
             return FormationOutcome(end=self._stop(watcher), error=exc)

@@ -18,7 +18,7 @@ import pytest
 from rayfleet.errors import RayfleetError, SpecError
 from rayfleet.jobs.elastic.driver import ElasticDriver, FormationOutcome
 from rayfleet.jobs.elastic.policy import DriverState as S, EndKind, FormationEnd
-from rayfleet.jobs.elastic.formation import ElasticSignal
+from rayfleet.jobs.formation_control import FormationControl
 from rayfleet.jobs.spec import TrainJobSpec
 from rayfleet.jobs.train_job import TrainJob, train_job
 from rayfleet.jobs.train_launcher import prepare_formation
@@ -44,7 +44,7 @@ class FakeFleet:
         self.runs: list[tuple[int, str, bool]] = []
         self.events: list[tuple[str, str, dict]] = []
         self.cleanups = 0
-        self.signals: list[ElasticSignal | None] = []
+        self.signals: list[FormationControl | None] = []
 
     def observe(self) -> tuple:
         return FleetTopology(tuple(self.nodes)), set(), set()
@@ -54,7 +54,7 @@ class FakeFleet:
 
     def run(self, launch, *, run_dir, watch, on_start, on_step) -> FormationOutcome:
         self.runs.append((launch.layout.world_size, run_dir, watch))
-        signal = ElasticSignal() if watch else None
+        signal = FormationControl() if watch else None
         self.signals.append(signal)
         on_start(signal)
         return self.script.pop(0)(self, launch, signal, on_step or (lambda row: None))

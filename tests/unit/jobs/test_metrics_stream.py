@@ -103,13 +103,13 @@ def test_polled_flag_long_polls_back_to_back_and_backs_off_a_failing_poll() -> N
     assert 1 <= len(calls) <= 2 and flag() is False  # not a hot loop of failing calls
 
 
-def test_elastic_signal_answers_a_waiting_rank_when_raised_and_not_before() -> None:
+def test_formation_control_answers_a_waiting_rank_when_raised_and_not_before() -> None:
     import asyncio
 
-    from rayfleet.jobs.elastic.formation import ElasticSignal
+    from rayfleet.jobs.formation_control import FormationControl
 
     async def scenario() -> tuple[bool, bool, float, bool]:
-        signal = ElasticSignal()
+        signal = FormationControl()
         quiet = await signal.wait_stop(0.05)
         waiting = asyncio.ensure_future(signal.wait_stop(30.0))
         await asyncio.sleep(0.05)
@@ -120,3 +120,29 @@ def test_elastic_signal_answers_a_waiting_rank_when_raised_and_not_before() -> N
 
     quiet, raised, seconds, should_stop = asyncio.run(scenario())
     assert quiet is False and raised is True and should_stop is True and seconds < 1.0
+
+
+def test_formation_control_hands_the_driver_every_waiting_row_in_order_as_soon_as_one_arrives() -> None:
+    import asyncio
+    import threading
+
+    from rayfleet.jobs.formation_control import FormationControl
+
+    async def scenario() -> tuple[list, list, float, list, list]:
+        control = FormationControl()
+        empty = await control.take(0.05)
+        waiting = asyncio.ensure_future(control.take(30.0))
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        # rank 0's puts come from another thread (the actor's method runs off this loop)
+        threading.Thread(target=lambda: [control.put({"step": s}) for s in (1, 2, 3)]).start()
+        first = await waiting
+        seconds = time.monotonic() - started
+        await asyncio.sleep(0.05)
+        rest = await control.take(0.05)
+        after = await control.take(0.05)
+        return empty, first, seconds, rest, after
+
+    empty, first, seconds, rest, after = asyncio.run(scenario())
+    assert empty == [] and after == [] and seconds < 1.0
+    assert [r["step"] for r in first + rest] == [1, 2, 3]  # none lost, none twice, in order
