@@ -69,6 +69,8 @@ REQUEST_ROUTERS: dict[str, str | None] = {
     "power_of_two": None,
 }
 RAYFLEET_SERVER = "rayfleet.serving.vllm.server.RayfleetLLMServer"  # publishes what the rayfleet router reads
+# Skips Serve LLM's per-node model "download" for a directory already on the replica's node (node_init)
+NODE_INIT_CALLBACK = "rayfleet.serving.vllm.node_init.LocalModelCallback"
 RAYFLEET_INGRESS = "rayfleet.serving.vllm.ingress.RayfleetOpenAiIngress"  # Serve LLM's ingress + rayfleet's API keys
 ROUTING_STATS_PERIOD_S = 1.0  # how often Serve polls replicas' routing stats (Serve's default: 10 s)
 
@@ -284,6 +286,7 @@ def llm_config_fields(spec: ServeSpec, role: str) -> dict[str, Any]:
                               "deployment_config": deployment,
                               "engine_kwargs": engine_kwargs(spec, role),
                               "runtime_env": _runtime_env(spec),
+                              "callback_config": {"callback_class": NODE_INIT_CALLBACK},
                               "log_engine_metrics": True}
     if request_router_name(spec) == "rayfleet":
         fields["server_cls"] = RAYFLEET_DP_SERVER if pool.is_data_parallel else RAYFLEET_SERVER

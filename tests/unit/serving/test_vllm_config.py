@@ -247,3 +247,22 @@ def test_examples_parse_and_round_trip(tmp_path):
         again = tmp_path / path.name
         again.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
         assert load_serve_spec(again) == spec
+
+
+def test_node_initialization_is_skipped_only_for_a_local_directory_on_a_one_node_group(tmp_path):
+    """Serve LLM's per-node model "download" (a task process per engine start) is skipped when it
+    would download nothing: the model is a directory here and the replica's group is on this node."""
+    from rayfleet.serving.vllm.config import NODE_INIT_CALLBACK
+    from rayfleet.serving.vllm.node_init import CALLBACK_CLASS, LocalModelCallback, skips_node_init
+
+    cfg = llm_config_fields(_spec(), "colocated")
+    assert cfg["callback_config"] == {"callback_class": NODE_INIT_CALLBACK} and NODE_INIT_CALLBACK == CALLBACK_CLASS
+    assert LocalModelCallback.__name__ == CALLBACK_CLASS.rsplit(".", 1)[1]
+    here = str(tmp_path)
+    assert skips_node_init(here, ["n1", "n1"], "n1")
+    assert not skips_node_init(here, ["n1", "n2"], "n1")  # a group across nodes: each must be initialized
+    assert not skips_node_init(here, ["n2"], "n1")
+    assert not skips_node_init(here, [], "n1")
+    assert not skips_node_init("Qwen/Qwen3-0.6B", ["n1"], "n1")  # a hub id: downloaded
+    assert not skips_node_init("s3://bucket/model", ["n1"], "n1")
+    assert not skips_node_init(str(tmp_path / "absent"), ["n1"], "n1")
