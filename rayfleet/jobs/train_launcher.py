@@ -284,13 +284,13 @@ def fit_once(launch: TrainLaunch, *, loop: LoopConfig, checkpoint: CheckpointSet
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from rayfleet.jobs.worker_entry import train_loop_per_worker
-    from rayfleet.platform.ray_compat import without_unused_datasets
+    from rayfleet.platform.ray_compat import without_helper_actors
 
     log(f"rayfleet train: {launch.describe()}")
     control = control if control is not None else new_formation_control()
     config = {"loop": loop, "checkpoint": checkpoint, "plan": launch.plan, "slots": launch.slots,
               "run_dir": run_dir, "control": control, "watch_stop": watch_stop}
-    trainer = without_unused_datasets(TorchTrainer)(
+    trainer = without_helper_actors(TorchTrainer)(
         train_loop_per_worker,
         train_loop_config=config,
         # Ray Train's own group only bootstraps the workers: each one re-forms the default group

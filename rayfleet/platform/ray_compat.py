@@ -5,7 +5,8 @@ Design decisions:
   resources, the dashboard address of the connected cluster, a placement group handle from its
   id (to remove groups listed by the state API), token-authentication setup, the running
   Serve proxy's HTTP address, a ``ray start`` that keeps a loopback node address, and a Ray
-  Train trainer without its Ray Data machinery when a job passes no Ray Dataset. Each gets one small public function here, so an upgrade of Ray
+  Train trainer without the helper actors a rayfleet job does not need, and the base class of
+  Serve LLM's node-initialization callbacks. Each gets one small public function here, so an upgrade of Ray
   breaks one file with one obvious fix, not six call sites.
 - Every import is inside its function: importing this module costs nothing and does not import
   Ray (the CLI's fast paths and the unit tests rely on that).
@@ -21,7 +22,7 @@ __all__ = [
     "dashboard_url", "available_resources_per_node", "placement_group_from_hex",
     "default_auth_token_path", "generate_auth_token", "enable_token_auth", "serve_proxy_address",
     "keep_loopback_node_ip", "LOOPBACK_FLEET_ENV", "shared_host_log_monitor_env",
-    "metrics_export_interval_s", "without_unused_datasets",
+    "metrics_export_interval_s", "without_helper_actors", "serve_llm_callback_base",
 ]
 
 
@@ -167,24 +168,38 @@ def serve_proxy_address() -> tuple[str, int]:
     return config.host, config.port
 
 
-def without_unused_datasets(trainer_cls: type) -> type:
-    """``trainer_cls`` (a Ray Train v2 trainer, e.g. ``TorchTrainer``) that leaves out Ray
-    Train's datasets callback when the run is given no Ray Dataset.
+def without_helper_actors(trainer_cls: type) -> type:
+    """``trainer_cls`` (a Ray Train v2 trainer, e.g. ``TorchTrainer``) without two helper actors
+    of Ray Train's that a rayfleet job does not need. Each is a process of its own (about 2 CPU s
+    to start on a 2-core host, for each of the 50-odd jobs of the test suite), and Ray Train's
+    controller waits for both on its way up or down.
 
-    With no dataset that callback still starts a ``DatasetManager`` actor per run (a process that
-    imports Ray Data: about 2.5 CPU s on a 2-core host, each of 50-odd jobs in the test suite) and
-    sends every worker Ray Data's context (which imports Ray Data there too). rayfleet's workers
-    read their token shards themselves, so the run never asks for a dataset shard. With datasets
-    the class behaves as Ray's.
+    - The datasets callback, when the run is given no Ray Dataset: it still starts a
+      ``DatasetManager`` (a process that imports Ray Data) and sends every worker Ray Data's
+      context (which imports Ray Data there too). rayfleet's workers read their token shards
+      themselves; with datasets the callback stays.
+    - The placement-group cleaner: a detached actor per run that removes the run's placement
+      group if the controller dies while the driver lives on. A rayfleet job's driver does that
+      itself (``jobs.elastic.formation.remove_orphan_placement_groups`` after an aborted
+      formation); otherwise a dead controller fails the fit, the driver exits, and Ray removes the
+      job's placement groups with the job.
     """
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
     class _Trainer(trainer_cls):  # type: ignore[misc, valid-type]
         def _create_default_callbacks(self):
-            callbacks = super()._create_default_callbacks()
-            if self.datasets:
-                return callbacks
-            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+            dropped = (PlacementGroupCleanerCallback,) if self.datasets else (DatasetsCallback,
+                                                                              PlacementGroupCleanerCallback)
+            return [c for c in super()._create_default_callbacks() if not isinstance(c, dropped)]
 
     _Trainer.__name__ = _Trainer.__qualname__ = trainer_cls.__name__
     return _Trainer
+
+
+def serve_llm_callback_base() -> type:
+    """The base class of a Ray Serve LLM callback (``LLMConfig.callback_config.callback_class``):
+    public as a setting, its class lives in a private module in Ray 2.60."""
+    from ray.llm._internal.common.callbacks.base import CallbackBase
+
+    return CallbackBase

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ray.llm._internal.common.callbacks.base import CallbackBase
+from rayfleet.platform.ray_compat import serve_llm_callback_base
 
 __all__ = ["LocalModelCallback", "CALLBACK_CLASS", "skips_node_init"]
 
@@ -33,7 +33,7 @@ def skips_node_init(model_source: str, bundle_nodes: list[str], this_node: str) 
     return bool(bundle_nodes) and set(bundle_nodes) == {this_node} and os.path.isdir(model_source)
 
 
-class LocalModelCallback(CallbackBase):
+class LocalModelCallback(serve_llm_callback_base()):
     """See module doc."""
 
     async def on_before_node_init(self) -> None:

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3] / "rayfleet"
-PRIVATE = ("ray._private", "ray._raylet", "ray.serve.context", "ray.autoscaler._private", "ray.serve._private")
+PRIVATE = ("ray._private", "ray._raylet", "ray.serve.context", "ray.autoscaler._private", "ray.serve._private",
+           "ray.llm._internal", "ray.train.v2._internal")
 ALLOWED = {"platform/ray_compat.py"}
 
 
@@ -78,3 +79,29 @@ def test_shared_host_log_monitor_scans_every_two_seconds_unless_the_environment_
     assert shared_host_log_monitor_env({}) == {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
                                                "LOG_NAME_UPDATE_INTERVAL_S": "2"}
     assert shared_host_log_monitor_env({"LOG_NAME_UPDATE_INTERVAL_S": "0.5"})["LOG_NAME_UPDATE_INTERVAL_S"] == "0.5"
+
+
+def test_rayfleets_trainer_starts_no_dataset_manager_without_datasets_and_no_pg_cleaner(tmp_path):
+    """Ray Train's default callbacks less the two helper actors (built here without a cluster)."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    from rayfleet.platform.ray_compat import without_helper_actors
+
+    def kinds(trainer) -> set[type]:
+        return {type(c) for c in trainer._create_default_callbacks()}
+
+    def make(cls, **kw):
+        return cls(lambda: None, scaling_config=ray.train.ScalingConfig(num_workers=1),
+                   run_config=ray.train.RunConfig(name="t", storage_path=str(tmp_path)), **kw)
+
+    ours = without_helper_actors(TorchTrainer)
+    assert ours.__name__ == "TorchTrainer" and issubclass(ours, TorchTrainer)
+    stock = kinds(make(TorchTrainer))
+    assert {DatasetsCallback, PlacementGroupCleanerCallback} <= stock  # what Ray Train starts by itself
+    lean = kinds(make(ours))
+    assert lean == stock - {DatasetsCallback, PlacementGroupCleanerCallback}
+    with_data = kinds(make(ours, datasets={"train": lambda: None}))  # a dataset factory: no Ray started
+    assert with_data == stock - {PlacementGroupCleanerCallback}  # a run with a Ray Dataset keeps its manager
