@@ -54,7 +54,7 @@ from rayfleet.serving.spec import PoolSpec, ServeSpec
 from rayfleet.serving.vllm.data_parallel import RAY_DP_SERVER, RAYFLEET_DP_SERVER, check_moe_model, dp_engine_kwargs
 from rayfleet.serving.vllm.text_blocks import DEFAULT_CHARS_PER_TOKEN
 
-__all__ = ["VLLMAppArgs", "vllm_app_args", "llm_config_fields", "llm_deployment_name", "placement_group_config", "engine_kwargs",
+__all__ = ["VLLMAppArgs", "vllm_app_args", "llm_config_fields", "cpu_engine_threads", "llm_deployment_name", "placement_group_config", "engine_kwargs",
            "kv_transfer_config", "model_loading_config", "request_router_config", "CPU_ENGINE_SHARE", "CPU_BLOCK_MULTIPLE",
            "REQUEST_ROUTERS", "request_router_name", "vllm_router_cost", "uses_kv_events", "KV_EVENTS_CONFIG"]
 
@@ -249,12 +249,25 @@ def request_router_config(spec: ServeSpec) -> dict[str, Any] | None:
     return config
 
 
-def _runtime_env(spec: ServeSpec) -> dict[str, Any]:
+def cpu_engine_threads(pool: PoolSpec) -> int:
+    """Intra-op (OpenMP) threads of a ``device: cpu`` engine: the whole cores its placement-group
+    bundle reserves (``num_cpus``), at least one.
+
+    Unbound (``nobind``), vLLM's CPU engine otherwise runs as many OpenMP threads as the host has
+    cores, in each engine. Engines sharing a host's cores with each other and with training then
+    wait for each other at every OpenMP barrier: a thread whose partner is descheduled spins. One
+    thread per reserved core keeps an engine within its share."""
+    return max(1, int(pool.num_cpus))
+
+
+def _runtime_env(spec: ServeSpec, pool: PoolSpec) -> dict[str, Any]:
     env: dict[str, str] = {}
     if spec.vllm.device == "cpu":
-        # Required on CPU (no KV size is derived from free memory there), and the default thread
-        # binding (auto) reserves one of a two-core machine's cores for nothing.
-        env.update({"VLLM_CPU_KVCACHE_SPACE": str(spec.vllm.kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+        # Required on CPU (no KV size is derived from free memory there); the default thread
+        # binding (auto) reserves one of a two-core machine's cores for nothing; its threads
+        # are the bundle's cores (cpu_engine_threads). vllm.env, applied last, can change each.
+        env.update({"VLLM_CPU_KVCACHE_SPACE": str(spec.vllm.kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                    "OMP_NUM_THREADS": str(cpu_engine_threads(pool))})
     env.update(spec.vllm.env)
     return {"env_vars": env}
 
@@ -285,7 +298,7 @@ def llm_config_fields(spec: ServeSpec, role: str) -> dict[str, Any]:
                               "placement_group_config": pg,
                               "deployment_config": deployment,
                               "engine_kwargs": engine_kwargs(spec, role),
-                              "runtime_env": _runtime_env(spec),
+                              "runtime_env": _runtime_env(spec, pool),
                               "callback_config": {"callback_class": NODE_INIT_CALLBACK},
                               "log_engine_metrics": True}
     if request_router_name(spec) == "rayfleet":

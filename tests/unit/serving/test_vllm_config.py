@@ -60,7 +60,8 @@ def test_colocated_cpu_pool_maps_to_build_openai_app():
     kw = cfg["engine_kwargs"]
     assert (kw["block_size"], kw["max_model_len"], kw["max_num_seqs"], kw["enforce_eager"]) == (32, 512, 4, True)
     assert "kv_transfer_config" not in kw and "gpu_memory_utilization" not in kw
-    assert cfg["runtime_env"]["env_vars"] == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    assert cfg["runtime_env"]["env_vars"] == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                                              "OMP_NUM_THREADS": "1"}
     assert built.args["ingress_deployment_config"]["ray_actor_options"] == {"num_cpus": 0}
 
 
@@ -266,3 +267,13 @@ def test_node_initialization_is_skipped_only_for_a_local_directory_on_a_one_node
     assert not skips_node_init("Qwen/Qwen3-0.6B", ["n1"], "n1")  # a hub id: downloaded
     assert not skips_node_init("s3://bucket/model", ["n1"], "n1")
     assert not skips_node_init(str(tmp_path / "absent"), ["n1"], "n1")
+
+
+def test_a_cpu_engine_runs_one_thread_per_core_its_bundle_reserves_unless_vllm_env_says():
+    def threads(**fields) -> str:
+        return llm_config_fields(_spec(**fields), "colocated")["runtime_env"]["env_vars"]["OMP_NUM_THREADS"]
+
+    assert threads() == "1"  # half a core (CPU_ENGINE_SHARE) or none: one thread
+    assert threads(colocated={"num_cpus": 0.5}) == "1"
+    assert threads(colocated={"num_cpus": 8}) == "8"
+    assert threads(colocated={"num_cpus": 8}, vllm={"env": {"OMP_NUM_THREADS": "4"}}) == "4"
