@@ -52,6 +52,12 @@ FAST_FAILURE_DETECTION = {
 }
 
 
+# A local fleet's nodes share this machine's cores: a training worker takes one intra-op thread, not
+# the machine's count (2 workers on 2 nodes of 2 cores ran 4, spinning at each other's barriers),
+# unless the caller's environment or the job's runtime env says (jobs.worker_entry.THREADS_ENV).
+SHARED_HOST_THREADS_ENV = "RAYFLEET_CPU_THREADS_PER_WORKER"
+
+
 def rayfleet_home() -> Path:
     """Where rayfleet keeps local state (fleet record, controller database, logs)."""
     return Path(os.environ.get("RAYFLEET_HOME", Path.home() / ".rayfleet"))
@@ -229,6 +235,7 @@ class LocalFleet:
                    PATH=os.pathsep.join([bin_dir, os.environ.get("PATH", "")]), RAY_ADDRESS=self.address,
                    **ray_compat.LOOPBACK_FLEET_ENV,  # its processes keep 127.0.0.1 (ray_start_command)
                    **ray_compat.shared_host_log_monitor_env())  # its raylets share this host
+        env.setdefault(SHARED_HOST_THREADS_ENV, "1")  # ... and its cores (see SHARED_HOST_THREADS_ENV)
         with open(log_path, "wb") as log:
             proc = subprocess.Popen([*ray_start_command("127.0.0.1"), *args], stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)

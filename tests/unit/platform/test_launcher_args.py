@@ -53,6 +53,33 @@ def test_every_node_process_is_told_its_own_fleets_address(tmp_path, monkeypatch
     assert all(env["RAY_AUTH_MODE"] == "token" for env in seen)
 
 
+def test_a_local_fleets_training_workers_take_one_thread_each_unless_told(tmp_path, monkeypatch):
+    """Its nodes share this machine's cores (launcher.SHARED_HOST_THREADS_ENV)."""
+    import subprocess
+
+    from rayfleet.jobs.worker_entry import THREADS_ENV, cpu_threads_per_worker
+    from rayfleet.platform import launcher
+
+    seen = []
+
+    class FakePopen:
+        def __init__(self, argv, *, env, **_):
+            seen.append(env)
+            self.pid = 12345
+
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    fleet = launcher.LocalFleet(address="127.0.0.1:41000", dashboard_url="", home=str(tmp_path), temp_dir="/tmp/x",
+                                topology_nodes=[])
+    node = build_topology(num_nodes=1).nodes[0]
+    fleet._spawn(node, head_address=None)
+    monkeypatch.setenv(THREADS_ENV, "3")
+    fleet._spawn(node, head_address=None)
+    assert launcher.SHARED_HOST_THREADS_ENV == THREADS_ENV
+    assert [env[THREADS_ENV] for env in seen] == ["1", "3"]
+    assert cpu_threads_per_worker(1, env=seen[0]) == 1 and cpu_threads_per_worker(1, env=seen[1]) == 3
+
+
 def test_local_fleet_nodes_stay_on_loopback(tmp_path, monkeypatch):
     """Regression: `ray start --node-ip-address=127.0.0.1` swapped in the machine's address and the
     fleet's GCS, raylets and workers listened on every interface. A loopback node is started through
