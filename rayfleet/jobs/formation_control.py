@@ -13,7 +13,7 @@ Design decisions:
   autoscaler resized the job); each rank's flag thread long-polls ``wait_stop``, answered the
   moment the flag is raised. Polled twice a second instead, it cost 17 CPU s through one 8-minute
   lend on 2 cores, and the stop was seen up to 0.5 s late.
-- ``set``, ``should_stop``, ``put`` and ``rows_waiting`` are plain methods (the elastic driver's
+- ``set``, ``should_stop`` and ``put`` are plain methods (the elastic driver's
   unit tests call them in-process); the long polls are coroutines woken thread-safely.
 """
 
@@ -71,9 +71,6 @@ class FormationControl:
     def put(self, row: dict[str, Any]) -> None:
         self._rows.append(row)
         self._wake(self._arrived)
-
-    def rows_waiting(self) -> int:
-        return len(self._rows)
 
     async def take(self, timeout_s: float = 0.5) -> list[dict[str, Any]]:
         """Every row waiting, in order; waits up to ``timeout_s`` for the first (then ``[]``)."""
