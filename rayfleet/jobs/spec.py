@@ -223,6 +223,9 @@ class ResourcesSection(_Section):
     # How the job's queue may reclaim its accelerators (docs/queues.md, job classes): None means
     # elastic for a job with resources.elastic and a checkpoint, guaranteed otherwise.
     job_class: str | None = None
+    # On hosts shared with latency-sensitive work: each worker's CPU time at most this share of
+    # its wall time (jobs/host_share.py). None: no cap.
+    host_cpu_share: float | None = Field(None, gt=0, le=1)
 
     @field_validator("job_class")
     @classmethod

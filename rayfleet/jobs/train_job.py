@@ -94,6 +94,7 @@ class LoopConfig:
     cp_exchange: str = "all_gather"
     output_uri: str | None = None
     eval: EvalSettings | None = None
+    host_cpu_share: float | None = None  # jobs/host_share.py
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,8 @@ def loop_config(spec: TrainJobSpec) -> LoopConfig:
         a2a_overlap=spec.comm.a2a_overlap,
         fp8_dispatch=spec.comm.fp8_dispatch and is_fp8_precision(spec.precision), cp_exchange=spec.comm.cp_exchange,
         accelerator=spec.resources.accelerator, output_uri=spec.output.uri if spec.output is not None else None,
-        eval=EvalSettings(uri=ev.uri, every_n_steps=ev.every_n_steps, batches=ev.batches) if ev is not None else None)
+        eval=EvalSettings(uri=ev.uri, every_n_steps=ev.every_n_steps, batches=ev.batches) if ev is not None else None,
+        host_cpu_share=spec.resources.host_cpu_share)
 
 
 def checkpoint_settings(spec: TrainJobSpec) -> CheckpointSettings | None:

@@ -13,6 +13,8 @@ Design decisions:
   ``ray.train.report``, but only every ``RAYFLEET_TRAIN_REPORT_INTERVAL_S`` of step time
   (default 30 s, never under 2 x Ray Train's poll interval; ``metrics.ReportPacer``): a per-step
   report blocks until the controller's next poll and paced short steps to it (issue 19).
+- ``resources.host_cpu_share`` keeps each worker's CPU under that share of its wall time
+  (``host_share.HostShareHook``, after every step).
 - Health: ``health.monitor.HealthMonitor`` judges slow ranks on compute time and restarts the
   group on a hung collective (``RAYFLEET_HANG_TIMEOUT_S``, default 120 s).
 - On CPU each worker gets an equal share of the host's cores (workers of a local fleet share
@@ -48,6 +50,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     from rayfleet.jobs.health.monitor import HealthMonitor
     from rayfleet.jobs.health.policy import SlowRankPolicy
+    from rayfleet.jobs.host_share import HostShareHook
     from rayfleet.jobs.loop import PolledFlag, train_worker
     from rayfleet.jobs.train_metrics import MetricsWriter, ReportPacer, StepStream, write_run_plot
     slots, assignment = _join_worker_group(config)
@@ -86,7 +89,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     should_stop = (PolledFlag(lambda: ray.get(control.wait_stop.remote()), period_s=0.0)
                    if control is not None and config.get("watch_stop") else None)
     try:
-        train_worker(loop, plan, report=report, hooks=[health, hooks], should_stop=should_stop)
+        share = HostShareHook(loop.host_cpu_share) if loop.host_cpu_share else None
+        train_worker(loop, plan, report=report, hooks=[health, hooks, share], should_stop=should_stop)
     finally:
         if should_stop is not None:
             should_stop.close()

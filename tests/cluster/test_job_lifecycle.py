@@ -26,7 +26,9 @@ def _spec(dataset: str) -> dict:
     # Far more steps than the test waits for: it stops the job itself.
     return {"name": "tiny-lifecycle", "model": {"preset": "tiny", "seed": 0}, "data": {"uri": dataset, "seq_len": 64},
             "plan": {"dp": 2}, "precision": "fp32", "steps": 500, "global_batch_size": 4, "optimizer": {"lr": 1e-3},
-            "schedule": {"warmup_steps": 1}, "resources": {"accelerator": "H100", "num_workers": 2},
+            "schedule": {"warmup_steps": 1},
+            # it trains while the test follows, lists and stops it: a quarter of a core a worker
+            "resources": {"accelerator": "H100", "num_workers": 2, "host_cpu_share": 0.25},
             "checkpoint": {"every_n_steps": 2, "persist_every": 1}}
 
 

@@ -104,16 +104,19 @@ def test_queue_wait_borrow_reclaim_and_controller_restart(local_fleet, dataset, 
     assert out.returncode != 0 and "rayfleet train: error: queue='qa-nope': no such queue" in out.stdout + out.stderr, \
         out.stdout[-2000:] + out.stderr[-2000:]
 
-    fixed = lambda n: {"plan": {"dp": n}, "resources": {"accelerator": "H100", "num_workers": n}}  # noqa: E731
+    # a1 and b1 only hold their accelerators while the test waits for b2, the restart and a2: at a
+    # fifth of a core each, they leave the shared host's CPU to those (resources.host_cpu_share)
+    fixed = lambda n, share=None: {"plan": {"dp": n}, "resources": {  # noqa: E731
+        "accelerator": "H100", "num_workers": n, **({"host_cpu_share": share} if share else {})}}
     runs = {}
     try:
-        runs["a1"] = sdk.train(_spec(dataset, "tiny-q-a1", TEAM_A, **fixed(2)))
-        runs["b1"] = sdk.train(_spec(dataset, "tiny-q-b1", TEAM_B, **fixed(2)))
+        runs["a1"] = sdk.train(_spec(dataset, "tiny-q-a1", TEAM_A, **fixed(2, 0.2)))
+        runs["b1"] = sdk.train(_spec(dataset, "tiny-q-b1", TEAM_B, **fixed(2, 0.2)))
         wait_until(lambda: _state(sdk, runs["a1"].job_id) == _state(sdk, runs["b1"].job_id) == "ADMITTED",
                    timeout_s=120, interval_s=0.5, what="a1 and b1 admitted within their quotas")
         runs["b2"] = sdk.train(_spec(
             dataset, "tiny-q-b2", TEAM_B, plan={"ep": 1},
-            resources={"accelerator": "H100", "elastic": {"min_workers": 1, "max_workers": 2}},
+            resources={"accelerator": "H100", "elastic": {"min_workers": 1, "max_workers": 2}, "host_cpu_share": 0.5},
             checkpoint={"every_n_steps": 2, "persist_every": 1, "uri": str(tmp_path / "b2-ckpt")}))
         b2 = runs["b2"].job_id
         wait_until(lambda: _state(sdk, b2) == "QUEUED", timeout_s=120, interval_s=0.5, what="b2 queued")

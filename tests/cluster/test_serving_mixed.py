@@ -183,7 +183,8 @@ def test_the_shared_autoscaler_lends_a_p800_from_training_to_the_decode_pool(loc
     spec = {"name": "p800-lender", "model": {"preset": "tiny", "seed": 0}, "data": {"uri": dataset, "seq_len": 64},
             "plan": {}, "precision": "fp32", "steps": 2000, "global_batch_size": GLOBAL_BATCH,
             "optimizer": {"lr": 1e-3}, "schedule": {"warmup_steps": 1},
-            "resources": {"accelerator": "P800", "elastic": {"min_workers": 2, "max_workers": P800_XPUS - 1}},
+            "resources": {"accelerator": "P800", "elastic": {"min_workers": 2, "max_workers": P800_XPUS - 1},
+                          "host_cpu_share": 0.25},  # the lender leaves the host's CPU to the replicas
             "checkpoint": {"every_n_steps": 1, "persist_every": 1, "uri": str(tmp_path / "ckpt")}}
     shell = run = None
     try:

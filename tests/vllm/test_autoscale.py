@@ -98,7 +98,8 @@ def test_autoscaler_lends_an_accelerator_from_training_to_the_vllm_decode_pool_a
     job = {"name": "vllm-lender", "model": {"preset": "tiny", "seed": 0}, "data": {"uri": dataset, "seq_len": 64},
            "plan": {}, "precision": "fp32", "steps": STEPS, "global_batch_size": GLOBAL_BATCH,
            "optimizer": {"lr": 1e-3}, "schedule": {"warmup_steps": 1},
-           "resources": {"accelerator": "H100", "elastic": {"min_workers": 1, "max_workers": 2}},
+           "resources": {"accelerator": "H100", "elastic": {"min_workers": 1, "max_workers": 2},
+                         "host_cpu_share": 0.25},  # the lender leaves the host's CPU to the engines
            "checkpoint": {"every_n_steps": 1, "persist_every": 1, "uri": str(tmp_path / "ckpt")}}
     shell = run = burst = None
     lent_id, lent_node, lent_tokens = "", "", 0.0
