@@ -66,9 +66,9 @@ def init_local_ray(**resources: float) -> None:
     miss Ray's fixed 30 s start-up window, and a second try usually makes it."""
     import ray
 
-    from rayfleet.platform.ray_compat import shared_host_log_monitor_env
+    from rayfleet.platform.ray_compat import shared_host_ray_env
 
-    _os.environ.update(shared_host_log_monitor_env())  # its log monitor scans every 2 s, not 0.1 s
+    _os.environ.update(shared_host_ray_env())  # its log monitor scans every 2 s, its reporter every 30 s
 
     for attempt in range(3):
         try:

@@ -234,7 +234,7 @@ class LocalFleet:
         env = dict(os.environ, RAY_AUTH_MODE="token", RAYFLEET_HOME=str(Path(self.home).resolve()),
                    PATH=os.pathsep.join([bin_dir, os.environ.get("PATH", "")]), RAY_ADDRESS=self.address,
                    **ray_compat.LOOPBACK_FLEET_ENV,  # its processes keep 127.0.0.1 (ray_start_command)
-                   **ray_compat.shared_host_log_monitor_env())  # its raylets share this host
+                   **ray_compat.shared_host_ray_env())  # its raylets share this host
         env.setdefault(SHARED_HOST_THREADS_ENV, "1")  # ... and its cores (see SHARED_HOST_THREADS_ENV)
         with open(log_path, "wb") as log:
             proc = subprocess.Popen([*ray_start_command("127.0.0.1"), *args], stdout=log, stderr=subprocess.STDOUT,

@@ -21,7 +21,7 @@ from typing import Any
 __all__ = [
     "dashboard_url", "available_resources_per_node", "placement_group_from_hex",
     "default_auth_token_path", "generate_auth_token", "enable_token_auth", "serve_proxy_address",
-    "keep_loopback_node_ip", "LOOPBACK_FLEET_ENV", "shared_host_log_monitor_env",
+    "keep_loopback_node_ip", "LOOPBACK_FLEET_ENV", "shared_host_ray_env",
     "metrics_export_interval_s", "without_helper_actors", "serve_llm_callback_base",
 ]
 
@@ -115,14 +115,21 @@ LOOPBACK_FLEET_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 # 29.5 (4 nodes, 19 min), and 2.9 CPU s a minute on an idle 4-node local fleet (1.0 with this).
 # A new file is found within 2 s and read from its start, so no output is lost; lines of files
 # already open still go out every 0.1 s.
-_LOG_MONITOR_ENV = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0", "LOG_NAME_UPDATE_INTERVAL_S": "2"}
+#
+# Each node's dashboard agent also runs Ray's reporter: every REPORTER_UPDATE_INTERVAL_MS (5 s) it
+# reads every worker process of its node with psutil (memory_full_info reads /proc/<pid>/smaps, a
+# walk of a torch process's thousands of mappings) for the dashboard's node view and Ray's node
+# gauges. Nothing of rayfleet reads them (the node agents report health and the autoscaler reads
+# the controller), and on one host several agents read the same machine: every 30 s is plenty.
+_SHARED_HOST_ENV = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0", "LOG_NAME_UPDATE_INTERVAL_S": "2",
+                    "REPORTER_UPDATE_INTERVAL_MS": "30000"}
 
 
-def shared_host_log_monitor_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The log-monitor settings for Ray nodes that share one host (a local fleet, a local
-    ``ray.init``), each left as ``environ`` (default: this process's) sets it."""
+def shared_host_ray_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The log-monitor and reporter settings for Ray nodes that share one host (a local fleet, a
+    local ``ray.init``), each left as ``environ`` (default: this process's) sets it."""
     environ = os.environ if environ is None else environ
-    return {key: environ.get(key, value) for key, value in _LOG_MONITOR_ENV.items()}
+    return {key: environ.get(key, value) for key, value in _SHARED_HOST_ENV.items()}
 
 
 def keep_loopback_node_ip() -> None:

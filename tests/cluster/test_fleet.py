@@ -145,20 +145,23 @@ def test_ray_job_submit_runs_rayfleet_against_the_fleet(local_fleet):
     assert all(f"n000{i}" in logs for i in range(NUM_NODES)) and "healthy" in logs
 
 
-def test_the_fleets_log_monitors_scan_for_new_files_every_two_seconds(local_fleet):
-    """Four raylets share this host: their log monitors got ``shared_host_log_monitor_env`` from
-    the launcher (each re-globbed its log directory ten times a second before)."""
+def test_the_fleets_log_monitors_and_reporters_scan_slowly(local_fleet):
+    """Four raylets share this host: their log monitors and dashboard agents got
+    ``shared_host_ray_env`` from the launcher (each monitor re-globbed its log directory ten times a
+    second before, each agent's reporter read every worker of its node every 5 s)."""
     import psutil
 
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
-        if "log_monitor.py" not in cmdline:
+        if "log_monitor.py" not in cmdline and "dashboard/agent.py" not in cmdline:
             continue
         try:
             env = proc.environ()
         except psutil.Error:
             continue
         if env.get("RAY_ADDRESS") == local_fleet.address:
-            found.append((env.get("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"), env.get("LOG_NAME_UPDATE_INTERVAL_S")))
-    assert len(found) == NUM_NODES and set(found) == {("0", "2")}, found
+            found.append(("agent" if "agent.py" in cmdline else "log monitor",
+                          env.get("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"), env.get("LOG_NAME_UPDATE_INTERVAL_S"),
+                          env.get("REPORTER_UPDATE_INTERVAL_MS")))
+    assert len(found) == 2 * NUM_NODES and {f[1:] for f in found} == {("0", "2", "30000")}, found

@@ -73,12 +73,19 @@ def test_the_auth_token_is_created_once_when_many_writers_race_for_it(tmp_path):
     assert ray_compat.generate_auth_token(path) is False and path.read_text() == token  # never overwritten
 
 
-def test_shared_host_log_monitor_scans_every_two_seconds_unless_the_environment_says_otherwise():
-    from rayfleet.platform.ray_compat import shared_host_log_monitor_env
+def test_shared_host_daemons_scan_slowly_unless_the_environment_says_otherwise():
+    from rayfleet.platform.ray_compat import shared_host_ray_env
 
-    assert shared_host_log_monitor_env({}) == {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
-                                               "LOG_NAME_UPDATE_INTERVAL_S": "2"}
-    assert shared_host_log_monitor_env({"LOG_NAME_UPDATE_INTERVAL_S": "0.5"})["LOG_NAME_UPDATE_INTERVAL_S"] == "0.5"
+    assert shared_host_ray_env({}) == {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0", "LOG_NAME_UPDATE_INTERVAL_S": "2",
+                                       "REPORTER_UPDATE_INTERVAL_MS": "30000"}
+    assert shared_host_ray_env({"LOG_NAME_UPDATE_INTERVAL_S": "0.5"})["LOG_NAME_UPDATE_INTERVAL_S"] == "0.5"
+    assert shared_host_ray_env({"REPORTER_UPDATE_INTERVAL_MS": "5000"})["REPORTER_UPDATE_INTERVAL_MS"] == "5000"
+    # the name is the one Ray 2.60's reporter reads
+    import inspect
+
+    from ray.dashboard.modules.reporter import reporter_consts
+
+    assert 'env_integer(\n    "REPORTER_UPDATE_INTERVAL_MS"' in inspect.getsource(reporter_consts)
 
 
 def test_rayfleets_trainer_starts_no_dataset_manager_without_datasets_and_no_pg_cleaner(tmp_path):
