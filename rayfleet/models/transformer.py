@@ -73,11 +73,21 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+class _Embedding(nn.Embedding):
+    """``nn.Embedding`` that leaves a meta weight uninitialized: ``init_weights`` sets every weight
+    once the model is materialized, and ``normal_`` on a meta tensor imports ``torch._dynamo`` (about
+    1 CPU s of every process that builds a model: each training worker, replica and test rank)."""
+
+    def reset_parameters(self) -> None:
+        if self.weight.device.type != "meta":
+            super().reset_parameters()
+
+
 class MoETransformer(nn.Module):
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.tok_embeddings = _Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)

@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
+# torch.distributed.pipelining is imported where a stage is built: it imports torch._dynamo, about
+# 1 CPU s of every training worker's start, and only pp > 1 needs it.
 
 from rayfleet.placement.pipeline_chunks import VirtualStage, check_microbatches
 
@@ -153,7 +154,9 @@ class PipelineRunner:
         return inp, torch.empty(mb, seq, self.config.vocab_size, dtype=dtype, device="meta")
 
     def _stage(self, module: nn.Module, index: int, tokens: torch.Tensor, autocast_dtype: torch.dtype | None
-               ) -> PipelineStage:
+               ) -> Any:  # torch.distributed.pipelining.PipelineStage
+        from torch.distributed.pipelining import PipelineStage
+
         inp, out = self._example_args(index, tokens, autocast_dtype)
         last = index == self.num_stages - 1
         return PipelineStage(module, index, self.num_stages, self.device, group=self.group,
@@ -162,6 +165,8 @@ class PipelineRunner:
                              output_grads=(None,) if last else (out,))
 
     def _schedule(self, n: int, tokens: torch.Tensor, autocast_dtype: torch.dtype | None) -> Any:
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
+
         if (n, autocast_dtype) not in self._schedules:
             chunks = len(self.stage_indices)
             check_microbatches(n, pp=self.num_stages // chunks, vpp=1 if self.dualpipe else chunks,
