@@ -8,25 +8,22 @@ first test that needs it). The slowest tests are listed too.
 
 Sessions, in this order (why they are separate: see the Makefile):
 
-1. ``unit-realtime``: the Ray-free tests marked ``realtime`` (they assert on wall-clock time: a
-   deadline, a latency bound), in the foreground, first;
-2. ``unit``: the rest of ``tests/unit`` with ``tests/vllm/test_offline.py`` and
-   ``tests/vllm/test_kv_events.py`` (no Ray; pytest-xdist workers, one per core: ``UNIT_WORKERS``).
-   It is in ``IDLE_BESIDE``: started in its turn, it runs beside every later session at the idle
-   CPU priority (Linux ``SCHED_IDLE``, else nice 19), so it takes only the CPU the live sessions
-   leave while they wait (their busy share was 0.67-0.80: 20+ idle CPU minutes a run, against
-   the unit session's 14). The run waits for it at the end;
-3. ``tests/cluster tests/gpu`` (the cluster tier's fleet is session-scoped);
-4. the rest of ``tests/vllm`` (a small fleet of its own, after the first one is gone);
-5. ``tests/integration`` (each test owns a Ray cluster; ``ray up`` takes the head's fixed ports).
+1. ``tests/unit``, ``tests/vllm/test_offline.py`` and ``tests/vllm/test_kv_events.py`` (no Ray; in
+   pytest-xdist workers, one per core: ``UNIT_WORKERS``);
+2. ``tests/cluster tests/gpu`` (the cluster tier's fleet is session-scoped);
+3. the rest of ``tests/vllm`` (a small fleet of its own, after the first one is gone);
+4. ``tests/integration`` (each test owns a Ray cluster; ``ray up`` takes the head's fixed ports).
 
-Why idle priority and not plain side by side: measured on this 2-core machine (2026-11-27), the
-Ray-free session at normal priority beside the cluster session drove the load average to 40, and
-after 11 minutes it had run 5% of its tests; beside the integration session it took the CPU from
-the Ray workers (nice 15: a nice-0 process outweighs one 28 to 1) and the quality benchmark's
-quick run took 340 s instead of 195. At ``SCHED_IDLE`` the kernel gives it a slice only when no
-other process wants the core. Tests that fail when they are starved for seconds are ``realtime``
-and run in the foreground.
+``BESIDE`` can start a session together with another (its output is then kept in a file and
+printed when it ends). It is empty: measured on this 2-core machine (2026-11-27), the Ray-free
+session and the vLLM session beside the cluster session drove the load average to 40 with 45% of
+the CPU in the kernel (vLLM's workers and the gloo ranks spinning against each other), and after
+11 minutes the unit session had run 5% of its tests, so the three together were slower than one
+after another, and the live tests' deadlines were at risk. Tried again (2026-11-27, the unit session
+in 2 xdist workers beside the integration session, nothing else running): both ended after 20.2 min,
+the integration session's alone time was 15.4 min and the unit session's 5-8, so nothing was won
+(load 28; the quality benchmark's quick run took 340 s instead of 195). Two fleets on one host do work
+(``RAY_ADDRESS`` names each fleet to its processes; the auth token is created atomically).
 
 Every session runs even if an earlier one failed (a red tier should not hide the others' times);
 the exit status is the first non-zero one. The last line is the plain summary
@@ -61,15 +58,14 @@ alone it kept about half of this 2-core machine busy (busy 0.55). Live sessions 
 fleets and engines are session fixtures and their tests share them in order."""
 
 SESSIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("unit-realtime", ("tests/unit", *UNIT_WORKERS, "-m", "realtime")),
-    ("unit", ("tests/unit", *OFFLINE_VLLM, *UNIT_WORKERS, "-m", "not realtime")),
+    ("unit", ("tests/unit", *OFFLINE_VLLM, *UNIT_WORKERS)),
     ("cluster+gpu", ("tests/cluster", "tests/gpu")),
     ("vllm", ("tests/vllm", *(f"--ignore={path}" for path in OFFLINE_VLLM))),
     ("integration", ("tests/integration",)),
 )
-IDLE_BESIDE: tuple[str, ...] = ("unit",)
-"""Sessions that start in their turn at the idle CPU priority and run beside every later session;
-the run collects them at the end (module doc)."""
+BESIDE: dict[str, str] = {}
+"""Session -> the session it runs beside (started together; the next one waits for all of them).
+Empty: side by side was slower on 2 cores (module doc)."""
 # The CPU per process kind: how many kinds each session keeps (in .pytest-times.json) and prints.
 KINDS_KEPT, KINDS_SHOWN = 25, 8
 
@@ -162,20 +158,11 @@ def run_session(name: str, paths: tuple[str, ...], *, extra: list[str], top: int
     return result
 
 
-def idle_priority() -> None:
-    """This process (and all it starts) at the idle CPU priority: Linux ``SCHED_IDLE``, else nice 19.
-    Lowering one's own priority needs no privilege."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):  # not Linux
-        os.nice(19 - os.nice(0))
-
-
 class BackgroundSession:
-    """A pytest session started now at the idle CPU priority and collected later (``finish``),
-    its output in a file.
+    """A pytest session started now and collected later (``finish``), its output in a file.
 
     ``-p no:cacheprovider``: the foreground session writes ``.pytest_cache`` at its end too."""
+
 
     def __init__(self, name: str, paths: tuple[str, ...], *, extra: list[str]) -> None:
         self.name, self.paths = name, paths
@@ -183,19 +170,17 @@ class BackgroundSession:
         self.junit = Path(self._tmp.name) / "junit.xml"
         self.log = Path(self._tmp.name) / "output.txt"
         argv = _argv(paths, self.junit, [*extra, "-p", "no:cacheprovider"])
-        print(f"\n== {name} (at idle CPU priority beside the later sessions; output when it ends): "
-              f"{' '.join(argv[1:])}", flush=True)
+        print(f"\n== {name} (beside the next session; output when it ends): {' '.join(argv[1:])}", flush=True)
         self.meter = CpuMeter().start()
         self.start = time.monotonic()
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                         env=self.meter.environ(), preexec_fn=idle_priority)
+            self.proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=self.meter.environ())
 
     def finish(self, *, top: int) -> SessionResult:
         code = self.proc.wait()
         result = SessionResult(name=self.name, paths=self.paths, exit_code=code, wall_s=time.monotonic() - self.start,
                                cpu_s=self.meter.stop(), cpu_by_kind=dict(self.meter.by_kind().most_common(KINDS_KEPT)))
-        print(f"\n== {self.name} (ran beside the later sessions), its output:", flush=True)
+        print(f"\n== {self.name} (ran beside another session), its output:", flush=True)
         sys.stdout.write(self.log.read_text(errors="replace"))
         sys.stdout.flush()
         read_junit(self.junit, result, top=top)
@@ -204,19 +189,19 @@ class BackgroundSession:
 
 
 def run_sessions(sessions, *, extra: list[str], top: int) -> list[SessionResult]:
-    """Run ``sessions`` in order; one in ``IDLE_BESIDE`` starts in its turn in the background and
-    is collected after the last one (module doc). Alone (no later session selected) it runs in the
-    foreground. Results come in ``sessions``' order."""
+    """Run ``sessions`` in order; a session in ``BESIDE`` starts together with its partner, which
+    waits for it before the next session starts (module doc). Alone (its partner not selected)
+    it runs in the foreground."""
     names = [name for name, _ in sessions]
     results: dict[str, SessionResult] = {}
-    backgrounds = []
-    for index, (name, paths) in enumerate(sessions):
-        if name in IDLE_BESIDE and index + 1 < len(sessions):
-            backgrounds.append(BackgroundSession(name, paths, extra=extra))
-        else:
-            results[name] = run_session(name, paths, extra=extra, top=top)
-    for background in backgrounds:
-        results[background.name] = background.finish(top=top)
+    for name, paths in sessions:
+        if BESIDE.get(name) in names:
+            continue  # started with its partner
+        backgrounds = [BackgroundSession(other, other_paths, extra=extra)
+                       for other, other_paths in sessions if BESIDE.get(other) == name]
+        results[name] = run_session(name, paths, extra=extra, top=top)
+        for background in backgrounds:
+            results[background.name] = background.finish(top=top)
     return [results[name] for name in names]
 
 
@@ -236,11 +221,10 @@ def render(results: list[SessionResult], *, install_s: float | None, elapsed_s: 
     if elapsed_s is None:
         elapsed_s = sum(r.wall_s for r in results)
     total = elapsed_s + (install_s or 0.0)
-    names = [r.name for r in results]
-    beside = [n for n in names[:-1] if n in IDLE_BESIDE]
+    ran = {r.name for r in results}
+    beside = ", ".join(f"{a} beside {b}" for a, b in BESIDE.items() if a in ran and b in ran)
     lines.append(f"{'total':<20} {'':<12} {total / 60:>8.1f}"
-                 + (f"  (wall clock; {', '.join(beside)} at idle priority beside the later sessions, "
-                    "so the sessions' minutes overlap)" if beside else ""))
+                 + (f"  (wall clock; {beside}, so the sessions' minutes overlap)" if beside else ""))
     kinds = [r for r in results if r.cpu_by_kind]
     if kinds:
         lines.append(f"where the CPU went (CPU minutes per process kind, the {KINDS_SHOWN} largest per session):")

@@ -31,7 +31,7 @@ print(json.dumps({"code": code, "heavy": sorted(m for m in %r if m in sys.module
 
 def _run_cli(*argv: str) -> dict:
     out = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(argv)], capture_output=True, text=True,
-                         timeout=600, check=True).stdout
+                         timeout=120, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 

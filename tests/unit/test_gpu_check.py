@@ -67,5 +67,5 @@ def test_a_group_that_raises_is_a_failed_check_and_the_exit_status_says_so(tmp_p
 
 def test_bad_arguments_name_the_value_and_the_choices(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--device", "cpu", "--only", "fp9"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--only fp9" in proc.stderr and "costmodel" in proc.stderr

@@ -15,9 +15,6 @@ import pytest
 from process_leaks import (MARKER_VAR, describe, files_restored, leftovers, snapshot, stop_process_tree,
                            wait_for_no_leftovers)
 
-pytestmark = pytest.mark.realtime  # wall-clock deadlines: in the foreground (scripts/test_tiers.py), not at idle priority
-
-
 LISTENER = """
 import socket, sys, time
 s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen()

@@ -49,7 +49,7 @@ def test_a_session_that_wrote_no_report_counts_nothing(tmp_path):
     assert (result.passed, result.failed, result.dir_to_seconds) == (0, 0, {})
 
 
-def test_the_unit_session_runs_at_idle_priority_beside_the_later_sessions_and_is_collected_last(monkeypatch):
+def test_a_session_beside_another_starts_with_it_and_the_next_waits_for_both(monkeypatch):
     tiers = _module()
     events = []
 
@@ -68,33 +68,22 @@ def test_the_unit_session_runs_at_idle_priority_beside_the_later_sessions_and_is
 
     monkeypatch.setattr(tiers, "BackgroundSession", FakeBackground)
     monkeypatch.setattr(tiers, "run_session", fake_run)
+    # As shipped: one session after another (side by side was slower on 2 cores).
     results = tiers.run_sessions(list(tiers.SESSIONS), extra=[], top=3)
     assert [r.name for r in results] == [name for name, _ in tiers.SESSIONS] == [
-        "unit-realtime", "unit", "cluster+gpu", "vllm", "integration"]  # reported in the table's order
-    assert events == [("run", "unit-realtime"), ("start", "unit"), ("run", "cluster+gpu"), ("run", "vllm"),
-                      ("run", "integration"), ("finish", "unit")]
-    # the realtime tests are the foreground session's, and the background one leaves them out
-    paths = dict(tiers.SESSIONS)
-    assert paths["unit-realtime"][-2:] == ("-m", "realtime") and paths["unit"][-2:] == ("-m", "not realtime")
+        "unit", "cluster+gpu", "vllm", "integration"]
+    assert events == [("run", name) for name, _ in tiers.SESSIONS]
+    events.clear()
+    monkeypatch.setattr(tiers, "BESIDE", {"unit": "cluster+gpu", "vllm": "cluster+gpu"})
+    results = tiers.run_sessions(list(tiers.SESSIONS), extra=[], top=3)
+    assert [r.name for r in results] == [name for name, _ in tiers.SESSIONS]  # reported in the table's order
+    assert events == [("start", "unit"), ("start", "vllm"), ("run", "cluster+gpu"), ("finish", "unit"),
+                      ("finish", "vllm"), ("run", "integration")]
+    events.clear()
+    tiers.run_sessions([s for s in tiers.SESSIONS if s[0] in ("unit", "vllm")], extra=[], top=3)
+    assert events == [("run", "unit"), ("run", "vllm")]  # their partner not selected: in the foreground
     table = tiers.render(results, install_s=None, elapsed_s=90.0)
-    assert "unit at idle priority beside the later sessions" in table and "1.5" in table
-    events.clear()
-    tiers.run_sessions([s for s in tiers.SESSIONS if s[0] in ("vllm", "unit")], extra=[], top=3)
-    assert events == [("start", "unit"), ("run", "vllm"), ("finish", "unit")]
-    events.clear()
-    tiers.run_sessions([s for s in tiers.SESSIONS if s[0] == "unit"], extra=[], top=3)
-    assert events == [("run", "unit")]  # nothing after it: in the foreground
-
-
-def test_the_idle_priority_is_inherited_by_what_the_session_starts():
-    import subprocess
-
-    tiers = _module()
-    probe = ("import os\ntry:\n    print(os.sched_getscheduler(0) == os.SCHED_IDLE)\n"
-             "except AttributeError:\n    print(os.nice(0) == 19)\n")
-    out = subprocess.run([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {probe!r}])"],
-                         preexec_fn=tiers.idle_priority, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "True", out
+    assert "unit beside cluster+gpu" in table and "vllm beside cluster+gpu" in table and "1.5" in table
 
 
 def test_a_background_session_runs_pytest_and_reports_its_counts(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ from rayfleet.cli import build_parser, main
 
 def test_version_prints_the_package_version():
     out = subprocess.run([sys.executable, "-m", "rayfleet", "--version"], capture_output=True, text=True,
-                         timeout=600)
+                         timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == f"rayfleet {__version__}"
 
 

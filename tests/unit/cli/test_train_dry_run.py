@@ -18,7 +18,7 @@ print("RAY_IMPORTED" if "ray" in sys.modules else "NO_RAY", code)
 
 def _dry_run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", _SCRIPT, "train", *args, "--dry-run"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_dry_run_prints_the_plan_without_importing_ray() -> None:

@@ -293,7 +293,6 @@ def test_a_whole_preemption_pauses_the_job_until_accelerators_come_back(spec, tm
     assert [size for size, _, _ in fleet.runs] == [4, 4]  # all lent slots came back
 
 
-@pytest.mark.realtime  # a wall-clock deadline: in the foreground (scripts/test_tiers.py)
 def test_a_job_preempted_whole_by_the_policy_is_grown_back_by_it_on_the_next_step(job_dict, tmp_path):
     """Regression (quickstart notebook, fresh clone): after a whole preemption the paused job's
     shell reported it *resizing*, so the policy grew nothing, that job included; it was never

@@ -16,9 +16,6 @@ from rayfleet.platform.snapshot import SnapshotStore
 from rayfleet.storage.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
 
 
-pytestmark = pytest.mark.realtime  # wall-clock deadlines: in the foreground (scripts/test_tiers.py), not at idle priority
-
-
 @pytest.fixture()
 def shm_root(tmp_path):
     # The pid keeps concurrent pytest sessions apart: their tmp_path names repeat, and two

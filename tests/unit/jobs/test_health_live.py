@@ -22,9 +22,6 @@ from rayfleet.jobs.local_processes import run_local
 from rayfleet.jobs.spec import TrainJobSpec
 from rayfleet.placement.plan import ParallelPlan
 
-pytestmark = pytest.mark.realtime  # wall-clock deadlines: in the foreground (scripts/test_tiers.py), not at idle priority
-
-
 STEPS = 14
 
 

@@ -11,9 +11,6 @@ from rayfleet.jobs.loop import PolledFlag
 from rayfleet.jobs.train_metrics import MetricsWriter, ReportPacer, StepStream, plot_metrics, read_metrics, write_run_plot
 
 
-pytestmark = pytest.mark.realtime  # wall-clock deadlines: in the foreground (scripts/test_tiers.py), not at idle priority
-
-
 def test_put_does_not_wait_for_a_slow_sink_and_close_delivers_everything() -> None:
     got: list[int] = []
 

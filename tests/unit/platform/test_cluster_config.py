@@ -271,7 +271,6 @@ def test_explicit_address_is_the_only_candidate(monkeypatch) -> None:
     assert own_addresses("127.0.0.2") == ["127.0.0.2"]
 
 
-@pytest.mark.realtime  # a wall-clock deadline: in the foreground (scripts/test_tiers.py)
 def test_node_stop_kills_the_recorded_session_and_nothing_else(tmp_path, monkeypatch, capsys) -> None:
     import dataclasses
     import subprocess
@@ -324,7 +323,6 @@ def test_node_type_labels_start_a_cloud_worker_with_a_unique_name(capsys, monkey
     assert json.loads(opts["--resources"]) == {k: float(v) for k, v in worker["resources"].items() if k != "GPU"}
 
 
-@pytest.mark.realtime  # a wall-clock deadline: in the foreground (scripts/test_tiers.py)
 def test_node_stop_over_ssh_stops_only_the_cluster_at_the_reached_address(tmp_path, monkeypatch, capsys) -> None:
     """`ray down` of cluster a (head 127.0.0.1) must not stop cluster b started on the same host."""
     import dataclasses

@@ -8,9 +8,6 @@ import rayfleet
 from rayfleet.errors import FleetNotFoundError
 
 
-pytestmark = pytest.mark.realtime  # wall-clock deadlines: in the foreground (scripts/test_tiers.py), not at idle priority
-
-
 def test_connect_without_any_fleet(monkeypatch, tmp_path):
     monkeypatch.setenv("RAYFLEET_HOME", str(tmp_path))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

@@ -91,7 +91,7 @@ def test_process_killed_between_copy_and_commit(root):
         store.write(9, {{"w": torch.full((1000,), 9.0)}})
         os._exit(9)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 9, proc.stderr
     restored = SnapshotStore(root, job="k", rank=0).restore()
     assert restored.step == 8 and torch.equal(restored.tensors["w"], torch.full((1000,), 8.0))

@@ -17,9 +17,6 @@ from rayfleet.serving.engine.sampling import SamplingParams
 from rayfleet.serving.engine.scheduler import EngineOverloadedError
 from rayfleet.serving.errors import ReplicaOverloadedError, RequestFailedError
 
-pytestmark = pytest.mark.realtime  # wall-clock deadlines: in the foreground (scripts/test_tiers.py), not at idle priority
-
-
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 PROMPT = [256, 10, 20, 30, 40, 50]
 

@@ -15,9 +15,6 @@ from rayfleet.serving.openai_api.app import encode_chat, encode_completion_promp
 from rayfleet.serving.engine.sampling import SamplingParams
 from rayfleet.serving.spec import ServeSpec
 
-pytestmark = pytest.mark.realtime  # wall-clock deadlines: in the foreground (scripts/test_tiers.py), not at idle priority
-
-
 MODEL = {"preset": "tiny", "seed": 2, "dtype": "float64", "overrides": {"max_seq_len": 256, "init_std": 0.1}}
 ENGINE = {"block_size": 4, "num_blocks": 96, "max_num_batched_tokens": 64}
 PROMPTS = ["shared system prompt: be brief. Q1", "shared system prompt: be brief. Q2", "x"]

@@ -19,9 +19,6 @@ from rayfleet.serving.openai_api.app import encode_completion_prompt
 from rayfleet.serving.openai_api.generation import ChoiceJob, run_choices, service_error
 from rayfleet.serving.spec import ServeSpec
 
-pytestmark = pytest.mark.realtime  # wall-clock deadlines: in the foreground (scripts/test_tiers.py), not at idle priority
-
-
 KEY = "limits-key"
 MODEL = {"preset": "tiny", "seed": 2, "dtype": "float64", "overrides": {"max_seq_len": 256, "init_std": 0.1}}
 

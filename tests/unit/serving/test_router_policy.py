@@ -136,7 +136,6 @@ def test_decode_choice_by_free_blocks_then_load():
     assert RouterPolicy().choose_decode(snaps[:1], num_blocks_needed=200).reason.startswith("a: no replica")
 
 
-@pytest.mark.realtime  # a wall-clock deadline: in the foreground (scripts/test_tiers.py)
 def test_decision_latency_at_fleet_scale():
     """64 replicas, 100k indexed blocks, 64-block prompts sharing prefixes of varied length."""
     rng = random.Random(0)

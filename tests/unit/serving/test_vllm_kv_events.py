@@ -26,9 +26,6 @@ from rayfleet.serving.routing.router import RouteHint
 from rayfleet.serving.vllm.kv_event_feed import TokenBlockMapper
 
 BS, MODEL = 4, "tiny-moe"
-pytestmark = pytest.mark.realtime  # wall-clock deadlines: in the foreground (scripts/test_tiers.py), not at idle priority
-
-
 PROMPT = list(range(100, 113))  # 3 full blocks of 4 and one token over
 
 
