@@ -56,7 +56,6 @@ def test_a_worker_under_its_share_never_idles_and_an_idle_is_bounded() -> None:
         idle_for(1.0, 1.0, 0.0)
 
 
-@pytest.mark.realtime  # wall-clock: in the foreground (scripts/test_tiers.py)
 def test_the_real_clocks_hold_the_share_of_a_busy_loop() -> None:
     hook = HostShareHook(0.5)
     hook.on_start()
