@@ -22,7 +22,13 @@ the CPU in the kernel (vLLM's workers and the gloo ranks spinning against each o
 after another, and the live tests' deadlines were at risk. Tried again (2026-11-27, the unit session
 in 2 xdist workers beside the integration session, nothing else running): both ended after 20.2 min,
 the integration session's alone time was 15.4 min and the unit session's 5-8, so nothing was won
-(load 28; the quality benchmark's quick run took 340 s instead of 195). Two fleets on one host do work
+(load 28; the quality benchmark's quick run took 340 s instead of 195). A third try (2026-11-28): the unit
+session at the idle CPU priority (``SCHED_IDLE``, so it only gets a core the live session leaves;
+its tests with wall-clock deadlines in a short foreground session first) beside the cluster
+session. The cluster session took 30.3 min instead of 24.1 and the unit session ended after 31.5,
+so the pair took 31.5 min against 32.2 one after another: nothing won. The scheduler policy does
+not keep the two apart on this VM (caches, memory bandwidth, and perhaps host cores shared by its
+two vCPUs are outside it). Two fleets on one host do work
 (``RAY_ADDRESS`` names each fleet to its processes; the auth token is created atomically).
 
 Every session runs even if an earlier one failed (a red tier should not hide the others' times);
