@@ -57,16 +57,23 @@ def test_a_worker_under_its_share_never_idles_and_an_idle_is_bounded() -> None:
 
 
 def test_the_real_clocks_hold_the_share_of_a_busy_loop() -> None:
-    hook = HostShareHook(0.5)
+    """With the process's real clocks. On a loaded machine the loop may get less than a core; the
+    hook must then idle less (what it reads is the process's CPU, not the loop's wall time)."""
+    share = 0.2
+    hook = HostShareHook(share)
     hook.on_start()
     start_cpu, start_wall = time.process_time(), time.monotonic()
+    rates = []
     for step in range(3):
-        end = time.process_time() + 0.05
-        while time.process_time() < end:
+        c0, w0 = time.process_time(), time.monotonic()
+        while time.process_time() < c0 + 0.05:
             pass
+        rates.append((time.process_time() - c0) / (time.monotonic() - w0))
         hook.after_step(step)
     cpu, wall = time.process_time() - start_cpu, time.monotonic() - start_wall
-    assert hook.idled_s > 0.1 and cpu / wall <= 0.55, (cpu, wall)
+    assert cpu / wall <= share * 1.15, (cpu, wall, rates)
+    if max(rates) > 1.5 * share:  # a step ran well above the share: the hook idled after it
+        assert hook.idled_s > 0.05, (hook.idled_s, rates)
 
 
 def test_the_share_is_validated_at_the_edge_and_travels_in_the_loop_slice(job_dict) -> None:
