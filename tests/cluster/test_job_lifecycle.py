@@ -85,6 +85,11 @@ def test_follow_stop_list_and_resume_a_training_job(local_fleet, dataset, tmp_pa
         run.cancel()
     streamed = parse_metrics_lines(follower.text)
     assert [r["step"] for r in streamed] == list(range(1, len(streamed) + 1))
+    # resources.host_cpu_share 0.25: after each step rank 0 idled until its CPU was a quarter of the
+    # wall time, so steps end at least about 4x their own compute apart (uncapped: about 1x)
+    gaps = sorted(b["time_unix_s"] - a["time_unix_s"] for a, b in zip(streamed, streamed[1:]))
+    compute = sorted(r["compute_time_s"] for r in streamed[1:])
+    assert gaps[len(gaps) // 2] >= 0.8 * compute[len(compute) // 2] / 0.25, (gaps, compute)
     assert follower.text.count(METRICS_PREFIX) == len(streamed)  # each chunk once: no re-download
     assert f"checkpoints of run {run.job_id} in {tmp_path / 'runs' / run.job_id / 'checkpoints'}" in follower.text
 
