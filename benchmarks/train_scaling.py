@@ -166,9 +166,10 @@ def _bare_worker(rank: int, world_size: int, port: int, spec_dict: dict, plan: P
     from rayfleet.jobs.data import DistributedTokenLoader, TokenSamples
     from rayfleet.jobs.optim import build_optimizer
     from rayfleet.models import MoELayer, build_model, materialize
+    from rayfleet.platform.rendezvous import join_group
 
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    join_group("gloo", host="127.0.0.1", port=port, rank=rank, world_size=world_size)
     spec = TrainJobSpec.model_validate(spec_dict)
     ctx = par.build_parallel_context(plan, device=torch.device("cpu"))
     model = build_model(spec.model.to_config(), device="meta")
@@ -214,10 +215,11 @@ def _threads_per_rank(world_size: int, spare_cores: int = 0) -> int:
 def _bare_run(spec: TrainJobSpec, plan: ParallelPlan, *, tmp: str, tag: str, threads: int) -> list[list[float]]:
     import torch.multiprocessing as mp
 
-    from rayfleet.jobs.local_processes import free_port
+    from rayfleet.platform.rendezvous import host_store
 
     out = os.path.join(tmp, f"bare-{tag}.json")
-    mp.start_processes(_bare_worker, args=(plan.world_size, free_port(), spec.model_dump(mode="json"), plan,
+    store = host_store(plan.world_size)  # the ranks join it as clients; held until they end
+    mp.start_processes(_bare_worker, args=(plan.world_size, store.port, spec.model_dump(mode="json"), plan,
                                            spec.steps, out, threads), nprocs=plan.world_size, join=True,
                        start_method="spawn")
     return json.loads(Path(out).read_text())

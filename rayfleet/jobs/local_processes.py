@@ -21,7 +21,6 @@ Design decisions:
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -38,8 +37,9 @@ from rayfleet.jobs.spec import TrainJobSpec
 from rayfleet.jobs.train_job import LoopConfig, loop_config
 from rayfleet.jobs.train_state import TrainHooks, TrainSummary
 from rayfleet.placement.plan import ParallelPlan
+from rayfleet.platform.rendezvous import agent_store_env, host_store, join_group
 
-__all__ = ["LocalRunResult", "run_local", "run_local_many", "run_local_jobs", "free_port", "run_script_ranks", "leave_after_barrier",
+__all__ = ["LocalRunResult", "run_local", "run_local_many", "run_local_jobs", "run_script_ranks", "leave_after_barrier",
            "rank_start_method"]
 
 
@@ -53,12 +53,6 @@ class LocalRunResult:
     @property
     def losses(self) -> tuple[float, ...]:
         return self.summaries[0].losses
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 PRELOAD = ("torch", "torch.distributed", "rayfleet.jobs.loop")
@@ -80,14 +74,16 @@ def rank_start_method() -> str:
 
 
 def _worker(rank: int, world_size: int, port: int, runs: list[tuple[LoopConfig, ParallelPlan, dict]],
-            out_dir: str, threads_per_rank: int, hooks: TrainHooks | None, environ: dict[str, str]) -> None:
+            out_dir: str, threads_per_rank: int, hooks: TrainHooks | None, environ: dict[str, str],
+            store: Any = None) -> None:
+    """One rank; ``store`` is the launcher's rendezvous store when the rank runs in its process."""
     from rayfleet.jobs.loop import train_worker
 
     if environ != os.environ:
         os.environ.clear()
         os.environ.update(environ)
     torch.set_num_threads(threads_per_rank)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    join_group("gloo", host="127.0.0.1", port=port, rank=rank, world_size=world_size, store=store)
     try:
         for index, (loop, plan, options) in enumerate(runs):
             collected: list[dict[str, Any]] = []
@@ -137,15 +133,15 @@ def run_local_jobs(runs: Sequence[tuple[TrainJobSpec, ParallelPlan, dict[str, An
         raise ValueError("in_process runs need a plan of world size 1")
     if in_process and dist.is_initialized():
         raise RuntimeError("a default process group already exists in this process")
-    port = free_port()
+    store = host_store(world_size)  # listening before its port is handed out: no other process can take it
     with tempfile.TemporaryDirectory(prefix="rayfleet-local-") as out_dir:
         # each spec is cut into the loop's slice here; the ranks receive it pickled
-        args = (world_size, port, [(loop_config(spec), p, dict(o)) for spec, p, o in runs], out_dir,
+        args = (world_size, store.port, [(loop_config(spec), p, dict(o)) for spec, p, o in runs], out_dir,
                 threads_per_rank, hooks, dict(os.environ))
         if in_process:
             threads = torch.get_num_threads()
             try:
-                _worker(0, *args)
+                _worker(0, *args, store=store)
             finally:
                 torch.set_num_threads(threads)
         else:
@@ -187,14 +183,14 @@ def run_script_ranks(script: str, argv: Sequence[str], world_size: int, *, timeo
     """
     import multiprocessing
 
-    port = free_port()
+    store = host_store(world_size)  # held for the ranks' lifetime; they all join it as clients
     ctx = multiprocessing.get_context(rank_start_method())
     with tempfile.TemporaryDirectory(prefix="rayfleet-script-ranks-") as out_dir:
         outputs = [os.path.join(out_dir, f"rank{rank}.log") for rank in range(world_size)]
         procs = [ctx.Process(target=_script_rank, daemon=True,
-                             args=(script, list(argv), dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                                                            RANK=str(rank), WORLD_SIZE=str(world_size),
-                                                            OMP_NUM_THREADS="1"), outputs[rank]))
+                             args=(script, list(argv), dict(os.environ, **agent_store_env(store), RANK=str(rank),
+                                                            WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1"),
+                                   outputs[rank]))
                  for rank in range(world_size)]
         for proc in procs:
             proc.start()

@@ -12,8 +12,10 @@ Design decisions:
   order, so on an idle node Ray's lowest-free-id rule hands rank r exactly its planned rail.
   When Ray put a different number of workers on a node than the layout asked for, that is a
   placement failure and raises instead of silently training with the wrong groups.
-- The new group needs a rendezvous hosted by the worker that becomes rank 0, so every worker
-  offers a free port on its host and the one that becomes rank 0 provides it.
+- The new group needs a rendezvous hosted by the worker that becomes rank 0: once the ranks
+  are known, that worker starts a store on a port the OS picks and broadcasts the port over
+  Ray's group (``platform.rendezvous``: no free-port probe whose port another process could
+  take before the store binds it).
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ class WorkerPlace:
     node: str
     accelerator_index: int
     host: str
-    free_port: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,12 +92,6 @@ def assign_layout_ranks(workers: Sequence[WorkerPlace],
     return RankAssignment(tuple(layout_rank_of), matches)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _node_ip() -> str:
     try:
         import ray
@@ -128,23 +123,26 @@ def rerank_process_group(layout_slots: Sequence[tuple[str, int]], *, node: str,
                          backend: str, timeout_s: float = 300.0) -> RankAssignment:
     """Inside every Ray Train worker (default group initialized by Ray): rebuild the default
     group so that this worker's rank is its layout rank. Collective: all workers must call it."""
-    from datetime import timedelta
-
     import torch.distributed as dist
 
+    from rayfleet.platform.rendezvous import host_store, join_group
+
     me = WorkerPlace(ray_rank=dist.get_rank(), node=node, accelerator_index=_local_accelerator_index(),
-                     host=_node_ip(),
-                     free_port=_free_port())
+                     host=_node_ip())
     gathered: list[WorkerPlace | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, me)
     places = [p for p in gathered if p is not None]
     assignment = assign_layout_ranks(places, layout_slots)
-    host_of_rank0 = next(p for p in places if assignment.layout_rank_of[p.ray_rank] == 0)
     if tuple(range(len(places))) == assignment.layout_rank_of:
         return assignment  # Ray's order already is the layout's: keep the group Ray built
+    host_of_rank0 = next(p for p in places if assignment.layout_rank_of[p.ray_rank] == 0)
+    my_rank = assignment.layout_rank_of[me.ray_rank]
+    # the new rank 0 hosts the rendezvous and only then says its port: no other process can take it
+    store = host_store(len(places), host=host_of_rank0.host, timeout_s=timeout_s) if my_rank == 0 else None
+    port = [store.port if store is not None else 0]
+    dist.broadcast_object_list(port, src=host_of_rank0.ray_rank)
     dist.barrier()
     dist.destroy_process_group()
-    dist.init_process_group(backend, init_method=f"tcp://{host_of_rank0.host}:{host_of_rank0.free_port}",
-                            rank=assignment.layout_rank_of[me.ray_rank], world_size=len(places),
-                            timeout=timedelta(seconds=timeout_s))
+    join_group(backend, host=host_of_rank0.host, port=port[0], rank=my_rank, world_size=len(places),
+               timeout_s=timeout_s, store=store)
     return assignment

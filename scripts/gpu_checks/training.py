@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from rayfleet.jobs.local_processes import free_port
 from rayfleet.jobs.spec import TrainJobSpec
 from rayfleet.jobs.train_job import loop_config
 from rayfleet.jobs.train_state import TrainHooks, TrainState
 from rayfleet.placement.plan import ParallelPlan
+from rayfleet.platform.rendezvous import host_store
 from rayfleet.storage.tokens import prepare_token_dataset
 
 LOSS_RTOL, RESUME_RTOL = 1e-4, 1e-5
@@ -62,7 +62,7 @@ def _run(loop, *, backend: str, device: str, **options: Any):
     """``train_worker`` in this process over a one-rank group of ``backend``; (summary, metrics)."""
     from rayfleet.jobs.loop import train_worker
 
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+    dist.init_process_group(backend, store=host_store(1), rank=0, world_size=1,
                             **({"device_id": torch.device(device)} if backend == "nccl" else {}))
     try:
         metrics: list[dict] = []

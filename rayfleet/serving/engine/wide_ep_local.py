@@ -19,15 +19,14 @@ Design decisions:
 from __future__ import annotations
 
 import queue
-import socket
 import traceback
-from datetime import timedelta
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rayfleet.platform.rendezvous import host_store, join_group
 from rayfleet.serving.engine.engine_config import EngineConfig
 from rayfleet.serving.engine.wide_ep_rank import ModelRecipe, StepCommand, StepReport, WideEPRank
 from rayfleet.serving.experts.eplb import ExpertPlacement
@@ -39,12 +38,6 @@ class GangError(RuntimeError):
     """A rank of the gang failed; the message names it and carries its traceback."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, num_ranks: int, port: int, recipe: ModelRecipe, engine_config: EngineConfig,
                placement: ExpertPlacement, routing: str, misroute: bool, threads: int, timeout_s: float,
                backend: str, inbox, outbox) -> None:
@@ -53,8 +46,7 @@ def _rank_main(rank: int, num_ranks: int, port: int, recipe: ModelRecipe, engine
     try:
         if device != "cpu":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks,
-                                timeout=timedelta(seconds=timeout_s))
+        join_group(backend, host="127.0.0.1", port=port, rank=rank, world_size=num_ranks, timeout_s=timeout_s)
         worker = WideEPRank(rank=rank, num_ranks=num_ranks, group=dist.group.WORLD, recipe=recipe,
                             engine_config=engine_config, placement=placement, routing=routing, misroute=misroute,
                             device=device)
@@ -78,7 +70,9 @@ class LocalGang:
                  backend: Literal["gloo", "nccl"] = "gloo") -> None:
         self.num_ranks, self.timeout_s = num_ranks, timeout_s
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        # the gang's rendezvous, listening before its port is handed out; held until close()
+        self._store = host_store(num_ranks, timeout_s=timeout_s)
+        port = self._store.port
         self.inboxes = [ctx.Queue() for _ in range(num_ranks)]
         self.outboxes = [ctx.Queue() for _ in range(num_ranks)]
         self.procs = [ctx.Process(target=_rank_main, daemon=True,
@@ -127,6 +121,7 @@ class LocalGang:
             if proc.is_alive():  # a rank stuck in a collective after a peer failed
                 proc.kill()
                 proc.join(timeout=5)
+        self._store = None
 
     def __enter__(self) -> "LocalGang":
         return self
