@@ -65,8 +65,6 @@ def rayfleet_home() -> Path:
 
 def ensure_auth_token() -> Path:
     """Create Ray's auth token if missing, and switch this process's clients to token mode."""
-    from rayfleet.platform import ray_compat
-
     path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or ray_compat.default_auth_token_path())
     if not os.environ.get("RAY_AUTH_TOKEN") and not path.exists():
         ray_compat.generate_auth_token(path)  # atomic: another process may be creating it too
@@ -297,15 +295,18 @@ class LocalFleet:
             raise FleetStateError(f"`ray start` for node {launched.name} exited with {code}:\n{tail}\n"
                                   f"Fix: see the full log {launched.log_path}")
 
-    def down(self, *, grace_s: float = 5.0) -> None:
-        """Stop exactly the processes this fleet started (TERM, then KILL after ``grace_s``)."""
-        for launched in reversed(self.nodes):
-            _signal_group(launched.pgid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(_group_alive(n.pgid) for n in self.nodes):
-            time.sleep(0.2)
-        for launched in self.nodes:
-            _signal_group(launched.pgid, signal.SIGKILL)
+    def down(self, *, grace_s: float = 5.0, head_grace_s: float = 1.0) -> None:
+        """Stop this fleet's processes: workers (TERM, KILL after ``grace_s``; ~0.1 s with the GCS up),
+        then the head (KILL after ``head_grace_s``: its GCS may ignore TERM for minutes)."""
+        head = self.nodes[:1]  # started first; add_node re-adds workers only, at the end
+        for group, grace in ((self.nodes[1:], grace_s), (head, head_grace_s)):
+            for launched in reversed(group):
+                _signal_group(launched.pgid, signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and any(_group_alive(n.pgid) for n in group):
+                time.sleep(0.1)
+            for launched in group:
+                _signal_group(launched.pgid, signal.SIGKILL)
         # Snapshots of jobs that died with the fleet: tmpfs, i.e. memory, until someone frees it.
         sessions = [p.name for p in Path(self.temp_dir).glob("session_*") if p.name != "session_latest"]
         remove_session_snapshots(sessions)
@@ -343,10 +344,9 @@ class LocalFleet:
         return bool(self.nodes) and _group_alive(self.nodes[0].pgid)
 
     def save(self) -> None:
-        data = {k: v for k, v in asdict(self).items()}
         path = Path(self.home) / "fleet.json"
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=2))
+        tmp.write_text(json.dumps(asdict(self), indent=2))
         tmp.replace(path)
 
     @classmethod
