@@ -38,7 +38,7 @@ from ray import serve
 from rayfleet.platform import labels as L
 from rayfleet.platform.catalogue import get_accelerator
 from rayfleet.serving.deploy.engine_replica import EngineReplica
-from rayfleet.serving.deploy.pool_scaling import autoscaling_config
+from rayfleet.serving.deploy.pool_scaling import DRAIN_OPTIONS, autoscaling_config
 from rayfleet.serving.spec import PoolSpec, ServeSpec
 
 __all__ = ["EngineReplica", "bind_pool", "replica_options", "pool_deployment_options"]
@@ -109,8 +109,7 @@ def pool_deployment_options(spec: ServeSpec, role: str) -> dict[str, Any]:
             "autoscaling_config": autoscaling_config(replicas=pool.replicas,
                                                      target_ongoing_requests=pool.target_ongoing_requests),
             "health_check_period_s": 2, "health_check_timeout_s": 10, "max_ongoing_requests": 1000,
-            # Scale-down drains: Serve stops routing to the replica and waits for its requests.
-            "graceful_shutdown_timeout_s": 20, "graceful_shutdown_wait_loop_s": 0.5}
+            **DRAIN_OPTIONS}
 
 
 def bind_pool(spec: ServeSpec, role: str) -> Any:

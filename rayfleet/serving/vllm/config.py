@@ -49,7 +49,7 @@ from typing import Any, Literal
 from rayfleet.errors import SpecError
 from rayfleet.platform import labels as L
 from rayfleet.platform.catalogue import get_accelerator
-from rayfleet.serving.deploy.pool_scaling import autoscaling_config
+from rayfleet.serving.deploy.pool_scaling import DRAIN_OPTIONS, autoscaling_config
 from rayfleet.serving.spec import PoolSpec, ServeSpec
 from rayfleet.serving.vllm.data_parallel import RAY_DP_SERVER, RAYFLEET_DP_SERVER, check_moe_model, dp_engine_kwargs
 from rayfleet.serving.vllm.text_blocks import DEFAULT_CHARS_PER_TOKEN
@@ -281,7 +281,7 @@ def llm_config_fields(spec: ServeSpec, role: str) -> dict[str, Any]:
     if role == "decode":
         _check_router(spec, pg["bundles"])
     deployment: dict[str, Any] = {"ray_actor_options": {"num_cpus": 0},
-                                  "health_check_period_s": 5, "health_check_timeout_s": 60}
+                                  "health_check_period_s": 5, "health_check_timeout_s": 60, **DRAIN_OPTIONS}
     # Serve autoscales the pool within the bounds ``deploy`` and the shared autoscaler keep in
     # Ray's KV (``pool_scaling``), like the built-in engine's pools: ``replicas`` .. ``max_replicas``
     # until the autoscaler lends it more.

@@ -57,6 +57,9 @@ def test_colocated_cpu_pool_maps_to_build_openai_app():
     assert cfg["placement_group_config"] == {"bundles": [{"CPU": CPU_ENGINE_SHARE}], "strategy": "PACK"}
     assert cfg["deployment_config"]["autoscaling_config"]["initial_replicas"] == 2
     assert cfg["deployment_config"]["ray_actor_options"] == {"num_cpus": 0}
+    # a scale-down drains like the built-in engine's pools: checked every 0.5 s, not Serve's 2 s
+    assert cfg["deployment_config"]["graceful_shutdown_wait_loop_s"] == 0.5
+    assert cfg["deployment_config"]["graceful_shutdown_timeout_s"] == 20
     kw = cfg["engine_kwargs"]
     assert (kw["block_size"], kw["max_model_len"], kw["max_num_seqs"], kw["enforce_eager"]) == (32, 512, 4, True)
     assert "kv_transfer_config" not in kw and "gpu_memory_utilization" not in kw
