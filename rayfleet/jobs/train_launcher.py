@@ -253,6 +253,8 @@ class _MetricsPrinter:
     def _show(self, row: dict[str, Any]) -> None:
         from rayfleet.jobs.training_run import format_metrics_line
 
+        if "rank_note" in row:  # the workers' ranks were re-formed to the layout's (worker_ranks)
+            self.log(row.pop("rank_note"))
         if "restored_from" in row:
             self.log(f"rayfleet checkpoint: restored step {row.pop('restored_step')} from "
                      f"{row.pop('restored_from')} ({row.pop('restore_reason', '') or 'snapshot verified on every rank'})")

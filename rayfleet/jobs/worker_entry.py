@@ -53,6 +53,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     from rayfleet.jobs.host_share import HostShareHook
     from rayfleet.jobs.loop import PolledFlag, train_worker
     from rayfleet.jobs.train_metrics import MetricsWriter, ReportPacer, StepStream, write_run_plot
+    from rayfleet.jobs.worker_ranks import rerank_note
+
     slots, assignment = _join_worker_group(config)
     rank = dist.get_rank()
     loop, plan = config["loop"], config["plan"]
@@ -62,7 +64,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                            hang_timeout_s=float(os.environ.get("RAYFLEET_HANG_TIMEOUT_S", "120")),
                            on_decision=_decision_recorder(os.path.basename(config["run_dir"].rstrip("/")), slots)
                            if rank == 0 else None)
-    announced = [False]
+    announced, announced_ranks = [False], [False]
     stream = StepStream(_metric_sinks(config, job=loop.name, writer=writer) if rank == 0 else [])
     # Metrics reach the driver, Parquet and Prometheus through ``stream``; Ray Train's report only
     # feeds its dashboard, and each one holds a cross-rank barrier through an actor (seen in a
@@ -75,6 +77,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         row = dict(metrics)
         if rank == 0:
             row.setdefault("rail_matches", assignment.rail_matches)
+            if not announced_ranks[0]:
+                announced_ranks[0] = True  # the driver logs a re-formed group once
+                if (note := rerank_note(assignment)) is not None:
+                    row["rank_note"] = note
             restored = getattr(hooks, "restored", None)
             if restored is not None and restored.step is not None and not announced[0]:
                 announced[0] = True  # the driver logs where this worker group resumed from

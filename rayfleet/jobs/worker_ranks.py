@@ -28,7 +28,7 @@ from typing import Sequence
 
 from rayfleet.errors import RayfleetError
 
-__all__ = ["WorkerPlace", "RankAssignment", "assign_layout_ranks", "rerank_process_group"]
+__all__ = ["WorkerPlace", "RankAssignment", "assign_layout_ranks", "rerank_process_group", "rerank_note"]
 
 
 class PlacementMismatchError(RayfleetError):
@@ -90,6 +90,16 @@ def assign_layout_ranks(workers: Sequence[WorkerPlace],
             layout_rank_of[w.ray_rank] = rank
             matches += int(w.accelerator_index == layout_slots[rank][1])
     return RankAssignment(tuple(layout_rank_of), matches)
+
+
+def rerank_note(assignment: RankAssignment) -> str | None:
+    """The job log's line when Ray's worker ranks were not the layout's (None when they were)."""
+    moved = [(ray_rank, rank) for ray_rank, rank in enumerate(assignment.layout_rank_of) if ray_rank != rank]
+    if not moved:
+        return None
+    return ("rayfleet train: Ray Train's worker ranks differ from the layout's; the process group was re-formed "
+            f"(Ray rank -> layout rank: {', '.join(f'{a}->{b}' for a, b in moved)}; "
+            f"{assignment.rail_matches}/{assignment.world_size} workers on their planned rail)")
 
 
 def _node_ip() -> str:

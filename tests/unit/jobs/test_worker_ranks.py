@@ -32,3 +32,24 @@ def test_wrong_node_counts_raise():
     workers = [_w(0, "a", 0), _w(1, "a", 1)]
     with pytest.raises(PlacementMismatchError, match="layout needs"):
         assign_layout_ranks(workers, layout)
+
+
+def test_the_job_log_names_a_re_rank_and_says_nothing_when_ray_already_had_the_layouts_order():
+    from rayfleet.jobs.worker_ranks import RankAssignment, rerank_note
+
+    assert rerank_note(RankAssignment((0, 1, 2, 3), rail_matches=4)) is None
+    note = rerank_note(RankAssignment((2, 3, 0, 1), rail_matches=4))
+    assert "re-formed" in note and "0->2, 1->3, 2->0, 3->1" in note and "4/4 workers on their planned rail" in note
+
+
+def test_the_driver_logs_rank0s_re_rank_note_once_and_keeps_it_out_of_the_metrics_line():
+    from rayfleet.jobs.train_launcher import _MetricsPrinter
+    from rayfleet.jobs.worker_ranks import RankAssignment, rerank_note
+
+    lines: list[str] = []
+    printer = _MetricsPrinter(control=None, log=lines.append, on_step=None)
+    note = rerank_note(RankAssignment((1, 0), rail_matches=2))
+    printer._show({"step": 1, "loss": 5.0, "rank_note": note})
+    printer._show({"step": 2, "loss": 4.9})
+    assert lines[0] == note and "rank_note" not in lines[1] and "rank_note" not in printer.last
+    assert [line.startswith("RAYFLEET_METRICS") for line in lines] == [False, True, True]
