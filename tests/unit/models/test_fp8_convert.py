@@ -123,3 +123,16 @@ def test_converting_twice_is_an_error():
         convert_to_fp8(model, "rowwise")
     with pytest.raises(SpecError, match="recipe"):
         convert_to_fp8(build_model(preset("tiny"), seed=0), "fp4")
+
+
+def test_a_job_driver_validates_its_spec_without_importing_dtensor():
+    """``models.fp8`` loads its names on first use: the driver (``rayfleet.jobs.train``) and Ray
+    Train's controller read recipes only, and ``torch.distributed.tensor`` costs ~1 s of CPU per
+    process start; the converter still resolves through the package."""
+    import subprocess
+    import sys
+
+    code = ("import sys, rayfleet.jobs.train; print('torch.distributed.tensor' in sys.modules); "
+            "from rayfleet.models.fp8 import convert_to_fp8, RECIPES; print(callable(convert_to_fp8), bool(RECIPES))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["False", "True", "True"], out.stdout + out.stderr
