@@ -182,7 +182,7 @@ class EngineReplica:
                            "num_queued_blocks": snap.num_queued_blocks,
                            "num_running_requests": snap.num_running_requests, "max_num_seqs": snap.max_num_seqs,
                            "num_prefill_tokens_total": snap.num_prefill_tokens_total,
-                           "prefill_seconds_total": snap.prefill_seconds_total,
+                           "prefill_seconds_total": snap.prefill_seconds_total, "taken_at": time.time(),
                            **self._hash_log.fields(now_s), "state": replace(state, events=())}
         return self._stats
 

@@ -35,7 +35,7 @@ from rayfleet.serving.routing.prefix_index import PrefixIndex
 from rayfleet.serving.routing.recent_work import DecayedMean, PrefixWorkLedger, RecentWorkLedger
 from rayfleet.serving.routing.ttft_cost import PrefillRateEstimator, TTFTPolicy
 
-__all__ = ["Mode", "RouteHint", "PoolRouterCore", "ROUTING_STATS_KEYS", "OPTIONAL_ROUTING_STATS_KEYS"]
+__all__ = ["Mode", "RouteHint", "PoolRouterCore", "ROUTING_STATS_KEYS", "OPTIONAL_ROUTING_STATS_KEYS", "report_time"]
 
 Mode = Literal["prefix_aware", "round_robin"]
 
@@ -43,11 +43,12 @@ ROUTING_STATS_KEYS = ("version", "num_total_blocks", "num_free_blocks", "num_act
                       "num_running_requests", "max_num_seqs")
 """What a replica's ``record_routing_stats`` must publish for ``PoolRouterCore`` (extra keys are
 ignored): a ``version`` that changes with every publication and the ``ReplicaSnapshot`` numbers.
-``OPTIONAL_ROUTING_STATS_KEYS`` (the built-in engine's prefill totals) may come too: without them
-a replica is priced at the pool's or the prior rate.
+``OPTIONAL_ROUTING_STATS_KEYS`` may come too: the built-in engine's prefill totals (without them
+a replica is priced at the pool's or the prior rate) and ``taken_at``, the replica's wall clock
+(``time.time()``) when it took the numbers (without it a report is dated when the router reads it).
 Its cached block hashes (any engine: only equality matters) come as ``hash_log.HASH_LOG_KEYS``
 plus a periodic full ``block_hashes``, or as ``block_hashes`` alone (the whole set every time)."""
-OPTIONAL_ROUTING_STATS_KEYS = ("num_prefill_tokens_total", "prefill_seconds_total")
+OPTIONAL_ROUTING_STATS_KEYS = ("num_prefill_tokens_total", "prefill_seconds_total", "taken_at")
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,19 @@ class RouteHint:
     num_blocks_needed: int = 0
     replica: str | None = None
     avoid: tuple[str, ...] = ()
+
+
+def report_time(now_s: float | None, wall_s: float | None, taken_at: Any) -> float | None:
+    """When a report's numbers were true, on the router's clock: ``now_s`` less the report's age
+    (``wall_s - taken_at``, both wall clocks). Serve hands a router a replica's stats seconds
+    after the replica took them (its poll, then a broadcast); dated when read, a queue that was
+    long gone looked current, and a tenant's request left the replica caching its prefix (seen
+    live: one of four requests of a tenant on the other replica, after a report taken while the
+    previous request was queued). A report dated in the future (the replica's clock ahead) is
+    dated ``now_s``. Pure."""
+    if now_s is None or wall_s is None or not isinstance(taken_at, (int, float)):
+        return now_s
+    return now_s - max(0.0, wall_s - float(taken_at))
 
 
 class PoolRouterCore:
@@ -96,9 +110,12 @@ class PoolRouterCore:
         # Prompt blocks booked on their replica but not yet indexed (``flush_bookings``), with when.
         self._pending_bookings: list[tuple[ReplicaId, Sequence[Any], float | None]] = []
 
-    def observe(self, replica: str, stats: Mapping[str, Any] | None, now_s: float | None = None) -> bool:
+    def observe(self, replica: str, stats: Mapping[str, Any] | None, now_s: float | None = None,
+                wall_s: float | None = None) -> bool:
         """Apply ``replica``'s published stats if their version is new; True if applied.
-        ``now_s`` (the clock ``rank`` gets) keeps bookings younger than the grace."""
+        ``now_s`` (the clock ``rank`` gets) keeps bookings younger than the grace; ``wall_s`` (the
+        caller's ``time.time()``) dates the report's queue when the stats carry ``taken_at``
+        (``report_time``)."""
         rid = ReplicaId(replica)
         if rid not in self.snapshots:  # joins the pool: its ledgers start at its peers' mean
             for ledger in (self.recent_work, self.activity):
@@ -116,7 +133,8 @@ class PoolRouterCore:
             int(stats.get("num_queued_blocks", 0)), int(stats.get("num_running_requests", 0)),
             int(stats.get("max_num_seqs", 0)), num_prefill_tokens_total=int(stats.get("num_prefill_tokens_total", 0)),
             prefill_seconds_total=float(stats.get("prefill_seconds_total", 0.0)))
-        self.outlook.report(rid, snap.num_queued_blocks * self.tokens_per_block, now_s)
+        self.outlook.report(rid, snap.num_queued_blocks * self.tokens_per_block,
+                            report_time(now_s, wall_s, stats.get("taken_at")))
         if last is not None and snap.num_prefill_tokens_total >= last.num_prefill_tokens_total:
             self.prefill_rates.observe(rid, snap.num_prefill_tokens_total - last.num_prefill_tokens_total,
                                        snap.prefill_seconds_total - last.prefill_seconds_total)

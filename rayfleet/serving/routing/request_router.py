@@ -99,9 +99,9 @@ class PrefixLoadRequestRouter(RequestRouter):
         try:
             by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
             self.core.retain(list(by_id))
-            now = time.monotonic()
+            now, wall = time.monotonic(), time.time()
             for uid, replica in by_id.items():
-                self.core.observe(uid, replica.routing_stats, now)
+                self.core.observe(uid, replica.routing_stats, now, wall)
             ranked = self.core.rank(list(by_id), self._hint(pending_request), now_s=now)
             tiers = [[by_id[u] for u in tier if u in by_id] for tier in ranked]
             tiers = [t for t in tiers if t]

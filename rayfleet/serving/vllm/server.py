@@ -128,7 +128,8 @@ class RayfleetLLMServer(LLMServer):
         stats.update({"num_total_blocks": capacity,
                       "num_free_blocks": capacity - active - queued, "num_active_blocks": active,
                       "num_queued_blocks": queued,
-                      "num_running_requests": self._rf_running, "max_num_seqs": self._rf_max_num_seqs})
+                      "num_running_requests": self._rf_running, "max_num_seqs": self._rf_max_num_seqs,
+                      "taken_at": time.time()})
         if self._rf_events is None or self._rf_hash_log is None:
             stats.update({"version": (self._rf_version, len(served)), "block_hash_kind": "text",
                           "block_hashes": served.hashes()})

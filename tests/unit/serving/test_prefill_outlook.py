@@ -7,7 +7,7 @@ import pytest
 
 from rayfleet.serving.engine.block_hash import hash_full_blocks, root_block_hash
 from rayfleet.serving.engine.replica_state import ReplicaId, ReplicaSnapshot
-from rayfleet.serving.routing.pool_router import PoolRouterCore, RouteHint
+from rayfleet.serving.routing.pool_router import PoolRouterCore, RouteHint, report_time
 from rayfleet.serving.routing.prefill_outlook import PrefillOutlook, QueuedWork
 from rayfleet.serving.routing.prefix_index import PrefixIndex
 from rayfleet.serving.routing.recent_work import FollowUpEstimate
@@ -132,6 +132,41 @@ def test_pool_router_books_the_same_inputs():
     # and caches fewer blocks, so a new prompt goes there (undrained, a still looked busy).
     other = tuple(blocks(8, 9, 10))
     assert core.rank(["a", "b"], RouteHint(block_hashes=other, num_prompt_blocks=3), now_s=1.0)[0] == ["a"]
+
+
+@pytest.mark.parametrize("age_s, stays_home", [(1.0, True), (0.0, False)])
+def test_a_late_report_is_dated_when_the_replica_took_it(age_s, stays_home):
+    """Tenant a's home publishes a report taken while a's first request was queued (4 blocks);
+    the router reads it ``age_s`` later, just before a's second request. Dated when taken (1 s
+    ago at 4000 tok/s: long drained) the queue is gone and a stays home; a report that is really
+    current (age 0) does make the home busy, and a's 33 uncached tokens on the other replica are
+    then sooner. Before ``taken_at`` every report was dated when read: the CI flake of the vLLM
+    tier's tenant test, one of a's four requests on b's replica."""
+    core = PoolRouterCore(role="colocated", policy=TTFTPolicy(step_token_budget=512), tokens_per_block=32)
+
+    def stats(version, queued=0, running=0, taken_at=None):
+        out = {"version": version, "num_total_blocks": 1000, "num_free_blocks": 1000 - queued,
+               "num_active_blocks": 0, "num_queued_blocks": queued, "num_running_requests": running,
+               "max_num_seqs": 8, "block_hashes": ()}
+        return out if taken_at is None else {**out, "taken_at": taken_at}
+
+    tenant_a = RouteHint(block_hashes=("a1", "a2"), num_prompt_blocks=4)
+    tenant_b = RouteHint(block_hashes=("b1",), num_prompt_blocks=2)
+    for replica in ("x", "y"):
+        core.observe(replica, stats(0), now_s=0.0, wall_s=1000.0)
+    (home,), _ = core.rank(["x", "y"], tenant_a, now_s=0.0)
+    (other,), _ = core.rank(["x", "y"], tenant_b, now_s=1.0)
+    assert other != home
+    wall = 1002.0
+    core.observe(home, stats(1, queued=4, running=1, taken_at=wall - age_s), now_s=2.0, wall_s=wall)
+    assert core.rank(["x", "y"], tenant_a, now_s=2.0)[0] == [home if stays_home else other]
+
+
+def test_report_time_subtracts_the_reports_age_and_never_dates_it_ahead():
+    assert report_time(50.0, 1000.0, 998.5) == 48.5
+    assert report_time(50.0, 1000.0, 1003.0) == 50.0  # the replica's clock ahead: dated now
+    assert report_time(50.0, 1000.0, None) == 50.0  # a replica that does not say
+    assert report_time(50.0, None, 998.5) == 50.0 and report_time(None, 1000.0, 998.5) is None
 
 
 def test_trace_replay_gives_the_cost_what_the_live_router_gives_it(monkeypatch):
