@@ -162,8 +162,10 @@ def _settled_prompt_tokens(uids: set[str], *, reads: int = 3, done=lambda counte
 def test_prefix_aware_router_keeps_each_tenant_on_one_replica(pool_app, vllm_fleet):
     """Two tenants, each with its own long system prefix, alternate; a prefix-aware router sends
     every request of a tenant to the replica that holds its prefix, so each replica's prompt
-    token count grows by exactly one tenant's total (a random router splits them; with 4
-    requests per tenant that happens by chance with probability 2/2^8)."""
+    token count grows by whole tenants' totals: one tenant each, or both on one replica (on an
+    idle pool the TTFT cost is the same on both replicas for a new prefix, and the tie goes to
+    the replica caching fewer blocks, which may still be the first tenant's). A random router
+    keeps both tenants whole with probability (2/2^4)^2 = 1/64."""
     client = _client(pool_app)
     uids = replica_ids(vllm_fleet.dashboard_url, APP, "RayfleetLLMServer")
     assert len(uids) == 2
@@ -179,7 +181,8 @@ def test_prefix_aware_router_keeps_each_tenant_on_one_replica(pool_app, vllm_fle
     after = _settled_prompt_tokens(uids, reads=2, timeout_s=60,
                                    done=lambda now: sum(now.values()) - sum(before.values()) >= sum(totals.values()))
     delta = {r: after.get(r, 0.0) - before.get(r, 0.0) for r in after}
-    assert sorted(v for v in delta.values() if v) == sorted(totals.values()), (delta, totals, _stats_seen())
+    whole = (sorted(totals.values()), [sum(totals.values())])
+    assert sorted(v for v in delta.values() if v) in whole, (delta, totals, _stats_seen())
 
 
 def _stats_seen(calls: int = 6) -> list:

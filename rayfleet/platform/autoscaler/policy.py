@@ -30,7 +30,11 @@ Design decisions:
   reading taken before then starts a low-load window, as in HPA's scale-down stabilization
   and KEDA's cooldown. Readings while a replica loads measure the deployment without it, and
   those of its first window mix in the backlog from before it (TTFT windows, queues moving
-  over): neither says the replica is not needed. Seen live (1 s ticks, 3 s window): a low
+  over): neither says the replica is not needed. "Taken" is the figures' own time: a reading
+  ``load_age_s`` old (exported metrics) counts from then (seen live on a vLLM pool whose
+  burst paused while the lent engine started: metrics 4 s late read the pause as the first
+  low window after the replica ran, it was removed while the resumed burst ran, and the
+  burst's late figures lent a second accelerator). Seen live (1 s ticks, 3 s window): a low
   window that began while the lent replica loaded removed it 1 s after it served, burst still
   running; the next lend then preempted the lender whole. So by default a lent replica serves
   at least two windows (in production ``scale_down_after_s`` is minutes; the simulator's price
@@ -98,7 +102,8 @@ class AutoscalerPolicy:
         cfg, now = self.config, obs.now_s
         work = FleetScratch(obs)
         low_since, last_resize, lent = dict(state.low_since), dict(state.last_resize_at), dict(state.lent)
-        fresh_until = {d: t for d, t in state.fresh_until.items() if t > now}
+        age = {s.deployment: s.load_age_s for s in obs.serve}  # fresh on the figures' clock (_scale_down)
+        fresh_until = {d: t for d, t in state.fresh_until.items() if t > now - age.get(d, 0.0)}
         reversal_s = max(cfg.scale_down_after_s, cfg.reversal_guard_s)
         scaled_down_at = {d: t for d, t in state.scaled_down_at.items() if now - t < reversal_s}
         scaling_to = dict(state.scaling_to)
@@ -187,7 +192,9 @@ class AutoscalerPolicy:
         if serve.pending_replicas:  # a replica on its way: the load at the size it makes is not seen yet
             fresh_until[serve.deployment] = now + self._fresh_s
         low = (want < have and not at_risk and serve.ttft_p95_s <= cfg.low_ttft_ratio * serve.ttft_slo_s)
-        if not low or serve.pending_replicas or now < fresh_until.get(serve.deployment, -math.inf):
+        # Fresh until a window after the replicas ran, on the figures' own clock: figures read
+        # now may describe the pool before the lent replica served (``load_age_s``).
+        if not low or serve.pending_replicas or now - serve.load_age_s < fresh_until.get(serve.deployment, -math.inf):
             low_since.pop(serve.deployment, None)
             return None
         since = low_since.setdefault(serve.deployment, now)

@@ -43,6 +43,10 @@ class ServeObservation:
     # The pool's admission record name (``serve_admission.pool_key``) when it was admitted through
     # a queue: its key in ``QueueGrowthLimits``. Empty: the pool runs outside the queues.
     pool_key: str = ""
+    # How old the load figures may be when observed (seconds): a pool whose load comes from
+    # exported metrics (vLLM's, through Ray's agent) reads its state up to an export interval
+    # plus the scrape's cache late. A scale-up's fresh period is judged on the figures' own time.
+    load_age_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -147,7 +147,8 @@ def serve_observation(*, deployment: str, accelerator_type: str, accelerators_pe
                       load: dict, kv_usage_by_replica: dict[str, float], base_nodes: Sequence[str],
                       lent: Sequence[LentReplica], config: ServeShellConfig, pool_key: str = "") -> ServeObservation:
     """What the shell reports (pure): ``load`` is the ingress's ``load(window_s)`` (or a vLLM
-    pool's, with its TTFT p95 already taken from vLLM's histogram: ``ttft_p95_s``); lent
+    pool's, with its TTFT p95 already taken from vLLM's histogram: ``ttft_p95_s``, and how old
+    its figures may be: ``age_s``); lent
     replicas count as running once the router polled them, as pending before. Lent replicas
     come last in ``replica_nodes`` so that the policy's scale-down names their nodes.
     ``pool_key``: the pool's admission record name, when it may have been admitted through a queue."""
@@ -168,4 +169,5 @@ def serve_observation(*, deployment: str, accelerator_type: str, accelerators_pe
         unplaced_nodes=tuple(r.node for r in pending),
         queue_depth=float(load.get("waiting_first_token", 0)),
         ttft_p95_s=float(load["ttft_p95_s"]) if "ttft_p95_s" in load else p95(load.get("ttft_s", ())),
-        ttft_slo_s=config.ttft_slo_s, kv_usage=max(kv_usage_by_replica.values(), default=0.0), pool_key=pool_key)
+        ttft_slo_s=config.ttft_slo_s, kv_usage=max(kv_usage_by_replica.values(), default=0.0), pool_key=pool_key,
+        load_age_s=float(load.get("age_s", 0.0)))

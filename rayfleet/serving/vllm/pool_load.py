@@ -261,7 +261,8 @@ class VLLMPoolLoadSource:
         self._last: tuple[float, tuple[dict, dict[str, float]]] | None = None
 
     def sample(self) -> tuple[dict, dict[str, float]]:
-        """``(load, kv_usage_by_replica)`` as ``serve_observation`` takes them. Scraped at most
+        """``(load, kv_usage_by_replica)`` as ``serve_observation`` takes them (``load["age_s"]``:
+        how old its figures may be, the scrape's age plus one export interval). Scraped at most
         once per metrics export interval: between two exports the endpoints hold the same values
         (the shell ticks every second; Ray exports every 10 s by default), so a tick in between
         gets the last scrape's figures."""
@@ -273,10 +274,11 @@ class VLLMPoolLoadSource:
         now = time.monotonic()
         if self.min_interval_s is None:
             self.min_interval_s = metrics_export_interval_s()
-        if self._last is not None and now - self._last[0] < self.min_interval_s:
-            return self._last[1]
-        replicas = pool_replica_ids(self.app_name, self.deployment)
-        samples = scrape_vllm_metrics(contains="", names=POOL_LOAD_METRICS, timeout_s=5.0)  # vLLM's and Serve's
-        load = self.window.add(now, replica_samples(samples, replicas), live=replicas)
-        self._last = (now, (load.as_load(), dict(load.kv_usage_by_replica)))
-        return self._last[1]
+        if self._last is None or now - self._last[0] >= self.min_interval_s:
+            replicas = pool_replica_ids(self.app_name, self.deployment)
+            samples = scrape_vllm_metrics(contains="", names=POOL_LOAD_METRICS, timeout_s=5.0)  # vLLM's and Serve's
+            load = self.window.add(now, replica_samples(samples, replicas), live=replicas)
+            self._last = (now, (load.as_load(), dict(load.kv_usage_by_replica)))
+        scraped_at, (load_dict, kv) = self._last
+        # The endpoints hold what the agent last exported (up to one interval before the scrape).
+        return {**load_dict, "age_s": now - scraped_at + metrics_export_interval_s()}, kv

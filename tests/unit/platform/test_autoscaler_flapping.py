@@ -25,11 +25,12 @@ NODES = {"n0000": "H100"}
 NOTEBOOK = AutoscalerConfig(scale_down_after_s=3.0, job_resize_cooldown_s=5.0)
 
 
-def burst(running, desired, *, pending=0, unplaced=False, ttft=0.3):
+def burst(running, desired, *, pending=0, unplaced=False, ttft=0.3, age=0.0):
     """Serve's report: the base replica on n0000 plus lent ones (also on n0000)."""
     return ServeObservation("nb-burst", "H100", 1, running, desired, pending_replicas=pending,
                             replica_nodes=("n0000",) * (running + pending), min_replicas=1, max_replicas=2,
-                            ttft_p95_s=ttft, ttft_slo_s=2.0, unplaced_nodes=("n0000",) if unplaced else ())
+                            ttft_p95_s=ttft, ttft_slo_s=2.0, unplaced_nodes=("n0000",) if unplaced else (),
+                            load_age_s=age)
 
 
 def job(size, *, resizing=False):
@@ -166,6 +167,29 @@ def test_the_fresh_period_is_its_own_setting():
     assert removed_at(NOTEBOOK) == 65
     assert removed_at(AutoscalerConfig(scale_down_after_s=3.0, fresh_after_scale_up_s=10.0)) == 72  # 59 + 10 + 3
     assert removed_at(AutoscalerConfig(scale_down_after_s=3.0, fresh_after_scale_up_s=0.0)) == 63  # 60 + 3
+
+
+def test_the_fresh_period_runs_on_the_figures_own_clock():
+    """A pool whose load comes from exported metrics (a vLLM pool: Ray's agent exports every
+    few seconds, the shell caches a scrape as long) reads its state ``load_age_s`` late. Seen
+    live (vLLM tier, metrics 2 s apart, figures up to 4 s old): the burst paused while the lent
+    engine started, the first figures after it ran still showed the pause, the low window began
+    at once and the replica was removed while the resumed burst ran; the burst's late figures
+    then lent a second accelerator. Counted on the figures' clock the low window starts 4 s
+    later (the old code removed it at 65 either way)."""
+    def removed_at(age):
+        policy = AutoscalerPolicy(NOTEBOOK)
+        state = lend(policy)
+        for t in range(32, 60):
+            state, _ = step(policy, state, float(t), 0, burst(1, 1, pending=1, age=age), job(2))
+        for t in range(60, 90):
+            state, decisions = step(policy, state, float(t), 0, burst(2, 1, ttft=0.1, age=age), job(2))
+            if of(decisions, ScaleServe):
+                return t
+        return None
+
+    assert removed_at(0.0) == 65  # fresh until 59 + 3, then 3 s low
+    assert removed_at(4.0) == 69  # figures of 62 are read at 66
 
 
 def test_a_scale_up_no_report_shows_yet_is_not_decided_again():

@@ -215,9 +215,13 @@ def test_the_pool_load_source_scrapes_once_per_metrics_export(monkeypatch):
     clock = [100.0]
     monkeypatch.setattr("time.monotonic", lambda: clock[0])
     source = pool_load_module.VLLMPoolLoadSource("app", "Decode", window_s=10.0, min_interval_s=2.0)
+    monkeypatch.setattr("rayfleet.platform.ray_compat.metrics_export_interval_s", lambda: 2.0)
     first = source.sample()
+    assert first[0]["age_s"] == 2.0  # what the agent exported up to one interval before the scrape
     clock[0] += 1.0
-    assert source.sample() == first and len(scrapes) == 1  # between two exports: the same figures
+    again = source.sample()
+    assert len(scrapes) == 1  # between two exports: the same figures, a second older
+    assert {**again[0], "age_s": None} == {**first[0], "age_s": None} and again[0]["age_s"] == 3.0
     clock[0] += 1.5
-    source.sample()
+    assert source.sample()[0]["age_s"] == 2.0
     assert len(scrapes) == 2 and first[0]["in_flight"] == 2
