@@ -37,7 +37,9 @@ def stdlib_json_tokens(tmp_path_factory) -> str:
 
 
 class Burst:
-    """``clients`` threads streaming completions of ``prompt(client, n)`` until stopped."""
+    """``clients`` threads streaming completions of ``prompt(client, n)`` until stopped.
+    ``pause()`` holds each client before its next request (one in flight finishes) until
+    ``resume()``."""
 
     def __init__(self, base_url: str, *, clients: int, model: str, prompt: Callable[[int, int], str],
                  max_tokens: int, api_key: str | None = None, timeout_s: float = 120.0,
@@ -49,6 +51,8 @@ class Burst:
         self.timeout_s = timeout_s
         self.results: list[dict] = []
         self.stop = threading.Event()
+        self._go = threading.Event()
+        self._go.set()
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
 
     def start(self) -> "Burst":
@@ -56,14 +60,24 @@ class Burst:
             t.start()
         return self
 
+    def pause(self) -> None:
+        self._go.clear()
+
+    def resume(self) -> None:
+        self._go.set()
+
     def join(self) -> None:
         self.stop.set()
+        self._go.set()
         for t in self.threads:
             t.join(timeout=self.timeout_s + 60)
 
     def _run(self, index: int) -> None:
         n = 0
         while not self.stop.is_set():
+            self._go.wait()
+            if self.stop.is_set():
+                break
             prompt = self.prompt(index, n)
             sent, first, error, text = time.monotonic(), None, None, ""
             try:

@@ -6,8 +6,9 @@ An elastic training job (1..2 workers) takes the H100 node's other two accelerat
 streamed completions fills the decode engine (vLLM's own gauges, read from Ray's Prometheus by
 ``serving.vllm.pool_load``), so the controller's policy shrinks the job by one DP replica and the
 Serve shell raises the decode pool's bounds (``pool_scaling``, keyed by Serve LLM's deployment
-name): Serve starts a second decode engine on the freed accelerator. Once it has served part of
-the burst, the burst stops; after the hysteresis Serve drains one decode replica and the job grows
+name): Serve starts a second decode engine on the freed accelerator (the burst pauses while it
+starts: a replica on its way must not be recalled). Once it has served part of the burst, the
+burst stops; after the hysteresis Serve drains one decode replica and the job grows
 back to 2 workers. The test then stops the job.
 
 Measured and printed: decision-to-replica-running handover time. Asserted: every answer equals
@@ -61,6 +62,7 @@ class _Phases:
 
     def __init__(self) -> None:
         self.t0 = self.last = time.monotonic()
+        self.wall0 = time.time()  # events carry wall-clock times
 
     def __call__(self, what: str) -> None:
         now = time.monotonic()
@@ -104,7 +106,11 @@ def test_autoscaler_lends_an_accelerator_from_training_to_the_vllm_decode_pool_a
     shell = run = burst = None
     lent_id, lent_node, lent_tokens = "", "", 0.0
     try:
-        sdk.start_autoscaler(interval_s=1.0, scale_down_after_s=3.0, job_resize_cooldown_s=5.0)
+        # A 10 s hysteresis (fresh for 10 s after the lent replica runs, then 10 s of low load):
+        # vLLM's gauges reach the shell up to ~10 s late, and the burst pauses while the lent
+        # engine starts; at 3 s the pause's late figures once removed the replica while the
+        # resumed burst ran, and the burst's late figures then lent a second accelerator.
+        sdk.start_autoscaler(interval_s=1.0, scale_down_after_s=10.0, job_resize_cooldown_s=5.0)
         run = sdk.train(job)
         steps = lambda: [int(r["step"]) for r in run.metrics().rows]  # noqa: E731
         wait_until(lambda: len(steps()) >= 2 or run.status() in ("FAILED", "STOPPED"), timeout_s=300,
@@ -120,9 +126,18 @@ def test_autoscaler_lends_an_accelerator_from_training_to_the_vllm_decode_pool_a
         burst = _burst(url, 3).start()
         t0 = time.monotonic()
         try:
+            # Once the accelerator is lent (bounds raised: Serve must start the replica whatever the
+            # load), the burst waits while the engine starts: a replica on its way is never recalled
+            # (policy: hysteresis), and under the burst the start took 190-225 s instead of about a
+            # minute (both engines' busy loops and the engine start share 2 cores).
+            wait_until(lambda: any(h["placed_at"] for h in shell.history()) or run.status() in ("FAILED", "STOPPED"),
+                       timeout_s=600, interval_s=1.0, what="an accelerator lent to the decode pool")
+            burst.pause()
+            phase("an accelerator lent to the decode pool (burst paused)")
             wait_until(lambda: any(h["running_at"] for h in shell.history()) or run.status() in ("FAILED", "STOPPED"),
                        timeout_s=1100, interval_s=1.0, what="a lent decode replica running")
-            phase("a lent decode replica running")
+            burst.resume()
+            phase("a lent decode replica running (burst resumed)")
             lent_id = next(iter(replica_ids(vllm_fleet.dashboard_url, PD_APP, "Decode") - base_decode), "")
             lent_node = _replica_node(vllm_fleet.dashboard_url, lent_id)
             # The burst goes on until the lent engine has served part of it (its own counters;
@@ -130,12 +145,20 @@ def test_autoscaler_lends_an_accelerator_from_training_to_the_vllm_decode_pool_a
             lent_tokens = wait_until(lambda: _generated_tokens(lent_id), timeout_s=90, interval_s=2.0,
                                      what="the lent decode engine's generated tokens")
             phase("the lent engine's generated tokens")
+            # ... and until the shell's figures show the resumed burst on the grown pool: vLLM's
+            # gauges reach it through Ray's agent seconds late, and a burst stopped before they did
+            # let the policy read the pause as low load, remove the replica, and then lend again
+            # on the burst's late figures (seen live).
+            wait_until(lambda: (lambda o: o and o["running_replicas"] >= 2 and o["desired_replicas"] >= 2)(
+                shell.observation()), timeout_s=90, interval_s=1.0, what="the shell's figures showing the burst")
+            phase("the shell's figures show the burst")
         except AssertionError as err:
             raise AssertionError(f"{err}\nshell saw {shell.observation()}\nhistory {shell.history()}\n"
                                  f"events {[(e.kind, e.cause) for e in sdk.events(limit=30)]}\n"
                                  f"job log {run.logs()[-3000:]}") from None
         finally:
             burst.join()
+            phase("the burst stopped")
         lend_cycle_s = time.monotonic() - t0
         try:
             wait_until(lambda: all(h["removed_at"] for h in shell.history()), timeout_s=240, interval_s=1.0,
@@ -177,7 +200,7 @@ def test_autoscaler_lends_an_accelerator_from_training_to_the_vllm_decode_pool_a
     print(f"handover (decision -> lent vLLM decode replica running): {', '.join(f'{h:.1f}s' for h in handover)}; "
           f"placed (accelerator free, bounds raised) {', '.join(f'{p:.1f}s' for p in placed)} after the decision")
     for e in decisions:
-        print(f"  {e.subject:<18} {e.kind:<34} {e.cause}")
+        print(f"  [{e.ts - phase.wall0:6.1f}s] {e.subject:<18} {e.kind:<34} {e.cause}")
     kinds = [e.kind for e in decisions]
 
     assert not failed, failed[:3]
