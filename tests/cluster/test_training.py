@@ -32,7 +32,19 @@ def _spec(dataset: str, **overrides) -> dict:
     return spec
 
 
-def test_ray_job_submit_runs_a_training_job(local_fleet, dataset, tmp_path):
+@pytest.fixture(scope="module")
+def sdk_run(local_fleet, dataset, tmp_path_factory):
+    """The SDK test's job, submitted before the `ray job submit` test runs its own: two users'
+    jobs on the shared fleet at once, and their single-core start-ups (driver, Train controller)
+    overlap instead of queueing one after the other."""
+    out_uri = str(tmp_path_factory.mktemp("servable"))
+    run = local_fleet.sdk.train(_spec(dataset, name="tiny-sdk", output={"uri": out_uri}))
+    yield run, out_uri
+    if run.status() not in ("SUCCEEDED", "FAILED", "STOPPED"):
+        run.cancel()
+
+
+def test_ray_job_submit_runs_a_training_job(local_fleet, dataset, tmp_path, sdk_run):
     import yaml
 
     from rayfleet.jobs.training_run import parse_metrics_lines
@@ -51,10 +63,9 @@ def test_ray_job_submit_runs_a_training_job(local_fleet, dataset, tmp_path):
     assert "finished" in out.stdout
 
 
-def test_sdk_train_returns_a_handle_with_metrics(local_fleet, dataset, tmp_path):
-    out_uri = str(tmp_path / "servable")
-    run = local_fleet.sdk.train(_spec(dataset, name="tiny-sdk", output={"uri": out_uri}))
-    assert run.wait(timeout_s=400) == "SUCCEEDED"
+def test_sdk_train_returns_a_handle_with_metrics(sdk_run):
+    run, out_uri = sdk_run
+    assert run.wait(timeout_s=400) == "SUCCEEDED", run.logs()[-3000:]
     table = run.metrics()
     assert len(table) == STEPS
     assert table["loss"][-1] < table["loss"][0]
