@@ -184,6 +184,8 @@ class EngineReplica:
                            "num_prefill_tokens_total": snap.num_prefill_tokens_total,
                            "prefill_seconds_total": snap.prefill_seconds_total, "taken_at": time.time(),
                            **self._hash_log.fields(now_s), "state": replace(state, events=())}
+        else:  # the same numbers, confirmed now: a router that reads them first dates them now
+            self._stats["taken_at"] = time.time()
         return self._stats
 
     async def prefill_span(self, work: SpanWork, *, route: RouteHint | None = None) -> SpanReply:

@@ -259,6 +259,7 @@ class VLLMPoolLoadSource:
         self.window = LoadWindow(window_s)
         self.min_interval_s = min_interval_s  # None: the cluster's metrics export interval
         self._last: tuple[float, tuple[dict, dict[str, float]]] | None = None
+        self._export_s: float | None = None  # the cluster's metrics export interval, read once
 
     def sample(self) -> tuple[dict, dict[str, float]]:
         """``(load, kv_usage_by_replica)`` as ``serve_observation`` takes them (``load["age_s"]``:
@@ -272,8 +273,10 @@ class VLLMPoolLoadSource:
         from rayfleet.serving.vllm.prometheus_scrape import scrape_vllm_metrics
 
         now = time.monotonic()
+        if self._export_s is None:
+            self._export_s = metrics_export_interval_s()
         if self.min_interval_s is None:
-            self.min_interval_s = metrics_export_interval_s()
+            self.min_interval_s = self._export_s
         if self._last is None or now - self._last[0] >= self.min_interval_s:
             replicas = pool_replica_ids(self.app_name, self.deployment)
             samples = scrape_vllm_metrics(contains="", names=POOL_LOAD_METRICS, timeout_s=5.0)  # vLLM's and Serve's
@@ -281,4 +284,4 @@ class VLLMPoolLoadSource:
             self._last = (now, (load.as_load(), dict(load.kv_usage_by_replica)))
         scraped_at, (load_dict, kv) = self._last
         # The endpoints hold what the agent last exported (up to one interval before the scrape).
-        return {**load_dict, "age_s": now - scraped_at + metrics_export_interval_s()}, kv
+        return {**load_dict, "age_s": now - scraped_at + self._export_s}, kv
