@@ -2,7 +2,7 @@
 
     python benchmarks/colocation.py            # offered loads 60/80/95% (1,024 accelerators x 7 days),
                                                # then saturated: 8,192 accelerators x 7 days, and 1,024
-    python benchmarks/colocation.py --quick    # offered loads at 1,024 x 2 days, saturated 1,024 x 2 days
+    python benchmarks/colocation.py --quick    # offered loads at 1,024 x 1 day, saturated 1,024 x 1 day (one diurnal cycle)
 
 Offered load (``--loads``) = (training work offered + inference's mean need at the target
 utilization) / capacity. Below saturation policies differ in how fast jobs finish and how much
@@ -160,7 +160,7 @@ def main() -> int:
     if args.scales is not None:
         scales = [int(x) for x in args.scales.split(",") if x]
     if args.quick:
-        args.days = min(args.days, 2.0)
+        args.days = min(args.days, 1.0)  # one diurnal cycle: the pipeline, not the figures
     costs, costs_source = CostModel.calibrated() if args.costs == "calibrated" else (CostModel(), "defaults")
     base = SimConfig(days=args.days, seed=args.seed, peak_to_trough=args.peak_to_trough,
                      inference_peak_share=args.inference_share, costs=costs)

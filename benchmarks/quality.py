@@ -23,7 +23,7 @@ Rows (every run sees the same tokens: steps x 12 x 64):
 
     python benchmarks/quality.py                     # every row at full size (~45 min on 2 idle cores)
     python benchmarks/quality.py --rows a            # the dense reference row only (~5 min)
-    python benchmarks/quality.py --quick             # 24 steps per run: the pipeline, not the targets
+    python benchmarks/quality.py --quick             # 12 steps per run: the pipeline, not the targets
                                                      # (three jobs side by side, the killed run alone)
 
 Writes ``--json`` (default results/quality.json) with every run's loss curve, draws them into
@@ -159,23 +159,24 @@ def same_losses(segments) -> bool | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="abcd", help="which rows to run (default abcd)")
-    parser.add_argument("--steps", type=int, default=None, help=f"steps per run (default {FULL_STEPS}; quick 24)")
+    parser.add_argument("--steps", type=int, default=None, help=f"steps per run (default {FULL_STEPS}; quick 12)")
     parser.add_argument("--fp8-recipe", default="tensorwise", help="row (c)'s FP8 recipe (default tensorwise)")
-    parser.add_argument("--quick", action="store_true", help="24 steps per run, every row (what the tests run)")
+    parser.add_argument("--quick", action="store_true", help="12 steps per run, every row (what the tests run)")
     parser.add_argument("--json", type=Path, default=None, help="results (default results/quality.json)")
     parser.add_argument("--png", type=Path, default=None, help="loss curves (default beside the JSON)")
     args = parser.parse_args()
     rows = "".join(sorted(set(args.rows.lower())))
     if not rows or set(rows) - set("abcd"):
         parser.error(f"--rows {args.rows!r}: use letters of abcd")
-    steps = args.steps or (24 if args.quick else FULL_STEPS)  # quick: six jobs in the suite's time
-    eval_every, eval_batches = (12, 2) if args.quick else (250, 20)  # nanoGPT: eval_interval 250, eval_iters 20
+    # quick: six jobs in the suite's time; each runs two evaluations, two snapshots before the kill
+    steps = args.steps or (12 if args.quick else FULL_STEPS)
+    eval_every, eval_batches = (6, 2) if args.quick else (250, 20)  # nanoGPT: eval_interval 250, eval_iters 20
     json_path = args.json or RESULTS / "quality.json"
     png_path = args.png or json_path.with_suffix(".png")
     work = tempfile.mkdtemp(prefix="rayfleet-quality-")
     try:
         # Quick: three jobs side by side. A quick run's cost is each job's start (Ray job, Ray Train
-        # workers, about 30 s on 2 cores, much of it on one core) far more than its 24 steps; its
+        # workers, about 30 s on 2 cores, much of it on one core) far more than its 12 steps; its
         # times are not goals. Three at once: 164 and 160 s against 180 and 169 s two at once.
         curves, dataset = run_rows(rows, steps=steps, eval_every=eval_every, eval_batches=eval_batches,
                                    fp8_recipe=args.fp8_recipe, work=work, at_once=3 if args.quick else 1)
@@ -209,7 +210,7 @@ def run_rows(rows: str, *, steps: int, eval_every: int, eval_batches: int, fp8_r
     print(f"data: {splits.num_chars:,} characters, vocabulary {vocab}, train {splits.train.num_tokens:,} / val "
           f"{splits.val.num_tokens:,} tokens", flush=True)
     models = model_configs(vocab)
-    snapshot = {"every_n_steps": max(5, steps // 40), "persist_every": 10, "max_failures": 2}
+    snapshot = {"every_n_steps": max(2, steps // 40), "persist_every": 10, "max_failures": 2}
     make = lambda name, kind, **kw: job_spec(  # noqa: E731
         f"quality-{name}", data=f"{work}/shakespeare", steps=steps, eval_every=eval_every,
         eval_batches=eval_batches, model=models[kind], **kw)
