@@ -112,24 +112,18 @@ def ray_start_args(
             args.append(f"--dashboard-port={dashboard_port}")
         if unique_ports:
             args.append(f"--ray-client-server-port={_free_port()}")
-        if temp_dir:
-            args.append(f"--temp-dir={temp_dir}")
-        if system_config:
-            args.append(f"--system-config={json.dumps(system_config)}")
+        args += [f"--temp-dir={temp_dir}"] if temp_dir else []
+        args += [f"--system-config={json.dumps(system_config)}"] if system_config else []
     else:
         args.append(f"--address={head_address}")
-    if node.accelerator.ray_resource == "GPU":
-        args.append(f"--num-gpus={node.num_accelerators}")
-    else:
-        args.append("--num-gpus=0")
+    args.append(f"--num-gpus={node.num_accelerators if node.accelerator.ray_resource == 'GPU' else 0}")
     args.append(f"--resources={json.dumps(node.to_resources(), sort_keys=True)}")
     args.append(f"--labels={L.format_label_string(node.to_labels())}")
     if object_store_bytes:
         args.append(f"--object-store-memory={int(object_store_bytes)}")
     if unique_ports:
-        args += [f"--node-manager-port={_free_port()}", f"--object-manager-port={_free_port()}"]
-        args += [f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-                 f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}"]
+        args += [f"--{port}-port={_free_port()}" for port in ("node-manager", "object-manager", "dashboard-agent-listen",
+                                                              "dashboard-agent-grpc", "metrics-export", "runtime-env-agent")]
     return args
 
 
@@ -302,11 +296,10 @@ class LocalFleet:
         for group, grace in ((self.nodes[1:], grace_s), (head, head_grace_s)):
             for launched in reversed(group):
                 _signal_group(launched.pgid, signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline and any(_group_alive(n.pgid) for n in group):
-                time.sleep(0.1)
+            _wait_gone(group, grace)
             for launched in group:
                 _signal_group(launched.pgid, signal.SIGKILL)
+            _wait_gone(group, 5.0)  # a SIGKILL is sent, not done: on a loaded host dying takes a moment
         # Snapshots of jobs that died with the fleet: tmpfs, i.e. memory, until someone frees it.
         sessions = [p.name for p in Path(self.temp_dir).glob("session_*") if p.name != "session_latest"]
         remove_session_snapshots(sessions)
@@ -389,6 +382,12 @@ def live_pids_where(*, pgid: int | None = None, sid: int | None = None) -> list[
         if (pgid is not None and int(fields[2]) == pgid) or (sid is not None and int(fields[3]) == sid):
             pids.append(int(entry.name))
     return pids
+
+
+def _wait_gone(group: list[LaunchedNode], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(_group_alive(n.pgid) for n in group):
+        time.sleep(0.1)
 
 
 def _group_alive(pgid: int) -> bool:
