@@ -177,7 +177,7 @@ def main() -> None:
     try:
         # Quick: three jobs side by side. A quick run's cost is each job's start (Ray job, Ray Train
         # workers, about 30 s on 2 cores, much of it on one core) far more than its 12 steps; its
-        # times are not goals. Three at once: 164 and 160 s against 180 and 169 s two at once.
+        # times are not goals. Three at once: 164 and 160 s against 180 and 169 s two at once (24 steps).
         curves, dataset = run_rows(rows, steps=steps, eval_every=eval_every, eval_batches=eval_batches,
                                    fp8_recipe=args.fp8_recipe, work=work, at_once=3 if args.quick else 1)
     finally:
