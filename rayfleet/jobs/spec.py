@@ -26,7 +26,7 @@ from rayfleet.errors import SpecError
 from rayfleet.jobs.runtime_env import RuntimeEnvSection
 from rayfleet.jobs.spec_errors import split_spec_error, to_spec_error
 from rayfleet.models.config import PRESETS, MoEConfig, preset
-from rayfleet.models.fp8.recipes import RECIPES
+from rayfleet.models.fp8.recipe_names import RECIPE_NAMES
 from rayfleet.placement.capabilities import require_runnable
 from rayfleet.placement.plan import ParallelPlan
 from rayfleet.platform.catalogue import accelerator_names, get_accelerator
@@ -38,12 +38,12 @@ __all__ = [
     "is_fp8_precision",
 ]
 
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16", *sorted(RECIPES))
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", *sorted(RECIPE_NAMES))
 
 
 def is_fp8_precision(precision: str) -> bool:
     """True when ``precision`` names an FP8 recipe (GEMMs in FP8, the rest in BF16)."""
-    return precision in RECIPES
+    return precision in RECIPE_NAMES
 
 
 class _Section(BaseModel):

@@ -283,8 +283,9 @@ def fit_once(launch: TrainLaunch, *, loop: LoopConfig, checkpoint: CheckpointSet
     follows its stop flag (elastic formations). ``on_step(metrics)`` is called in the driver for
     every step rank 0 reports."""
     import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
+    from rayfleet.jobs.process_group_backend import ProcessGroupConfig
     from rayfleet.jobs.worker_entry import train_loop_per_worker
     from rayfleet.platform.ray_compat import without_helper_actors
 
@@ -292,13 +293,14 @@ def fit_once(launch: TrainLaunch, *, loop: LoopConfig, checkpoint: CheckpointSet
     control = control if control is not None else new_formation_control()
     config = {"loop": loop, "checkpoint": checkpoint, "plan": launch.plan, "slots": launch.slots,
               "run_dir": run_dir, "control": control, "watch_stop": watch_stop}
-    trainer = without_helper_actors(TorchTrainer)(
+    trainer = without_helper_actors(DataParallelTrainer)(
         train_loop_per_worker,
         train_loop_config=config,
         # Ray Train's own group only bootstraps the workers: each one re-forms the default group
         # with its layout rank (NCCL where CUDA is present, gloo otherwise; ``worker_ranks``). gloo
-        # here works on every fleet, including fake-GPU local fleets where NCCL is absent.
-        torch_config=TorchConfig(backend="gloo"),
+        # here works on every fleet, including fake-GPU local fleets where NCCL is absent. Ray's
+        # TorchTrainer would do the same, but it imports torch in the driver and the controller.
+        backend_config=ProcessGroupConfig(backend="gloo"),
         scaling_config=ray.train.ScalingConfig(**scaling_options(launch)),
         run_config=ray.train.RunConfig(name=os.path.basename(run_dir), storage_path=os.path.dirname(run_dir),
                                        failure_config=ray.train.FailureConfig(max_failures=max_failures)),

@@ -2,22 +2,23 @@
 
 This package imports neither Ray nor other rayfleet subpackages (only ``rayfleet.errors``), so
 that a model can be built, tested and converted anywhere. FP8 lives in ``rayfleet.models.fp8``.
+
+The names below load on first use (PEP 562), as in ``rayfleet.models.fp8``: a process that only
+reads configs and presets (a job's driver validating its spec, Ray Train's controller unpickling
+the loop's config) imports ``config``, not torch (about 2 s of CPU per process start).
 """
 
-from rayfleet.models.config import PRESETS, MoEConfig, ParamCount, preset
-from rayfleet.models.kv_cache import PagedBatch, PagedKVCache, paged_attention
-from rayfleet.models.layers import Attention, FeedForward, RMSNorm
-from rayfleet.models.moe import (Dispatched, GroupedExperts, LocalDispatcher, MoELayer, Router,
-                                 RouterOutput, TokenDispatcher, grouped_linear)
-from rayfleet.models.tokenizer import ByteTokenizer
-from rayfleet.models.transformer import MoETransformer, TransformerBlock, build_model, materialize
+from __future__ import annotations
 
-__all__ = [
-    "PRESETS", "MoEConfig", "ParamCount", "preset",
-    "PagedBatch", "PagedKVCache", "paged_attention",
-    "Attention", "FeedForward", "RMSNorm",
-    "Dispatched", "GroupedExperts", "LocalDispatcher", "MoELayer", "Router", "RouterOutput",
-    "TokenDispatcher", "grouped_linear",
-    "ByteTokenizer",
-    "MoETransformer", "TransformerBlock", "build_model", "materialize",
-]
+from rayfleet.models._lazy import lazy_exports
+
+_HOME = {
+    "config": ("PRESETS", "MoEConfig", "ParamCount", "preset"),
+    "kv_cache": ("PagedBatch", "PagedKVCache", "paged_attention"),
+    "layers": ("Attention", "FeedForward", "RMSNorm"),
+    "moe": ("Dispatched", "GroupedExperts", "LocalDispatcher", "MoELayer", "Router", "RouterOutput",
+            "TokenDispatcher", "grouped_linear"),
+    "tokenizer": ("ByteTokenizer",),
+    "transformer": ("MoETransformer", "TransformerBlock", "build_model", "materialize"),
+}
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _HOME, globals())

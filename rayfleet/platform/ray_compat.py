@@ -5,7 +5,8 @@ Design decisions:
   resources, the dashboard address of the connected cluster, a placement group handle from its
   id (to remove groups listed by the state API), token-authentication setup, the running
   Serve proxy's HTTP address, a ``ray start`` that keeps a loopback node address, and a Ray
-  Train trainer without the helper actors a rayfleet job does not need, and the base class of
+  Train trainer without the helper actors a rayfleet job does not need (and its tag for a torch
+  run), and the base class of
   Serve LLM's node-initialization callbacks. Each gets one small public function here, so an upgrade of Ray
   breaks one file with one obvious fix, not six call sites.
 - Every import is inside its function: importing this module costs nothing and does not import
@@ -22,7 +23,7 @@ __all__ = [
     "dashboard_url", "available_resources_per_node", "placement_group_from_hex",
     "default_auth_token_path", "generate_auth_token", "enable_token_auth", "serve_proxy_address",
     "keep_loopback_node_ip", "LOOPBACK_FLEET_ENV", "shared_host_ray_env",
-    "metrics_export_interval_s", "without_helper_actors", "serve_llm_callback_base",
+    "metrics_export_interval_s", "without_helper_actors", "torch_training_framework", "serve_llm_callback_base",
 ]
 
 
@@ -202,6 +203,14 @@ def without_helper_actors(trainer_cls: type) -> type:
 
     _Trainer.__name__ = _Trainer.__qualname__ = trainer_cls.__name__
     return _Trainer
+
+
+def torch_training_framework() -> Any:
+    """Ray Train's tag for a torch run (``BackendConfig.framework``: its state export names the
+    framework and its version)."""
+    from ray.train.v2._internal.util import TrainingFramework
+
+    return TrainingFramework.TORCH
 
 
 def serve_llm_callback_base() -> type:

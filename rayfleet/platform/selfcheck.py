@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:  # torch loads when a check runs: importing this module (the controller's and a
+    import torch   # job driver's import of the agent's names) costs no torch import
 
 __all__ = ["SelfCheckResult", "run_gemm_self_check", "expected_checksum", "flip_one_bit"]
 
@@ -45,6 +46,8 @@ class SelfCheckResult:
 
 
 def _inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     m, k, n = _SHAPE
     a = torch.randint(-_VALUE_RANGE, _VALUE_RANGE + 1, (m, k), generator=gen, dtype=torch.int64)
@@ -58,6 +61,8 @@ def _digest(t: torch.Tensor) -> str:
 
 def expected_checksum(seed: int = 0) -> str:
     """Checksum of the exact product computed in int64 (the ground truth), as float32 bytes."""
+    import torch
+
     a, b = _inputs(seed)
     return _digest((a @ b).to(torch.float32))
 
@@ -75,6 +80,8 @@ def run_gemm_self_check(
     result, standing in for a faulty accelerator. ``clock`` is injected so the function stays
     free of wall-clock reads when a caller wants it pure.
     """
+    import torch
+
     start = clock() if clock else 0.0
     a, b = _inputs(seed)
     if device.startswith("cuda"):
@@ -102,6 +109,8 @@ def run_gemm_self_check(
 
 def flip_one_bit(t: torch.Tensor) -> torch.Tensor:
     """A corruption that a real faulty ALU produces: one flipped mantissa bit in one element."""
+    import torch
+
     out = t.clone().contiguous()
     flat = out.view(-1).view(torch.int32)
     flat[len(flat) // 2] ^= 1 << 3

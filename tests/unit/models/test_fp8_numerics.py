@@ -146,3 +146,9 @@ def test_models_skip_a_reference_scaled_mm_kernel(monkeypatch, kernel_seconds, e
         assert report.gemm == ("scaled_mm" if expected else "emulated")
     finally:
         scaled_mm_fast.cache_clear()
+
+
+def test_the_torch_free_recipe_names_are_the_recipes():
+    from rayfleet.models.fp8 import RECIPE_NAMES
+
+    assert sorted(RECIPE_NAMES) == sorted(RECIPES)
