@@ -14,15 +14,17 @@ Design decisions:
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rayfleet.errors import RayfleetError
 from rayfleet.serving.errors import ReplicaUnavailableError
-from rayfleet.serving.engine.async_engine import AsyncEngine
 from rayfleet.serving.engine.replica_output import GenerationChunk, PrefillReply
 from rayfleet.serving.engine.replica_state import BlockUsage, ReplicaState
 from rayfleet.serving.engine.kv_connector import HandoffId, KVHandle, KVTransferError
 from rayfleet.serving.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:  # the engine (torch) is the caller's: the ingress imports the clients only
+    from rayfleet.serving.engine.async_engine import AsyncEngine
 
 __all__ = ["ReplicaClient", "ReplicaUnavailableError", "LocalReplicaClient", "ServeReplicaClient"]
 

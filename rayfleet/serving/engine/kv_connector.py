@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NewType, Protocol
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch loads with the first tensor moved: the ingress imports the handles only
+    import torch
 
 from rayfleet.errors import RayfleetError
 
@@ -41,6 +43,8 @@ class KVTransferError(RayfleetError):
 
 
 def _to_numpy(t: torch.Tensor) -> tuple[np.ndarray, str]:
+    import torch
+
     # numpy has no bfloat16: ship its bits as int16 and view them back on arrival.
     t = t.detach().to("cpu").contiguous()
     if t.dtype == torch.bfloat16:
@@ -49,6 +53,8 @@ def _to_numpy(t: torch.Tensor) -> tuple[np.ndarray, str]:
 
 
 def _from_numpy(a: np.ndarray, dtype: str) -> torch.Tensor:
+    import torch
+
     with warnings.catch_warnings():  # zero-copy arrays from the object store are read-only
         warnings.simplefilter("ignore", UserWarning)
         t = torch.from_numpy(a)
@@ -82,6 +88,8 @@ class KVPayload:
         return _from_numpy(self.k, self.dtype), _from_numpy(self.v, self.dtype)
 
     def generator_tensor(self) -> torch.Tensor | None:
+        import torch
+
         if self.generator_state is None:
             return None
         return torch.frombuffer(bytearray(self.generator_state), dtype=torch.uint8)

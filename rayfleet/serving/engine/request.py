@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import TYPE_CHECKING, NewType
 
-import torch
+if TYPE_CHECKING:  # the annotation only: the ingress imports this without torch
+    import torch
 
 from rayfleet.serving.engine.block_hash import BlockHash, hash_full_blocks
 from rayfleet.serving.engine.sampling import SamplingParams, TokenLogprobs

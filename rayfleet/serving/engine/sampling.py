@@ -26,8 +26,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch loads with the first sampled row: the OpenAI ingress imports only the params
+    import torch
 
 from rayfleet.errors import SpecError
 
@@ -131,6 +133,8 @@ class SampledToken:
 
 def _filter_logits(logits: torch.Tensor, *, top_k: int, top_p: float) -> torch.Tensor:
     """Set logits outside the top-k / top-p nucleus to -inf. ``logits`` ``[V]``; returns a copy."""
+    import torch
+
     logits = logits.clone()
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
@@ -149,6 +153,8 @@ def _filter_logits(logits: torch.Tensor, *, top_k: int, top_p: float) -> torch.T
 
 def _process(row: torch.Tensor, p: SamplingParams, output_ids: Sequence[int]) -> torch.Tensor:
     """Logit bias, then presence/frequency penalties (``row`` ``[V]``; returns a copy)."""
+    import torch
+
     row = row.clone()
     vocab = row.shape[-1]
     for token_id, b in p.logit_bias:
@@ -162,6 +168,8 @@ def _process(row: torch.Tensor, p: SamplingParams, output_ids: Sequence[int]) ->
 
 def _sample_row(raw: torch.Tensor, p: SamplingParams, generator: torch.Generator,
                 output_ids: Sequence[int], greedy_id: int) -> SampledToken:
+    import torch
+
     row = _process(raw, p, output_ids) if p.processes_logits else raw
     if p.greedy:
         token = greedy_id if not p.processes_logits else int(row.argmax())

@@ -20,7 +20,6 @@ from typing import Any
 from ray import serve
 
 from rayfleet.errors import SpecError
-from rayfleet.serving.deploy.deployments import bind_pool
 from rayfleet.serving.deploy.inference_service import InferenceService
 from rayfleet.serving.deploy.pool_admission import build_admitted
 from rayfleet.serving.deploy.pool_client import FailedReplicas, PoolClient, PoolRouter
@@ -87,6 +86,8 @@ class OpenAIIngress:
 
 def build_app(spec: ServeSpec) -> Any:
     """The Serve application for ``spec``: one deployment per pool and the ingress (not yet running)."""
+    from rayfleet.serving.deploy.deployments import bind_pool  # the engine replicas: not the ingress's imports
+
     config = spec.engine_config()
     pools = {role: bind_pool(spec, role) for role in spec.pools()}
     return serve.deployment(OpenAIIngress).options(

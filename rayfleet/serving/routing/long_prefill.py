@@ -30,9 +30,10 @@ Design decisions:
   ``[0, e)``), not in pool blocks: the pool is the engine's (and the KV-tier layer's) to manage,
   and the scratch is freed when the span's job is released. The memory is bounded by the prompt
   length, which ``max_model_len`` bounds.
-- ``SpanPrefill`` is plain torch (no Ray, no asyncio): the unit test runs the spans of a split
-  in turn in one process and compares with a single engine; ``split_prefill`` drives it on
-  replicas.
+- The policy here is torch-free (the ingress's router plans splits and imports no torch); a
+  span's computation, ``span_prefill.SpanPrefill``, is plain torch (no Ray, no asyncio): the unit
+  test runs the spans of a split in turn in one process and compares with a single engine;
+  ``split_prefill`` drives it on replicas.
 """
 
 from __future__ import annotations
@@ -40,14 +41,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from rayfleet.errors import SpecError
-from rayfleet.models import MoEConfig, MoETransformer, PagedBatch, PagedKVCache
+from rayfleet.models.config import MoEConfig
 from rayfleet.serving.engine.replica_state import ReplicaSnapshot
 
-__all__ = ["SpanAssignment", "SplitPlan", "LongPrefillPolicy", "key_cost_for", "span_costs", "SpanPrefill",
-           "split_prefill_in_process"]
+__all__ = ["SpanAssignment", "SplitPlan", "LongPrefillPolicy", "key_cost_for", "span_costs"]
 
 
 @dataclass(frozen=True)
@@ -165,86 +163,3 @@ class LongPrefillPolicy:
             last = backlog[-1] + span_costs(b, key_cost=self.key_cost)[-1]
             lo, hi = (mid, hi) if last > mid else (lo, mid)
         return bounds_for(hi)
-
-
-class SpanPrefill:
-    """One replica's span ``[start, end)`` of a prompt, computed layer by layer.
-
-    Owns a scratch ``PagedKVCache`` of ``ceil(end / block_size)`` blocks holding positions
-    ``[0, end)``: ``import_kv`` writes earlier spans' KV into it, ``run_layer`` computes the next
-    layer of this span (writing its KV), ``export_kv`` copies this span's KV of one layer out.
-    Not thread-safe; call it where the model's forward may run (the engine thread).
-    """
-
-    def __init__(self, model: MoETransformer, prompt_token_ids: Sequence[int], *, start: int, end: int,
-                 block_size: int) -> None:
-        if not 0 <= start < end <= len(prompt_token_ids) or start % block_size:
-            raise SpecError("span", (start, end), f"must be a block-aligned range inside the prompt of "
-                            f"{len(prompt_token_ids)} tokens", "plan spans with LongPrefillPolicy")
-        param = next(model.parameters())
-        self.model, self.start, self.end, self.block_size = model, start, end, block_size
-        self.num_layers = model.config.num_layers
-        num_blocks = -(-end // block_size)
-        self.cache = PagedKVCache.for_config(model.config, num_blocks=num_blocks, block_size=block_size,
-                                             dtype=param.dtype, device=param.device)
-        positions = torch.arange(start, end, device=param.device).unsqueeze(0)
-        self.batch = PagedBatch.from_blocks(positions=positions, block_size=block_size,
-                                            block_tables=torch.arange(num_blocks, device=param.device).unsqueeze(0))
-        tokens = torch.tensor([list(prompt_token_ids[start:end])], dtype=torch.long, device=param.device)
-        with torch.inference_mode():
-            self.hidden = model.tok_embeddings(tokens)
-        self.next_layer = 0
-
-    @property
-    def first_block(self) -> int:
-        return self.start // self.block_size
-
-    def import_kv(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write an earlier span's layer-``layer`` KV ``[num_blocks, bs, kv_heads, head_dim]``
-        (blocks from ``start / block_size`` on). Raises ``SpecError`` if it does not fit before
-        this span."""
-        first = start // self.block_size
-        if start % self.block_size or first + k.shape[0] > self.first_block or k.shape != v.shape:
-            raise SpecError("kv", (start, tuple(k.shape)), f"does not fit before this span's block "
-                            f"{self.first_block}", "import only earlier, block-aligned spans")
-        self.cache.k[layer, first:first + k.shape[0]] = k.to(self.cache.k.dtype)
-        self.cache.v[layer, first:first + k.shape[0]] = v.to(self.cache.v.dtype)
-
-    @torch.inference_mode()
-    def run_layer(self) -> int:
-        """Compute the next layer of this span over the KV imported so far; returns its index."""
-        layer = self.next_layer
-        assert layer < self.num_layers, "every layer of this span is done"
-        kv = (self.cache.k[layer], self.cache.v[layer])
-        self.hidden = self.model.layers[layer](self.hidden, self.batch.positions, kv=kv, paged=self.batch)
-        self.next_layer += 1
-        return layer
-
-    def export_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This span's KV of ``layer``: copies ``[num_span_blocks, bs, kv_heads, head_dim]``."""
-        blocks = slice(self.first_block, self.cache.num_blocks)
-        return self.cache.k[layer, blocks].clone(), self.cache.v[layer, blocks].clone()
-
-    @torch.inference_mode()
-    def last_logits(self) -> torch.Tensor:
-        """Next-token logits ``[vocab]`` after the span's last token (all layers done)."""
-        assert self.next_layer == self.num_layers, "run every layer first"
-        return self.model.output(self.model.norm(self.hidden[:, -1:]))[0, -1]
-
-
-def split_prefill_in_process(model: MoETransformer, prompt_token_ids: Sequence[int],
-                             bounds: Sequence[int], *, block_size: int
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Reference driver: the spans ``[bounds[i], bounds[i+1])`` one after another in this process,
-    in wavefront order (layer by layer, KV handed over as the replicas would). Returns the whole
-    prompt's ``k``/``v`` ``[L, ceil(N / bs), bs, kv_heads, head_dim]`` and the last logits."""
-    spans = [SpanPrefill(model, prompt_token_ids, start=s, end=e, block_size=block_size)
-             for s, e in zip(bounds[:-1], bounds[1:])]
-    for layer in range(model.config.num_layers):
-        for i, span in enumerate(spans):
-            span.run_layer()
-            k, v = span.export_kv(layer)
-            for later in spans[i + 1:]:
-                later.import_kv(layer, span.start, k, v)
-    last = spans[-1]
-    return last.cache.k, last.cache.v, last.last_logits()

@@ -38,7 +38,8 @@ import torch
 from rayfleet.serving.engine.async_engine import AsyncEngine
 from rayfleet.serving.engine.replica_output import PrefillReply
 from rayfleet.serving.engine.kv_connector import HandoffId, KVHandle, KVPayload
-from rayfleet.serving.routing.long_prefill import SpanAssignment, SpanPrefill
+from rayfleet.serving.routing.long_prefill import SpanAssignment
+from rayfleet.serving.routing.span_prefill import SpanPrefill
 from rayfleet.serving.errors import ReplicaUnavailableError
 from rayfleet.serving.engine.sampling import SamplingParams, sample_tokens
 from rayfleet.serving.engine.stop_checker import check_stop

@@ -1,5 +1,5 @@
-"""rayfleet's Ray Train backend: what it runs on the workers, and that the processes that only
-drive a run (the job's driver, Ray Train's controller, the SDK) import no torch.
+"""rayfleet's Ray Train backend: what it runs on the workers (that the processes which only drive
+a run import no torch is ``tests/unit/test_light_processes.py``).
 
 The backend's group set-up runs live in every training job of the cluster tier; here its hooks
 run against a stand-in worker group that calls the functions in this process, in order, so the
@@ -8,10 +8,7 @@ ranks and the environment each worker gets are checked without a cluster.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -112,14 +109,3 @@ def test_bad_config_names_the_field(field, kwargs):
         ProcessGroupConfig(**kwargs)
     assert field in str(err.value)
 
-
-def test_the_driver_controller_and_sdk_import_no_torch():
-    """What a job's driver and Ray Train's controller load (the trainer's backend config, the
-    loop's function and config, the elastic driver, the controller's client) and the SDK."""
-    modules = ["rayfleet.jobs.train", "rayfleet.jobs.train_launcher", "rayfleet.jobs.worker_entry",
-               "rayfleet.jobs.process_group_backend", "rayfleet.jobs.elastic.formation",
-               "rayfleet.platform.controller", "rayfleet.sdk", "ray.train.v2.api.data_parallel_trainer"]
-    code = (f"import importlib, json, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
-            "print(json.dumps(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert json.loads(out.stdout) == [], out.stdout[:500]

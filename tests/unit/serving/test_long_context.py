@@ -13,8 +13,8 @@ import torch
 from rayfleet.models import build_model, preset
 from rayfleet.serving.engine.engine_config import EngineConfig
 from rayfleet.serving.engine.llm_engine import LLMEngine
-from rayfleet.serving.routing.long_prefill import (LongPrefillPolicy, SpanPrefill, key_cost_for, span_costs,
-                                           split_prefill_in_process)
+from rayfleet.serving.routing.long_prefill import LongPrefillPolicy, key_cost_for, span_costs
+from rayfleet.serving.routing.span_prefill import SpanPrefill, split_prefill_in_process
 from rayfleet.serving.openai_api.in_process import build_local
 from rayfleet.serving.engine.replica_state import ReplicaId, ReplicaSnapshot
 from rayfleet.serving.engine.sampling import SamplingParams
