@@ -8,7 +8,7 @@ first test that needs it). The slowest tests are listed too.
 
 Sessions, in this order (why they are separate: see the Makefile):
 
-1. ``tests/unit``, ``tests/vllm/test_offline.py`` and ``tests/vllm/test_kv_events.py`` (no Ray; in
+1. ``tests/unit`` and ``tests/vllm/test_offline.py`` (vLLM's offline engine, started once; no Ray; in
    pytest-xdist workers, one per core: ``UNIT_WORKERS``);
 2. ``tests/cluster tests/gpu`` (the cluster tier's fleet is session-scoped);
 3. the rest of ``tests/vllm`` (a small fleet of its own, after the first one is gone);
@@ -55,7 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 from cpu_meter import CpuMeter  # noqa: E402 - scripts/cpu_meter.py, beside this script
 
-OFFLINE_VLLM = ("tests/vllm/test_offline.py", "tests/vllm/test_kv_events.py")
+OFFLINE_VLLM = ("tests/vllm/test_offline.py",)
 """vLLM's offline engine in subprocesses, no Ray: they run in the Ray-free session (module doc)."""
 
 UNIT_WORKERS = ("-n", str(min(4, os.cpu_count() or 1)), "--dist", "loadfile")

@@ -8,10 +8,17 @@ config, then running the backend's hooks) load it: about 2 s of CPU each per job
 Ray code; torch is imported only inside the functions the hooks run on the workers.
 
 What the workers get is what ``TorchConfig(backend=...)`` gives them: ``MASTER_ADDR`` /
-``MASTER_PORT`` from worker 0's address and a free port there, the torchrun variables
-(``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ...), and a default group (``env://``) over
-``backend``; at shutdown each destroys it. The loop then re-forms it with layout ranks
+``MASTER_PORT`` (worker 0's address and the rendezvous port there), the torchrun variables
+(``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ...), and a default group over ``backend``; at
+shutdown each destroys it. The loop then re-forms it with layout ranks
 (``worker_ranks.rerank_process_group``).
+
+One difference: the port. ``TorchConfig`` (and this backend at first) probed a free port on worker
+0, closed it and let ``init_process_group("env://")`` bind it again later; in that window any
+process on the host may take it. Two integration tests side by side lost a training job to it
+(``EADDRINUSE`` on the rendezvous port, with three jobs starting at once). Worker 0 now hosts the
+store on a port the OS gives it (``platform.rendezvous.host_store``) and only that listening
+port is handed out; the other workers join it as clients.
 """
 
 from __future__ import annotations
@@ -19,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from ray.train.backend import Backend, BackendConfig
@@ -71,9 +77,10 @@ class ProcessGroupBackend(Backend):
     def on_start(self, worker_group, backend_config: ProcessGroupConfig) -> None:
         import ray
 
-        addr, port = worker_group.execute_single(0, _address_and_free_port)
-        worker_group.execute(_set_rendezvous_env, addr=addr, port=port)
         world = len(worker_group)
+        addr, port = worker_group.execute_single(0, _host_rendezvous, world_size=world,
+                                                 timeout_s=backend_config.timeout_s)
+        worker_group.execute(_set_rendezvous_env, addr=addr, port=port)
         # (keyword names that ``execute_single_async(rank, fn, ...)`` does not take itself)
         ray.get([worker_group.execute_single_async(rank, _init_default_group, group_backend=backend_config.backend,
                                                    group_rank=rank, world_size=world, timeout_s=backend_config.timeout_s)
@@ -93,18 +100,21 @@ class ProcessGroupBackend(Backend):
 
 # On the workers -------------------------------------------------------------------------------
 
-def _address_and_free_port() -> tuple[str, int]:
-    """This worker's node address and a port free on it (the rendezvous of worker 0)."""
-    import ipaddress
-    import socket
+_hosted_store: Any = None
+"""Worker 0's rendezvous store (a listening ``TCPStore``), kept alive until its group is destroyed."""
+
+
+def _host_rendezvous(*, world_size: int, timeout_s: float) -> tuple[str, int]:
+    """On worker 0: host the group's store on a port the OS chose; returns (node address, port)."""
+    global _hosted_store
 
     import ray
 
+    from rayfleet.platform.rendezvous import host_store
+
     addr = ray.util.get_node_ip_address()
-    family = socket.AF_INET6 if ipaddress.ip_address(addr).version == 6 else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return addr, sock.getsockname()[1]
+    _hosted_store = host_store(world_size, host=addr, timeout_s=timeout_s)
+    return addr, _hosted_store.port
 
 
 def _set_rendezvous_env(addr: str, port: int) -> None:
@@ -121,17 +131,21 @@ def _set_rendezvous_env(addr: str, port: int) -> None:
 
 
 def _init_default_group(*, group_backend: str, group_rank: int, world_size: int, timeout_s: int) -> None:
-    import torch.distributed as dist
+    from rayfleet.platform.rendezvous import join_group
 
     if group_backend == "nccl" and "TORCH_NCCL_BLOCKING_WAIT" not in os.environ:
         # fail a timed-out collective instead of hanging (as Ray's torch backend does)
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    dist.init_process_group(backend=group_backend, init_method="env://", rank=group_rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    # rank 0 is worker 0, which hosts the store: it uses it; the others dial in
+    join_group(group_backend, host=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]), rank=group_rank,
+               world_size=world_size, timeout_s=timeout_s, store=_hosted_store if group_rank == 0 else None)
 
 
 def _destroy_default_group() -> None:
+    global _hosted_store
+
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    _hosted_store = None

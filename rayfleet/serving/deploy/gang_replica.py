@@ -8,9 +8,10 @@ Design decisions:
   expert parallelism for training. Serve starts, health-checks, restarts and scales whole
   replicas, so a gang is lent, reclaimed and replaced as one unit, and removing the replica
   removes its placement group and with it every rank.
-- Each rank is a Ray actor (``WideEPRankActor``) scheduled into its bundle; rank 0 names an
-  address and port for the gloo (``nccl`` when the ranks see CUDA devices) process group that
-  all ranks then join. The actors run the Ray-free ``WideEPRank``; this module only moves its two
+- Each rank is a Ray actor (``WideEPRankActor``) scheduled into its bundle; rank 0 hosts the
+  store of the gloo (``nccl`` when the ranks see CUDA devices) process group on a port the OS
+  chose (``platform.rendezvous``: the port is listening before it is handed out, so no other
+  process can take it in between) and all ranks then join it. The actors run the Ray-free ``WideEPRank``; this module only moves its two
   messages (``StepCommand`` in, ``StepReport`` out) as actor calls.
 - ``RayGang.step`` waits for the ranks' replies with ``ray.wait`` and raises ``GangError`` at the
   first rank that failed or died, without waiting for the others (they may be blocked in a
@@ -23,10 +24,8 @@ Design decisions:
 
 from __future__ import annotations
 
-import socket
 import time
 import uuid
-from datetime import timedelta
 from typing import Any
 
 import ray
@@ -52,24 +51,27 @@ class WideEPRankActor:
 
         torch.set_num_threads(threads)
         self.rank, self.num_ranks, self.worker = rank, num_ranks, None
+        self.store = None  # rank 0: the group's store, hosted by ``rendezvous``
 
-    def rendezvous(self) -> tuple[str, int, bool]:
-        """Rank 0: the address and a free port of the process group; whether CUDA is visible."""
+    def rendezvous(self, timeout_s: float) -> tuple[str, int, bool]:
+        """Rank 0: host the process group's store; its address and port, whether CUDA is visible."""
         import torch
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port, torch.cuda.is_available()
+        from rayfleet.platform.rendezvous import host_store
+
+        address = ray.util.get_node_ip_address()
+        self.store = host_store(self.num_ranks, host=address, timeout_s=timeout_s)
+        return address, self.store.port, torch.cuda.is_available()
 
     def start(self, address: str, port: int, backend: str, timeout_s: float, recipe: ModelRecipe,
               config: EngineConfig, placement: ExpertPlacement, routing: str, transport: str, lease_s: float) -> int:
         import torch.distributed as dist
 
+        from rayfleet.platform.rendezvous import join_group
         from rayfleet.serving.engine.wide_ep_rank import WideEPRank
 
-        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
-                                world_size=self.num_ranks, timeout=timedelta(seconds=timeout_s))
+        join_group(backend, host=address, port=port, rank=self.rank, world_size=self.num_ranks, timeout_s=timeout_s,
+                   store=self.store)
         self.worker = WideEPRank(rank=self.rank, num_ranks=self.num_ranks, group=dist.group.WORLD, recipe=recipe,
                                  engine_config=config, placement=placement, routing=routing,
                                  device="cuda" if backend == "nccl" else "cpu",
@@ -101,7 +103,7 @@ class RayGang:
                 placement_group_capture_child_tasks=False) if placement_group is not None else None,
         ).remote(r, num_ranks, threads_per_rank) for r in range(num_ranks)]
         try:
-            address, port, cuda = self._get([self.actors[0].rendezvous.remote()])[0]
+            address, port, cuda = self._get([self.actors[0].rendezvous.remote(timeout_s)])[0]
             backend = "nccl" if cuda else "gloo"
             self._get([a.start.remote(address, port, backend, timeout_s, recipe, engine_config, placement, routing,
                                       transport, lease_s) for a in self.actors])

@@ -69,13 +69,21 @@ def test_on_start_gives_each_worker_its_rank_the_rendezvous_and_one_group_call(m
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.1.2.3")
     monkeypatch.setattr(ray, "get", lambda refs, **_: refs)
+    from rayfleet.platform import rendezvous
+
+    hosted = []
+    monkeypatch.setattr(rendezvous, "host_store", lambda world, host, timeout_s: hosted.append((world, host, timeout_s))
+                        or type("Store", (), {"port": 40123})())
     group = _WorkerGroup(3, monkeypatch)
     ProcessGroupBackend().on_start(group, ProcessGroupConfig(backend="gloo", timeout_s=60))
     names = [c[1] for c in group.calls]
-    assert names[0] == "_address_and_free_port" and names[1:4] == ["_set_rendezvous_env"] * 3
+    assert names[0] == "_host_rendezvous" and names[1:4] == ["_set_rendezvous_env"] * 3
+    assert group.calls[0][2] == {"world_size": 3, "timeout_s": 60}
     envs = [c[3] for c in group.calls[1:4]]
     assert [e["RANK"] for e in envs] == ["0", "1", "2"] and {e["WORLD_SIZE"] for e in envs} == {"3"}
-    assert len({e["MASTER_PORT"] for e in envs}) == 1 and os.environ["MASTER_ADDR"] == "10.1.2.3"
+    # every worker dials the store worker 0 hosts, on the port it listens on
+    assert hosted == [(3, "10.1.2.3", 60)]
+    assert {e["MASTER_PORT"] for e in envs} == {"40123"} and os.environ["MASTER_ADDR"] == "10.1.2.3"
     inits = group.calls[4:]
     assert [(c[0], c[1]) for c in inits] == [(i, "_init_default_group") for i in range(3)]
     assert [c[2]["group_rank"] for c in inits] == [0, 1, 2]
@@ -89,8 +97,13 @@ def test_a_single_process_group_forms_and_is_destroyed(monkeypatch):
 
     from rayfleet.jobs import process_group_backend as pgb
 
+    import socket
+
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
-    addr, port = pgb._address_and_free_port()
+    addr, port = pgb._host_rendezvous(world_size=1, timeout_s=30)
+    # the port handed out is already listening (no window in which another process can take it)
+    with socket.create_connection((addr, port), timeout=5):
+        pass
     monkeypatch.setenv("MASTER_ADDR", addr)
     monkeypatch.setenv("MASTER_PORT", str(port))
     pgb._init_default_group(group_backend="gloo", group_rank=0, world_size=1, timeout_s=30)
@@ -98,7 +111,7 @@ def test_a_single_process_group_forms_and_is_destroyed(monkeypatch):
         assert dist.is_initialized() and dist.get_world_size() == 1
     finally:
         pgb._destroy_default_group()
-    assert not dist.is_initialized()
+    assert not dist.is_initialized() and pgb._hosted_store is None
     pgb._destroy_default_group()  # nothing to destroy: no error
 
 
