@@ -12,7 +12,8 @@ Sessions, in this order (why they are separate: see the Makefile):
    pytest-xdist workers, one per core: ``UNIT_WORKERS``);
 2. ``tests/cluster tests/gpu`` (the cluster tier's fleet is session-scoped);
 3. the rest of ``tests/vllm`` (a small fleet of its own, after the first one is gone);
-4. ``tests/integration`` (each test owns a Ray cluster; ``ray up`` takes the head's fixed ports).
+4. ``tests/integration`` (each test owns a Ray cluster; ``ray up`` takes the head's fixed ports),
+   two tests at a time (``INTEGRATION_WORKERS``).
 
 ``BESIDE`` can start a session together with another (its output is then kept in a file and
 printed when it ends). It is empty: measured on this 2-core machine (2026-11-27), the Ray-free
@@ -63,11 +64,21 @@ UNIT_WORKERS = ("-n", str(min(4, os.cpu_count() or 1)), "--dist", "loadfile")
 alone it kept about half of this 2-core machine busy (busy 0.55). Live sessions do not: their
 fleets and engines are session fixtures and their tests share them in order."""
 
+INTEGRATION_WORKERS = ("-n", str(max(1, min(2, os.cpu_count() or 1))), "--dist", "worksteal")
+"""The integration session runs two of its tests at a time. Unlike the sessions side by side
+(module doc), it pays: each of its tests owns its cluster and spends much of its time in job and
+engine starts that keep one core busy (busy 0.66 alone), so a second test fills the other core.
+Measured on this 2-core machine (2026-11-29, nothing else running): 12.4 min against 14.9 (the
+fresh-clone run at 6a11334) one at a time. Each test's fleet uses ports the OS chose (``ray up``'s
+fixed head ports are its own: one test), and the leak check is per xdist worker (its marker). The
+longest tests are collected first (``tests/integration/conftest.py``) so that no long one starts
+last."""
+
 SESSIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("unit", ("tests/unit", *OFFLINE_VLLM, *UNIT_WORKERS)),
     ("cluster+gpu", ("tests/cluster", "tests/gpu")),
     ("vllm", ("tests/vllm", *(f"--ignore={path}" for path in OFFLINE_VLLM))),
-    ("integration", ("tests/integration",)),
+    ("integration", ("tests/integration", *INTEGRATION_WORKERS)),
 )
 BESIDE: dict[str, str] = {}
 """Session -> the session it runs beside (started together; the next one waits for all of them).

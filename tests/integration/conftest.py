@@ -16,6 +16,21 @@ import pytest
 from process_leaks import MARKER_VAR, describe, mark_session, snapshot, wait_for_no_leftovers
 
 
+# The tier runs two tests at a time (scripts/test_tiers.py, INTEGRATION_WORKERS): the longest are
+# collected first (seconds measured alone, fresh-clone run at 6a11334), so that the two workers
+# end together instead of one starting a long test when the other is done.
+_LONGEST_FIRST = ("test_quickstart_notebook",  # 187 s
+                  "[quality]", "[handover]", "[serving]", "[recovery]", "[train_scaling]",  # 164-89 s
+                  "test_ray_up")  # 62 s; then the short quick runs
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item) -> int:
+        return next((i for i, key in enumerate(_LONGEST_FIRST) if key in item.nodeid), len(_LONGEST_FIRST))
+
+    items.sort(key=rank)  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind():
     previous = os.environ.get(MARKER_VAR)
