@@ -12,8 +12,10 @@ Sessions, in this order (why they are separate: see the Makefile):
    pytest-xdist workers, one per core: ``UNIT_WORKERS``);
 2. ``tests/cluster tests/gpu`` (the cluster tier's fleet is session-scoped);
 3. the rest of ``tests/vllm`` (a small fleet of its own, after the first one is gone);
-4. ``tests/integration`` (each test owns a Ray cluster; ``ray up`` takes the head's fixed ports),
-   two tests at a time (``INTEGRATION_WORKERS``).
+4. ``tests/integration`` but ``test_ray_up.py`` (each test owns a Ray cluster), two tests at a
+   time (``INTEGRATION_WORKERS``);
+5. ``tests/integration/test_ray_up.py`` alone (``ray up`` takes the head's fixed ports and starts
+   nodes on non-loopback addresses whose servers listen on every interface).
 
 ``BESIDE`` can start a session together with another (its output is then kept in a file and
 printed when it ends). It is empty: measured on this 2-core machine (2026-11-27), the Ray-free
@@ -69,16 +71,21 @@ INTEGRATION_WORKERS = ("-n", str(max(1, min(2, os.cpu_count() or 1))), "--dist",
 (module doc), it pays: each of its tests owns its cluster and spends much of its time in job and
 engine starts that keep one core busy (busy 0.66 alone), so a second test fills the other core.
 Measured on this 2-core machine (2026-11-29, nothing else running): 12.4 min against 14.9 (the
-fresh-clone run at 6a11334) one at a time. Each test's fleet uses ports the OS chose (``ray up``'s
-fixed head ports are its own: one test), and the leak check is per xdist worker (its marker). The
-longest tests are collected first (``tests/integration/conftest.py``) so that no long one starts
-last."""
+fresh-clone run at 6a11334) one at a time. Each test's fleet uses ports the OS chose and the leak
+check is per xdist worker (its marker). The longest tests are collected first
+(``tests/integration/conftest.py``) so that no long one starts last. ``test_ray_up.py`` runs
+after it, alone: in one fresh-clone run beside another test its worker nodes had not joined after
+120 s (alone they join in 14 s; not explained: more than CPU contention, perhaps its nodes'
+servers, which listen on every interface, meeting the other test's ports)."""
+
+RAY_UP_TEST = "tests/integration/test_ray_up.py"
 
 SESSIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("unit", ("tests/unit", *OFFLINE_VLLM, *UNIT_WORKERS)),
     ("cluster+gpu", ("tests/cluster", "tests/gpu")),
     ("vllm", ("tests/vllm", *(f"--ignore={path}" for path in OFFLINE_VLLM))),
-    ("integration", ("tests/integration", *INTEGRATION_WORKERS)),
+    ("integration", ("tests/integration", f"--ignore={RAY_UP_TEST}", *INTEGRATION_WORKERS)),
+    ("ray up", (RAY_UP_TEST,)),
 )
 BESIDE: dict[str, str] = {}
 """Session -> the session it runs beside (started together; the next one waits for all of them).

@@ -71,14 +71,14 @@ def test_a_session_beside_another_starts_with_it_and_the_next_waits_for_both(mon
     # As shipped: one session after another (side by side was slower on 2 cores).
     results = tiers.run_sessions(list(tiers.SESSIONS), extra=[], top=3)
     assert [r.name for r in results] == [name for name, _ in tiers.SESSIONS] == [
-        "unit", "cluster+gpu", "vllm", "integration"]
+        "unit", "cluster+gpu", "vllm", "integration", "ray up"]
     assert events == [("run", name) for name, _ in tiers.SESSIONS]
     events.clear()
     monkeypatch.setattr(tiers, "BESIDE", {"unit": "cluster+gpu", "vllm": "cluster+gpu"})
     results = tiers.run_sessions(list(tiers.SESSIONS), extra=[], top=3)
     assert [r.name for r in results] == [name for name, _ in tiers.SESSIONS]  # reported in the table's order
     assert events == [("start", "unit"), ("start", "vllm"), ("run", "cluster+gpu"), ("finish", "unit"),
-                      ("finish", "vllm"), ("run", "integration")]
+                      ("finish", "vllm"), ("run", "integration"), ("run", "ray up")]
     events.clear()
     tiers.run_sessions([s for s in tiers.SESSIONS if s[0] in ("unit", "vllm")], extra=[], top=3)
     assert events == [("run", "unit"), ("run", "vllm")]  # their partner not selected: in the foreground
