@@ -11,8 +11,9 @@ Design decisions:
 - Each rank is a Ray actor (``WideEPRankActor``) scheduled into its bundle; rank 0 hosts the
   store of the gloo (``nccl`` when the ranks see CUDA devices) process group on a port the OS
   chose (``platform.rendezvous``: the port is listening before it is handed out, so no other
-  process can take it in between) and all ranks then join it. The actors run the Ray-free ``WideEPRank``; this module only moves its two
-  messages (``StepCommand`` in, ``StepReport`` out) as actor calls.
+  process can take it in between) and all ranks then join it. The actors run the Ray-free
+  ``WideEPRank``; this module only moves its two messages (``StepCommand`` in, ``StepReport``
+  out) as actor calls.
 - ``RayGang.step`` waits for the ranks' replies with ``ray.wait`` and raises ``GangError`` at the
   first rank that failed or died, without waiting for the others (they may be blocked in a
   collective with the dead rank until the gloo timeout). ``close`` kills every rank actor, so a
