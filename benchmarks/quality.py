@@ -243,9 +243,16 @@ def run_rows(rows: str, *, steps: int, eval_every: int, eval_batches: int, fp8_r
             finished = pool.map(lambda job: run_job(fleet, job[1], timeout_s=job[2]), jobs)
             curves.update(zip([name for name, _, _ in jobs], finished))
         if "d" in rows:  # alone: run_with_kills picks its victim among every live Ray Train worker
-            curves["MoE fp32 killed"] = run_killed(
-                fleet, local.dashboard_url, make("moe-killed", "moe", precision="fp32", seed=0, plan=moe_plan,
-                                                 checkpoint=snapshot), kill_at=steps // 3, timeout_s=timeout_s)
+            kill_at = steps // 3
+            killed = make("moe-killed", "moe", precision="fp32", seed=0, plan=moe_plan, checkpoint=snapshot)
+            # The first formation's rank 1 holds before step kill_at + 1 (the debug hang fires only
+            # in a run that started at step 0), so the kill lands mid-run however fast the steps
+            # are: a quick run's 12 steps once all finished between the driver seeing step 4 in the
+            # job's log and the SIGKILL (SUCCEEDED with no restore). The restarted group resumes
+            # from its snapshot and does not hold; the kill arrives long before the hang rule's 120 s.
+            killed["runtime_env"] = {"env_vars": {"RAYFLEET_DEBUG_HANG_RANK": f"1:{kill_at}"}}
+            curves["MoE fp32 killed"] = run_killed(fleet, local.dashboard_url, killed, kill_at=kill_at,
+                                                   timeout_s=timeout_s)
     finally:
         if ray.is_initialized():
             ray.shutdown()

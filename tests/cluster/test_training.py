@@ -32,19 +32,7 @@ def _spec(dataset: str, **overrides) -> dict:
     return spec
 
 
-@pytest.fixture(scope="module")
-def sdk_run(local_fleet, dataset, tmp_path_factory):
-    """The SDK test's job, submitted before the `ray job submit` test runs its own: two users'
-    jobs on the shared fleet at once, and their single-core start-ups (driver, Train controller)
-    overlap instead of queueing one after the other."""
-    out_uri = str(tmp_path_factory.mktemp("servable"))
-    run = local_fleet.sdk.train(_spec(dataset, name="tiny-sdk", output={"uri": out_uri}))
-    yield run, out_uri
-    if run.status() not in ("SUCCEEDED", "FAILED", "STOPPED"):
-        run.cancel()
-
-
-def test_ray_job_submit_runs_a_training_job(local_fleet, dataset, tmp_path, sdk_run):
+def test_ray_job_submit_runs_a_training_job(local_fleet, dataset, tmp_path):
     import yaml
 
     from rayfleet.jobs.training_run import parse_metrics_lines
@@ -63,19 +51,6 @@ def test_ray_job_submit_runs_a_training_job(local_fleet, dataset, tmp_path, sdk_
     assert "finished" in out.stdout
 
 
-def test_sdk_train_returns_a_handle_with_metrics(sdk_run):
-    run, out_uri = sdk_run
-    assert run.wait(timeout_s=400) == "SUCCEEDED", run.logs()[-3000:]
-    table = run.metrics()
-    assert len(table) == STEPS
-    assert table["loss"][-1] < table["loss"][0]
-    assert {"tokens_per_s", "mfu", "step_time_s"} <= set(table.columns)
-    from rayfleet.storage.model_registry import load_servable
-
-    servable = load_servable(out_uri)
-    assert servable.config["num_layers"] == 3 and servable.metadata
-
-
 @pytest.mark.parametrize("override, field", [
     ({"model": {"preset": "no-such-model"}}, "model.preset"),
     ({"data": {"uri": "/nonexistent/tokens", "seq_len": 64}}, "data.uri"),
@@ -92,10 +67,15 @@ def test_bad_spec_fails_before_any_worker_starts(local_fleet, dataset, override,
     assert _num_train_workers(local_fleet.dashboard_url) == before
 
 
-def test_a_mixed_kind_plan_holds_its_accelerators_in_a_reservation_group(local_fleet, dataset):
+def test_a_mixed_kind_plan_holds_its_accelerators_in_a_reservation_group(local_fleet, dataset, tmp_path):
     """DP replicas on H100 and P800 (GPU and XPU: Ray Train gives all workers the same resources,
     so the workers ask for none): while the job runs, ``rayfleet:train:<job>`` holds one
-    accelerator of each kind on the layout's nodes; it is gone when the job ends."""
+    accelerator of each kind on the layout's nodes; it is gone when the job ends.
+
+    The job is also the tier's check of the SDK's handle (``fleet.train`` -> ``TrainingRun``:
+    ``wait``, the metrics table with its columns and a falling loss) and of the servable export
+    (``output.uri``), which had a job of their own, the same as the `ray job submit` test's
+    (about 35 CPU s of job start on 2 cores)."""
     from ray.util.placement_group import placement_group_table
 
     from rayfleet.platform.topology import NodeTopology
@@ -112,7 +92,8 @@ def test_a_mixed_kind_plan_holds_its_accelerators_in_a_reservation_group(local_f
                      if g.get("name") == f"rayfleet:train:{name}" and g.get("state") != "REMOVED"), None)
 
     try:
-        run = local_fleet.sdk.train(_spec(dataset, name=name, steps=6,
+        out_uri = str(tmp_path / "servable")
+        run = local_fleet.sdk.train(_spec(dataset, name=name, steps=6, output={"uri": out_uri},
                                           plan={"dp": 2, "replica_accelerators": ["H100", "P800"]}))
         group = wait_until(lambda: (reservation() or {}).get("state") == "CREATED" and reservation()
                            or run.status() in ("FAILED", "STOPPED", "SUCCEEDED"),
@@ -122,8 +103,15 @@ def test_a_mixed_kind_plan_holds_its_accelerators_in_a_reservation_group(local_f
         xpu_id = next(n.ray_node_id for n in _live_topology().nodes if n.name == xpu.name)
         assert xpu_id in group["bundles_to_node_id"].values()
         assert run.wait(timeout_s=400) == "SUCCEEDED", run.logs()[-3000:]
-        assert len(run.metrics()) == 6
+        table = run.metrics()
+        assert len(table) == 6
+        assert table["loss"][-1] < table["loss"][0]
+        assert {"tokens_per_s", "mfu", "step_time_s"} <= set(table.columns)
         assert reservation() is None  # released with the run
+        from rayfleet.storage.model_registry import load_servable
+
+        servable = load_servable(out_uri)
+        assert servable.config["num_layers"] == 3 and servable.metadata
     finally:
         local_fleet.fleet.kill_node(xpu.name)
 
