@@ -31,7 +31,11 @@ its tests with wall-clock deadlines in a short foreground session first) beside 
 session. The cluster session took 30.3 min instead of 24.1 and the unit session ended after 31.5,
 so the pair took 31.5 min against 32.2 one after another: nothing won. The scheduler policy does
 not keep the two apart on this VM (caches, memory bandwidth, and perhaps host cores shared by its
-two vCPUs are outside it). Two fleets on one host do work
+two vCPUs are outside it). A fourth (2026-11-29): ``tests/cluster`` and ``tests/vllm`` in one session,
+two pytest-xdist work units at a time (``loadgroup``; a cluster module or the whole vLLM tier per
+unit, each worker on fleets of its own): 26.4 min against 27.7 one after another, 47.7 CPU min
+against 43.3 (a second 4-node fleet), and two vLLM pool tests failed on their counters' deadlines;
+not kept. Two fleets on one host do work
 (``RAY_ADDRESS`` names each fleet to its processes; the auth token is created atomically).
 
 Every session runs even if an earlier one failed (a red tier should not hide the others' times);
