@@ -16,11 +16,16 @@ from typing import Callable
 
 
 def wait_until(predicate, *, timeout_s: float = 30.0, interval_s: float = 0.25, what: str = "condition"):
-    """``predicate()``'s first truthy value, polled every ``interval_s``; AssertionError after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
+    """``predicate()``'s first truthy value, polled every ``interval_s``; AssertionError after ``timeout_s``.
+
+    Each wait prints how long it took (pytest shows it for a failed test, or with ``-s``): where a
+    live test's time goes."""
+    start = time.monotonic()
+    deadline = start + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
         if value:
+            print(f"[wait] {time.monotonic() - start:6.1f}s for {what}", flush=True)
             return value
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")

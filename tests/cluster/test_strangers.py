@@ -84,6 +84,8 @@ def _run_probe(local_fleet, tmp_path, *, token_path: str | None) -> dict:
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     if token_path:
         env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path}
+    else:  # refused at every try: Ray's GCS connect window (20 one-second tries) cut to 3
+        env["RAY_gcs_server_port_wait_time_s"] = "3"
     proc = subprocess.run([sys.executable, "-c", PROBE, local_fleet.dashboard_url, local_fleet.address],
                           env=env, cwd=home, capture_output=True, text=True, timeout=120)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -101,7 +103,7 @@ def test_a_client_without_the_token_is_refused_and_one_with_it_is_not(local_flee
                                 "GET /api/gcs_healthz": 200}, stranger  # open by design
     assert stranger["wrong_token"] == 403, stranger
     assert stranger["job_sdk"].startswith("AuthenticationError"), stranger
-    # The GCS answers "Unauthenticated: ... InvalidAuthToken" to every try (~20 s of them)
+    # The GCS answers "Unauthenticated: ... InvalidAuthToken" to every try (3 of them, see _run_probe)
     assert stranger.get("gcs", "").startswith("ConnectionError") and "InvalidAuthToken" in stranger["gcs"], stranger
     assert not any(j.entrypoint == "echo stranger-was-here" for j in _jobs(local_fleet))
 

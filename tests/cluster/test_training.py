@@ -204,9 +204,9 @@ def test_elastic_job_shrinks_on_node_loss_and_grows_back(local_fleet, dataset, t
     ceiling = 2000
     schedule = {"warmup_steps": 1, "kind": "constant"}
     spec = _spec(dataset, name="tiny-elastic", steps=ceiling, plan={"ep": 2}, global_batch_size=8, schedule=schedule,
-                 # it trains while a node restarts: half a core a worker leaves the rest to the restart
+                 # it trains while a node restarts: a quarter of a core a worker leaves the rest to the restart
                  resources={"accelerator": "H100", "elastic": {"min_workers": 2, "max_workers": 4},
-                            "host_cpu_share": 0.5},
+                            "host_cpu_share": 0.25},
                  checkpoint={"every_n_steps": 2, "persist_every": 1, "uri": str(tmp_path / "ckpt")})
     for node in extra:
         local_fleet.fleet.add_node(node)

@@ -36,8 +36,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from rayfleet.errors import RayfleetError, SpecError
-from rayfleet.jobs.elastic.policy import CapacityShortage, DriverState, FormationEnd, after_formation, size_formation
+from rayfleet.jobs.elastic.policy import (CapacityShortage, DriverState, FormationEnd, after_formation,
+                                         choose_world_size, size_formation)
 from rayfleet.jobs.train_job import TrainJob
+from rayfleet.platform.autoscaler.types import GrowTraining
 
 __all__ = ["ElasticDriver", "FormationRuntime", "FormationOutcome", "Transition", "MAX_FORMATIONS"]
 
@@ -48,6 +50,12 @@ RECOVERY_PAUSE_S = 1.0  # let the controller see a lost node gone before re-plan
 # finds too few free waits for them this many polls, RELEASE_POLL_S apart, before it errs.
 RELEASE_POLLS = 120
 RELEASE_POLL_S = 1.0
+# A grow decision was made on accelerators the policy saw free, but the formation it ends (and a
+# lent replica being removed) gives its own back asynchronously: a re-plan that fits only fewer
+# workers than the decision's target waits this many polls for the rest before it forms smaller.
+# Seen live (vLLM lend, 2026-11-29): the grow-back formed at 1 of 2 workers and the policy had to
+# grow it again, a second stop, snapshot and worker-group start (about 30 s on 2 cores).
+GROW_RELEASE_POLLS = 30
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,7 @@ class ElasticDriver:
         self.last: dict[str, Any] = {}
         self.outcome: FormationOutcome | None = None
         self.error: BaseException | None = None
+        self.growing = False  # the next formation follows a grow decision (see GROW_RELEASE_POLLS)
 
     def run(self) -> dict[str, Any]:
         """The last metrics once FINISHED; raises the error that put the driver in ERRORED."""
@@ -117,6 +126,7 @@ class ElasticDriver:
                         self._schedule()
                     case DriverState.PAUSED:
                         self.shell.wait_while_paused()
+                        self.growing = True
                         self._to(DriverState.SCHEDULING, "the autoscaler gave accelerators back")
                     case DriverState.RUNNING:
                         self._run_formation()
@@ -171,23 +181,36 @@ class ElasticDriver:
 
     def _size(self) -> Any:
         """``size_formation`` on a fresh look at the fleet; after a formation (``formation >= 0``)
-        a capacity shortage is waited out for ``RELEASE_POLLS`` polls (see ``RELEASE_POLLS``)."""
+        a capacity shortage is waited out for ``RELEASE_POLLS`` polls (see ``RELEASE_POLLS``), and
+        after a grow decision a fleet short of its target for ``GROW_RELEASE_POLLS``."""
         shell = self.shell
         polls = RELEASE_POLLS if self.formation >= 0 else 0
-        for attempt in range(polls + 1):
+        target, self.growing = self._grow_target(), False
+        attempt = 0
+        while True:
+            at_least = target if attempt < GROW_RELEASE_POLLS else None
             try:
                 return size_formation(self.job, self.runtime.observe(), prepare=self.runtime.prepare,
                                       lent=shell.lent_slots() if shell is not None else (),
                                       lent_placed=shell.placed_lent_slots() if shell is not None else (),
-                                      max_size=shell.target_size if shell is not None else None)
+                                      max_size=shell.target_size if shell is not None else None, at_least=at_least)
             except CapacityShortage as err:
-                if attempt == polls:
+                if at_least is None and attempt >= polls:
                     raise
-                if attempt == 0:
-                    self.log(f"rayfleet elastic: waiting up to {polls * RELEASE_POLL_S:g}s for accelerators to "
-                             f"be released ({err})")
+                if attempt == 0 or (target is not None and attempt == GROW_RELEASE_POLLS):
+                    wait_s = (GROW_RELEASE_POLLS if at_least is not None else polls - attempt) * RELEASE_POLL_S
+                    self.log(f"rayfleet elastic: waiting up to {wait_s:g}s for accelerators to be released ({err})")
+                attempt += 1
                 self.runtime.pause(RELEASE_POLL_S)
-        raise AssertionError("unreachable")
+
+    def _grow_target(self) -> int | None:
+        """The size a grow decision asked for (a valid size within the job's bounds), if one
+        ended the last formation or ended a pause."""
+        shell, elastic = self.shell, self.job.elastic
+        if not self.growing or shell is None or not shell.target_size or elastic is None:
+            return None
+        return choose_world_size(shell.target_size, min_workers=elastic.min_workers, max_workers=elastic.max_workers,
+                                 replica_size=self.job.replica_size)
 
     def _run_formation(self) -> None:
         shell, launch, version = self.shell, self.launch, self.version
@@ -202,7 +225,8 @@ class ElasticDriver:
             launch, run_dir=run_dir, watch=self.elastic, on_start=started,
             on_step=shell.on_step if shell is not None else None)
         self.last.update(outcome.metrics)
-        resized = shell.between() is not None if shell is not None else False
+        decision = shell.between() if shell is not None else None
+        resized, self.growing = decision is not None, isinstance(decision, GrowTraining)
         target, reason = after_formation(step=int(self.last.get("step", 0)), steps=self.job.steps,
                                          end=outcome.end, resized=resized, failed=outcome.error is not None)
         if target is DriverState.ERRORED:

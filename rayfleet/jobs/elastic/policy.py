@@ -99,17 +99,19 @@ def attribute_lent(topology: Any, held: Collection, placed: Iterable) -> set:
 
 
 def size_formation(job: TrainJob, observed: tuple, *, prepare: Callable[..., Any], lent: Iterable = (),
-                   lent_placed: Iterable = (), max_size: int | None = None) -> Any:
+                   lent_placed: Iterable = (), max_size: int | None = None, at_least: int | None = None) -> Any:
     """The largest launch of ``job`` the observed fleet holds (elastic), else its fixed size.
 
     ``observed``: ``(topology, held slots, cordoned nodes)``; ``prepare(job, topology,
     world_size=, held=, cordoned=)`` plans one size (``train_launcher.prepare_formation``, pure;
     ``world_size=None``: the job's own size); ``lent``: slots the autoscaler lent away (planned
     around); ``lent_placed``: those of them whose borrowers run (Ray counts them already, see
-    ``attribute_lent``); ``max_size``: the autoscaler's target size.
+    ``attribute_lent``); ``max_size``: the autoscaler's target size; ``at_least``: the fewest
+    workers to accept (a grow decision's target, while its accelerators are being released).
 
     Raises:
-        CapacityShortage: too few free accelerators for ``resources.elastic.min_workers``.
+        CapacityShortage: too few free accelerators for ``resources.elastic.min_workers`` (or
+            for ``at_least``).
         SpecError: no plan works at any size from the largest free one down to the minimum
             (naming the last plan's error).
     """
@@ -122,6 +124,10 @@ def size_formation(job: TrainJob, observed: tuple, *, prepare: Callable[..., Any
     top = elastic.max_workers if max_size is None else max(elastic.min_workers, min(max_size, elastic.max_workers))
     free = free_accelerators(topology, accelerator=job.accelerator, held=held, cordoned=cordoned)
     size = choose_world_size(free, min_workers=elastic.min_workers, max_workers=top, replica_size=replica)
+    if at_least is not None and size is not None and size < at_least:
+        raise CapacityShortage("resources.elastic.max_workers", at_least,
+                               f"{free} free {job.accelerator} accelerator(s) hold {size} workers, not the "
+                               f"{at_least} the autoscaler grew the job to", "wait for them to be released")
     last_error: SpecError | None = None
     while size is not None and size >= elastic.min_workers:
         try:

@@ -347,3 +347,46 @@ def test_a_job_preempted_whole_by_the_policy_is_grown_back_by_it_on_the_next_ste
     assert states(driver) == ["SCHEDULING", "RUNNING", "RESIZING", "SCHEDULING", "PAUSED", "SCHEDULING", "RUNNING",
                               "FINISHED"]
     assert [size for size, _, _ in fleet.runs] == [4, 4]
+
+
+def test_a_grow_back_waits_for_its_accelerators_instead_of_forming_smaller(spec, tmp_path, autoscaler):
+    """Regression (vLLM lend, 2026-11-29): the grow-back's formation was sized while the lent
+    replica's accelerators were still held in Ray's count, formed at the old size, and the policy
+    had to grow the job a second time (another stop, snapshot and worker-group start). Now the
+    re-plan after a grow decision waits for the target's accelerators (a few polls here), and one
+    formation at the target follows."""
+    from rayfleet.platform.topology import AcceleratorSlot
+
+    shell = TrainingShell(spec, LocalChannel(autoscaler), log=lambda line: None)
+
+    def lend(fleet, step):
+        if step == 3:
+            autoscaler.carry_out(ShrinkTraining("elastic-unit", 2, (2, 3), {"n1": 2}, "lend n1"))
+            shell.tick()
+
+    def give_back(fleet, step):
+        if step == 6:
+            autoscaler.carry_out(GrowTraining("elastic-unit", 4, ("n1",), "give back 2"))
+            shell.tick()
+            fleet.still_held = 3  # the borrower lets go of n1 while the job re-plans
+
+    class Releasing(FakeFleet):
+        still_held = 0
+
+        def observe(self):
+            topology, held, cordoned = super().observe()
+            if self.still_held:
+                self.still_held -= 1
+                held = held | {AcceleratorSlot("n1", 0), AcceleratorSlot("n1", 1)}
+            return topology, held, cordoned
+
+        def pause(self, seconds):
+            self.pauses.append(seconds)
+
+    fleet, lines = Releasing([node("n0"), node("n1")], [fit(per_step=lend), fit(per_step=give_back), fit()]), []
+    fleet.pauses = []
+    driver = ElasticDriver(spec, fleet, job_dir=str(tmp_path / "job"), shell=shell, log=lines.append)
+    assert driver.run()["step"] == STEPS
+    assert [size for size, _, _ in fleet.runs] == [4, 2, 4], lines
+    assert len(fleet.pauses) == 3  # three looks saw n1 held; the fourth formed at the target
+    assert any("waiting up to 30s" in line and "the 4 the autoscaler grew the job to" in line for line in lines), lines
