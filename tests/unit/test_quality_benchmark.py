@@ -80,3 +80,14 @@ def test_goals_not_met_say_why(quality, tmp_path, monkeypatch, capsys):
     assert "NOT MET: below (better than) the reference" in out
     assert "NOT MET: the MoE is not below the dense model" in out
     assert "NOT MET: the killed run differs from the uninterrupted one by more than two seeds do" in out
+
+
+def test_without_the_second_seed_row_d_is_reported_but_has_no_goal(quality, tmp_path, monkeypatch, capsys):
+    """The quick run skips the seed-1 job: (d) still prints the killed run against the
+    uninterrupted one, and its goal (which needs the seeds' spread) is left out, not met or missed."""
+    curves = _curves(dense=1.90, moe=1.85, seed1=1.87, killed=1.851, bf16=1.86, fp8=1.862)
+    del curves["MoE fp32 seed 1"]
+    met, out = _report(quality, tmp_path, monkeypatch, capsys, curves)
+    assert met == {"(a)": True, "(b)": True, "(c)": True}
+    row = next(line for line in out.splitlines() if line.startswith("(d)"))
+    assert "no seed 1 (quick)" in row and "spread (not run)" in row and row.rstrip().endswith("n/a"), row
