@@ -18,7 +18,7 @@ memory the state, the slots and some slack (other people share this machine). Me
 between sizes. Writes benchmarks/results/checkpoint.json (``--json``); prints the table last.
 
     python benchmarks/checkpoint.py            # 0.25, 0.5, 1, 2 GiB (~1-2 min here)
-    python benchmarks/checkpoint.py --quick    # 0.25 and 0.5 GiB (< 30 s)
+    python benchmarks/checkpoint.py --quick    # 64 and 128 MiB, 3 warm snapshots each (seconds)
 """
 
 from __future__ import annotations
@@ -144,14 +144,15 @@ def run_size(size_gib: float, *, shm_root: str, disk_dir: Path, repeats: int) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="0.25 and 0.5 GiB only")
+    parser.add_argument("--quick", action="store_true", help="64 and 128 MiB, 3 warm snapshots each (a pipeline check)")
     parser.add_argument("--sizes", type=float, nargs="*", help="state sizes in GiB")
-    parser.add_argument("--repeats", type=int, default=5, help="warm snapshots per size")
+    parser.add_argument("--repeats", type=int, default=None, help="warm snapshots per size (default 5; quick 3)")
     parser.add_argument("--shm-root", default="/dev/shm/rayfleet-bench")
     parser.add_argument("--disk-dir", default=None, help="local disk directory for saves (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=RESULTS / "checkpoint.json", help="where the results go")
     args = parser.parse_args()
-    sizes = args.sizes or ([0.25, 0.5] if args.quick else [0.25, 0.5, 1.0, 2.0])
+    sizes = args.sizes or ([0.0625, 0.125] if args.quick else [0.25, 0.5, 1.0, 2.0])
+    args.repeats = args.repeats or (3 if args.quick else 5)
 
     shm = shutil.disk_usage("/dev/shm")
     available = mem_available_bytes()
