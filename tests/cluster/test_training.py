@@ -32,25 +32,6 @@ def _spec(dataset: str, **overrides) -> dict:
     return spec
 
 
-def test_ray_job_submit_runs_a_training_job(local_fleet, dataset, tmp_path):
-    import yaml
-
-    from rayfleet.jobs.training_run import parse_metrics_lines
-
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump(_spec(dataset, name="tiny-submit")))
-    env = dict(os.environ, RAY_AUTH_MODE="token")
-    out = subprocess.run(
-        [os.path.join(os.path.dirname(sys.executable), "ray"), "job", "submit", "--address", local_fleet.dashboard_url,
-         "--", "python", "-m", "rayfleet.jobs.train", str(job)],
-        capture_output=True, text=True, timeout=400, env=env)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    rows = parse_metrics_lines(out.stdout)
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), out.stdout[-3000:]
-    assert all(r["loss"] == r["loss"] and r["tokens_per_s"] > 0 for r in rows)
-    assert "finished" in out.stdout
-
-
 @pytest.mark.parametrize("override, field", [
     ({"model": {"preset": "no-such-model"}}, "model.preset"),
     ({"data": {"uri": "/nonexistent/tokens", "seq_len": 64}}, "data.uri"),
@@ -67,24 +48,33 @@ def test_bad_spec_fails_before_any_worker_starts(local_fleet, dataset, override,
     assert _num_train_workers(local_fleet.dashboard_url) == before
 
 
-def test_a_mixed_kind_plan_holds_its_accelerators_in_a_reservation_group(local_fleet, dataset, tmp_path):
-    """DP replicas on H100 and P800 (GPU and XPU: Ray Train gives all workers the same resources,
-    so the workers ask for none): while the job runs, ``rayfleet:train:<job>`` holds one
+def test_ray_job_submit_runs_a_mixed_kind_job_that_holds_its_accelerators_in_a_reservation_group(
+        local_fleet, dataset, tmp_path):
+    """``ray job submit -- python -m rayfleet.jobs.train job.yaml`` (the CLI path users run) trains
+    a plan of DP replicas on H100 and P800 (GPU and XPU: Ray Train gives all workers the same
+    resources, so the workers ask for none): while the job runs, ``rayfleet:train:<job>`` holds one
     accelerator of each kind on the layout's nodes; it is gone when the job ends.
 
-    The job is also the tier's check of the SDK's handle (``fleet.train`` -> ``TrainingRun``:
-    ``wait``, the metrics table with its columns and a falling loss) and of the servable export
-    (``output.uri``), which had a job of their own, the same as the `ray job submit` test's
-    (about 35 CPU s of job start on 2 cores)."""
+    The same job is the tier's check of a run's handle (``TrainingRun``: ``wait``, the metrics
+    table with its columns and a falling loss) and of the servable export (``output.uri``): each
+    had a Ray job of its own (about 35 CPU s of job start on 2 cores). The P800 node is the one
+    ``test_serving_mixed.py`` added (it runs first, see conftest), else one started here."""
+    import uuid
+
+    import yaml
     from ray.util.placement_group import placement_group_table
 
+    from rayfleet.jobs.training_run import TrainingRun, parse_metrics_lines
     from rayfleet.platform.topology import NodeTopology
 
     from .conftest import wait_until
 
-    xpu = NodeTopology(name="x0901", accelerator_type="P800", num_accelerators=2, rack="r09", block="b9",
-                       nvlink_domain="nvl-x0901")
-    local_fleet.fleet.add_node(xpu)
+    xpu = next((n for n in _live_topology().nodes if n.accelerator_type == "P800" and n.num_accelerators >= 1), None)
+    added = None
+    if xpu is None:
+        added = xpu = NodeTopology(name="x0901", accelerator_type="P800", num_accelerators=2, rack="r09", block="b9",
+                                   nvlink_domain="nvl-x0901")
+        local_fleet.fleet.add_node(xpu)
     name = "tiny-mixed"
 
     def reservation() -> dict | None:
@@ -93,16 +83,32 @@ def test_a_mixed_kind_plan_holds_its_accelerators_in_a_reservation_group(local_f
 
     try:
         out_uri = str(tmp_path / "servable")
-        run = local_fleet.sdk.train(_spec(dataset, name=name, steps=6, output={"uri": out_uri},
-                                          plan={"dp": 2, "replica_accelerators": ["H100", "P800"]}))
-        group = wait_until(lambda: (reservation() or {}).get("state") == "CREATED" and reservation()
-                           or run.status() in ("FAILED", "STOPPED", "SUCCEEDED"),
-                           timeout_s=300, interval_s=0.5, what="the reservation group")
-        assert isinstance(group, dict), run.logs()[-3000:]
+        job = tmp_path / "job.yaml"
+        job.write_text(yaml.safe_dump(_spec(dataset, name=name, steps=6, output={"uri": out_uri},
+                                            plan={"dp": 2, "replica_accelerators": ["H100", "P800"]})))
+        job_id = f"tiny-mixed-{uuid.uuid4().hex[:8]}"
+        submit = subprocess.Popen(
+            [os.path.join(os.path.dirname(sys.executable), "ray"), "job", "submit", "--address",
+             local_fleet.dashboard_url, "--submission-id", job_id, "--", "python", "-m", "rayfleet.jobs.train", str(job)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, RAY_AUTH_MODE="token"))
+        run = TrainingRun(job_id=job_id, dashboard_url=local_fleet.dashboard_url, name=name, total_steps=6)
+        try:
+            group = wait_until(lambda: (reservation() or {}).get("state") == "CREATED" and reservation()
+                               or submit.poll() is not None, timeout_s=300, interval_s=0.5, what="the reservation group")
+            stdout, stderr = submit.communicate(timeout=400)
+        finally:
+            if submit.poll() is None:
+                submit.kill()
+        assert isinstance(group, dict), stdout[-3000:] + stderr[-3000:]
         assert sorted(next(iter(b)) for b in group["bundles"].values()) == ["GPU", "XPU"]
         xpu_id = next(n.ray_node_id for n in _live_topology().nodes if n.name == xpu.name)
         assert xpu_id in group["bundles_to_node_id"].values()
-        assert run.wait(timeout_s=400) == "SUCCEEDED", run.logs()[-3000:]
+        assert submit.returncode == 0, stdout[-3000:] + stderr[-3000:]
+        rows = parse_metrics_lines(stdout)
+        assert [r["step"] for r in rows] == list(range(1, 7)), stdout[-3000:]
+        assert all(r["loss"] == r["loss"] and r["tokens_per_s"] > 0 for r in rows)
+        assert "finished" in stdout
+        assert run.wait(timeout_s=60) == "SUCCEEDED", run.logs()[-3000:]
         table = run.metrics()
         assert len(table) == 6
         assert table["loss"][-1] < table["loss"][0]
@@ -113,7 +119,8 @@ def test_a_mixed_kind_plan_holds_its_accelerators_in_a_reservation_group(local_f
         servable = load_servable(out_uri)
         assert servable.config["num_layers"] == 3 and servable.metadata
     finally:
-        local_fleet.fleet.kill_node(xpu.name)
+        if added is not None:
+            local_fleet.fleet.kill_node(added.name)
 
 
 def _live_topology():
