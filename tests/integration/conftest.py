@@ -17,10 +17,10 @@ from process_leaks import MARKER_VAR, describe, mark_session, snapshot, wait_for
 
 
 # The tier runs two tests at a time (scripts/test_tiers.py, INTEGRATION_WORKERS): the longest are
-# collected first (seconds measured alone, fresh-clone run at 6a11334), so that the two workers
-# end together instead of one starting a long test when the other is done.
-_LONGEST_FIRST = ("test_quickstart_notebook",  # 187 s
-                  "[quality]", "[handover]", "[serving]", "[recovery]", "[train_scaling]",  # 164-89 s
+# collected first (seconds measured alone on 2026-11-29), so that the two workers end together
+# instead of one starting a long test when the other is done.
+_LONGEST_FIRST = ("test_quickstart_notebook",  # 148 s
+                  "[recovery]", "[handover]", "[quality]", "[serving]", "[train_scaling]",  # 131-57 s
                   "test_ray_up")  # 62 s; then the short quick runs
 
 
