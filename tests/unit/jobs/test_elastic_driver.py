@@ -90,6 +90,25 @@ def fit(until: int = STEPS, *, then: Callable | None = None, per_step: Callable 
     return run
 
 
+class Releasing(FakeFleet):
+    """A fleet whose next ``still_held`` observations still show ``held`` taken (Ray frees a
+    formation's, or a borrower's, accelerators asynchronously); records its pauses."""
+
+    def __init__(self, nodes: list[NodeTopology], script: list[Callable], *, held: set) -> None:
+        super().__init__(nodes, script)
+        self.held, self.still_held, self.pauses = set(held), 0, []
+
+    def observe(self) -> tuple:
+        topology, held, cordoned = super().observe()
+        if self.still_held:
+            self.still_held -= 1
+            held = held | self.held
+        return topology, held, cordoned
+
+    def pause(self, seconds: float) -> None:
+        self.pauses.append(seconds)
+
+
 def lose(name: str) -> Callable:
     def then(fleet: FakeFleet, step: int) -> FormationOutcome:
         fleet.nodes = [n for n in fleet.nodes if n.name != name]
@@ -175,21 +194,8 @@ def test_a_re_plan_waits_for_the_last_formations_accelerators_to_be_released(spe
         fleet.still_held = 3  # the next observations still see n0's two slots taken
         return FormationOutcome(metrics={"step": step}, end=FormationEnd(EndKind.GROW, "grow"))
 
-    class Releasing(FakeFleet):
-        still_held = 0
-
-        def observe(self):
-            topology, held, cordoned = super().observe()
-            if self.still_held:
-                self.still_held -= 1
-                held = held | {AcceleratorSlot("n0", 0), AcceleratorSlot("n0", 1), AcceleratorSlot("n1", 0)}
-            return topology, held, cordoned
-
-        def pause(self, seconds):
-            self.pauses.append(seconds)
-
-    fleet, lines = Releasing([node("n0")], [fit(3, then=grow), fit()]), []
-    fleet.pauses = []
+    fleet, lines = Releasing([node("n0")], [fit(3, then=grow), fit()],
+                             held={AcceleratorSlot("n0", 0), AcceleratorSlot("n0", 1), AcceleratorSlot("n1", 0)}), []
     driver = ElasticDriver(spec, fleet, job_dir=str(tmp_path / "job"), log=lines.append)
     assert driver.run()["step"] == STEPS
     assert [size for size, _, _ in fleet.runs] == [2, 4] and len(fleet.pauses) == 3
@@ -370,21 +376,8 @@ def test_a_grow_back_waits_for_its_accelerators_instead_of_forming_smaller(spec,
             shell.tick()
             fleet.still_held = 3  # the borrower lets go of n1 while the job re-plans
 
-    class Releasing(FakeFleet):
-        still_held = 0
-
-        def observe(self):
-            topology, held, cordoned = super().observe()
-            if self.still_held:
-                self.still_held -= 1
-                held = held | {AcceleratorSlot("n1", 0), AcceleratorSlot("n1", 1)}
-            return topology, held, cordoned
-
-        def pause(self, seconds):
-            self.pauses.append(seconds)
-
-    fleet, lines = Releasing([node("n0"), node("n1")], [fit(per_step=lend), fit(per_step=give_back), fit()]), []
-    fleet.pauses = []
+    fleet, lines = Releasing([node("n0"), node("n1")], [fit(per_step=lend), fit(per_step=give_back), fit()],
+                             held={AcceleratorSlot("n1", 0), AcceleratorSlot("n1", 1)}), []
     driver = ElasticDriver(spec, fleet, job_dir=str(tmp_path / "job"), shell=shell, log=lines.append)
     assert driver.run()["step"] == STEPS
     assert [size for size, _, _ in fleet.runs] == [4, 2, 4], lines
